@@ -1,0 +1,191 @@
+"""``GradHooks``: the Lightning callback that logs per-module gradient statistics to TensorBoard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_gradhooks._tensorboard import scalar_metrics, write_histograms
+from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord
+from lightning_gradhooks.stats import STATISTICS
+
+
+def _tensorboard_loggers(trainer: pl.Trainer) -> list[TensorBoardLogger]:
+    return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+
+
+def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        accepted = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"`{argument}` expected {accepted}, got {value!r}")
+
+
+class GradHooks(Callback):
+    r"""Log per-module gradient statistics and histograms to TensorBoard.
+
+    At fit start, a full backward hook (``register_full_backward_hook``) is attached to every
+    selected module. On logging steps the hooks reduce each module's ``grad_output`` and
+    ``grad_input`` to statistics on the device, and before the optimizer step the selected
+    modules' parameter gradients are reduced too; the numbers reach the host once per logged
+    step. Scalars go to every logger, histograms to every ``TensorBoardLogger``. Every hook is
+    removed at teardown and when fit raises.
+
+    Tags (one TensorBoard section per statistic): ``grad_output_<stat>/<module>``,
+    ``grad_input_<stat>/<module>``, ``param_grad_<stat>/<parameter>``,
+    ``grad_output_hist/<module>`` and ``param_grad_hist/<parameter>``, where ``<stat>`` is one
+    of ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``.
+
+    Args:
+        every_n_steps: log every this many optimizer steps (at ``trainer.global_step`` 0, n,
+            2n, ...); default: the trainer's ``log_every_n_steps``.
+        include: glob patterns on qualified module names (``named_modules()`` of the
+            LightningModule) to monitor; default: every module that directly owns a trainable
+            parameter.
+        exclude: glob patterns of modules to leave out.
+        statistics: which statistics to log as scalars; default: all of
+            ``["norm", "mean", "std", "absmax", "nonfinite"]``.
+        histograms: log histograms of module output gradients and parameter gradients.
+        histogram_bins: number of bins of each histogram.
+
+    Raises:
+        ValueError: at construction, for an invalid argument; at fit start, for an ``include``
+            or ``exclude`` pattern that matches no module.
+
+    Example::
+
+        from pytorch_lightning import Trainer
+        from lightning_gradhooks import GradHooks
+
+        trainer = Trainer(max_epochs=1, callbacks=[GradHooks(every_n_steps=10)])
+        trainer.fit(model, train_loader)
+        # tensorboard --logdir lightning_logs
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        statistics: list[str] | None = None,
+        histograms: bool = True,
+        histogram_bins: int = DEFAULT_BINS,
+    ) -> None:
+        _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
+        _check_positive_int("histogram_bins", histogram_bins)
+        for argument, patterns in (("include", include), ("exclude", exclude)):
+            if patterns is not None and (
+                isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)
+            ):
+                raise ValueError(f"`{argument}` expected a list of glob patterns, got {patterns!r}")
+        if statistics is None:
+            statistics = list(STATISTICS)
+        if isinstance(statistics, str) or not all(s in STATISTICS for s in statistics):
+            raise ValueError(f"`statistics` expected a list drawn from {list(STATISTICS)}, got {statistics!r}")
+        if not isinstance(histograms, bool):
+            raise ValueError(f"`histograms` expected a bool, got {histograms!r}")
+        self.every_n_steps = every_n_steps
+        self.include = None if include is None else list(include)
+        self.exclude = None if exclude is None else list(exclude)
+        self.statistics = list(statistics)
+        self.histograms = histograms
+        self.histogram_bins = histogram_bins
+        self._monitor: GradientMonitor | None = None
+        self._interval = 1
+        self._step = 0  # the global step the armed record will be logged at
+        self._in_nonfinite_episode = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._cleanup()
+        self._monitor = GradientMonitor(
+            pl_module,
+            include=self.include,
+            exclude=self.exclude,
+            histograms=self.histograms,
+            bins=self.histogram_bins,
+        )
+        self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
+        if trainer.loggers and not _tensorboard_loggers(trainer):
+            rank_zero_warn(
+                "GradHooks found no TensorBoardLogger in `trainer.loggers`: scalars go to the "
+                "other loggers and histograms are not written."
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._monitor is not None:
+            self._monitor.attach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._cleanup()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self._monitor is not None:
+            self._monitor.remove()
+            self._monitor = None
+        self._in_nonfinite_episode = False
+
+    # -- steps -----------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        monitor = self._monitor
+        if monitor is not None and not monitor.armed and trainer.global_step % self._interval == 0:
+            self._step = trainer.global_step
+            monitor.arm()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self._flush(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # A batch whose step made no optimizer step (e.g. manual optimization that skipped it)
+        # still logs what its backward produced; accumulation keeps collecting.
+        if trainer.accumulate_grad_batches == 1:
+            self._flush(trainer)
+
+    def _flush(self, trainer: pl.Trainer) -> None:
+        if self._monitor is None or not self._monitor.armed:
+            return
+        record = self._monitor.collect()
+        if record.entries:
+            self._log(trainer, record)
+
+    def _log(self, trainer: pl.Trainer, record: GradientRecord) -> None:
+        metrics = scalar_metrics(record, self.statistics)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=self._step)
+        for logger in _tensorboard_loggers(trainer):
+            write_histograms(logger.experiment, record, self._step)
+        first = record.first_nonfinite
+        if first is not None and not self._in_nonfinite_episode:
+            rank_zero_warn(
+                f"GradHooks: non-finite gradients at step {self._step}; first seen in backward "
+                f"order in {first.kind} of `{first.name}` ({int(first.stats['nonfinite'])} "
+                "NaN/Inf elements)."
+            )
+        self._in_nonfinite_episode = first is not None

@@ -1,0 +1,315 @@
+"""``GradientMonitor``: per-module gradient statistics from full backward hooks, in plain PyTorch.
+
+The monitor chooses modules, attaches one ``register_full_backward_hook`` to each and gives back
+one handle that removes them all. Hooks return at once unless the monitor is *armed*; armed,
+they reduce ``grad_output`` and ``grad_input`` to statistics on the device and append them to a
+list. :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the
+host in one transfer per device.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, tensor_histogram, tensor_stats
+
+#: Label used for the root module, whose qualified name is the empty string.
+ROOT_NAME = "(model)"
+DEFAULT_BINS = 64
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram of the finite elements of one gradient tensor."""
+
+    low: float
+    high: float
+    counts: list[float]
+
+
+@dataclass(frozen=True)
+class GradientEntry:
+    """The statistics of one gradient tensor at one step.
+
+    Attributes:
+        kind: ``"grad_output"``, ``"grad_input"`` or ``"param_grad"``.
+        name: the module's qualified name (``"/i"`` appended for the i-th of several tensors,
+            ``"#k"`` for the k-th call of a module called more than once), or the parameter's.
+        stats: statistic name to value, for every name in :data:`STATISTICS`.
+        histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
+    """
+
+    kind: str
+    name: str
+    stats: dict[str, float]
+    histogram: Histogram | None = None
+
+
+@dataclass
+class GradientRecord:
+    """Everything the monitor collected for one step, in backward order, parameters last."""
+
+    entries: list[GradientEntry] = field(default_factory=list)
+
+    @property
+    def first_nonfinite(self) -> GradientEntry | None:
+        """The first entry, in backward order, whose gradient holds NaN or Inf values."""
+        return next((e for e in self.entries if e.stats["nonfinite"] > 0), None)
+
+
+# PyTorch warns on every backward in which a hooked module had no input requiring grad (the
+# first layer, modules after frozen ones). For us that is expected: such modules simply have no
+# ``grad_input`` statistics. The filter lives exactly as long as the hooks.
+_NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+class MonitorHandle:
+    """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager."""
+
+    def __init__(self, handles: list[Any], flags: list[tuple[nn.Module, bool | None]]) -> None:
+        self._handles = handles
+        self._flags = flags
+        warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
+        self._filter: tuple | None = warnings.filters[0]
+
+    def remove(self) -> None:
+        if self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+            getattr(warnings, "_filters_mutated", lambda: None)()
+        self._filter = None
+        for handle in self._handles:
+            handle.remove()
+        # Registering a full backward hook marks the module for good; undo that mark when no
+        # hook is left, so the module can take any kind of backward hook again.
+        for module, flag in self._flags:
+            if not module._backward_hooks:
+                module._is_full_backward_hook = flag
+        self._handles, self._flags = [], []
+
+    def __enter__(self) -> MonitorHandle:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.remove()
+
+
+def _check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"`{argument}` expected a list of glob patterns (str), got {patterns!r}")
+    return list(patterns)
+
+
+def _label(name: str) -> str:
+    return name or ROOT_NAME
+
+
+def select_modules(
+    model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> dict[str, nn.Module]:
+    """Choose the modules to monitor, by qualified name as ``model.named_modules()`` gives it.
+
+    Without ``include``, every module that directly owns a parameter requiring grad is chosen.
+    Patterns are ``fnmatch`` globs matched case-sensitively against the whole name; the root
+    module's name is the empty string.
+
+    Raises:
+        ValueError: a pattern matches no module (the message shows names that exist), or the
+            selection is empty.
+    """
+    include, exclude = _check_patterns("include", include), _check_patterns("exclude", exclude)
+    names = {name: module for name, module in model.named_modules()}
+    for argument, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                shown = ", ".join(repr(n) for n in list(names)[:12])
+                raise ValueError(
+                    f"`{argument}` pattern {pattern!r} matches no module of "
+                    f"{type(model).__name__}; module names look like: {shown}"
+                )
+
+    def chosen(name: str, module: nn.Module) -> bool:
+        if include:
+            picked = any(fnmatch.fnmatchcase(name, p) for p in include)
+        else:
+            picked = any(p.requires_grad for p in module.parameters(recurse=False))
+        return picked and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+    selected = {name: module for name, module in names.items() if chosen(name, module)}
+    if not selected:
+        raise ValueError(
+            f"no module of {type(model).__name__} was selected (include={include!r}, "
+            f"exclude={exclude!r}); without `include`, modules that own trainable parameters "
+            "are chosen"
+        )
+    return selected
+
+
+class GradientMonitor:
+    """Collects per-module gradient statistics through full backward hooks.
+
+    Works in any PyTorch loop; it never imports Lightning. Attach once, arm it for the steps you
+    want to see, and :meth:`collect` after backward (before ``optimizer.zero_grad``).
+
+    Args:
+        model: the module whose submodules are monitored.
+        include: glob patterns on qualified module names; default: every module that directly
+            owns a parameter requiring grad.
+        exclude: glob patterns of modules to leave out.
+        histograms: also count histograms of ``grad_output`` and parameter gradients.
+        bins: number of histogram bins.
+        parameters: also reduce each selected module's own parameter gradients in
+            :meth:`collect`.
+
+    Raises:
+        ValueError: bad arguments, or a pattern that matches no module.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> monitor = GradientMonitor(model)
+        >>> with monitor.attach():
+        ...     monitor.arm()
+        ...     model(torch.randn(16, 4)).sum().backward()
+        ...     record = monitor.collect()
+        >>> sorted({(e.kind, e.name) for e in record.entries})[:3]
+        [('grad_input', '0'), ('grad_input', '2'), ('grad_output', '0')]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        histograms: bool = True,
+        bins: int = DEFAULT_BINS,
+        parameters: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+            raise ValueError(f"`bins` expected a positive int, got {bins!r}")
+        self.modules = select_modules(model, include, exclude)
+        self.histograms = bool(histograms)
+        self.bins = bins
+        self.parameters: dict[str, nn.Parameter] = {}
+        if parameters:
+            for name, module in self.modules.items():
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.requires_grad:
+                        self.parameters[f"{name}.{pname}" if name else pname] = param
+        self._armed = False
+        self._pending: list[tuple[str, str, Tensor, Tensor | None]] = []
+        self._handle: MonitorHandle | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def attach(self) -> MonitorHandle:
+        """Register the hooks (once) and return the handle that removes all of them."""
+        if self._handle is not None and self._handle._handles:
+            return self._handle
+        handles, flags, skipped = [], [], []
+        for name, module in self.modules.items():
+            if module._is_full_backward_hook is False:
+                skipped.append(_label(name))
+                continue
+            flags.append((module, module._is_full_backward_hook))
+            handles.append(module.register_full_backward_hook(self._make_hook(_label(name))))
+        if skipped:
+            warnings.warn(
+                "these modules already carry legacy `register_backward_hook` hooks and are not "
+                f"monitored: {', '.join(skipped)}",
+                stacklevel=2,
+            )
+        self._handle = MonitorHandle(handles, flags)
+        return self._handle
+
+    def remove(self) -> None:
+        """Remove every hook and drop pending statistics; safe to call any number of times."""
+        self._armed = False
+        self._pending.clear()
+        if self._handle is not None:
+            self._handle.remove()
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def arm(self) -> None:
+        """Make the hooks collect until :meth:`collect` or :meth:`disarm`."""
+        self._armed = True
+
+    def disarm(self) -> None:
+        """Stop collecting and drop what was collected but not yet returned."""
+        self._armed = False
+        self._pending.clear()
+
+    # -- hot path --------------------------------------------------------------------------
+    def _make_hook(self, name: str):  # noqa: ANN202
+        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            if not self._armed:
+                return
+            self._reduce("grad_output", name, grad_output, self.histograms)
+            self._reduce("grad_input", name, grad_input, False)
+
+        return hook
+
+    def _reduce(self, kind: str, name: str, grads: Iterable[Tensor | None], hist: bool) -> None:
+        grads = tuple(grads)
+        for i, grad in enumerate(grads):
+            if grad is None or not grad.is_floating_point():
+                continue
+            label = name if len(grads) == 1 else f"{name}/{i}"
+            stats = tensor_stats(grad)
+            counts = tensor_histogram(grad, stats, self.bins) if hist else None
+            self._pending.append((kind, label, stats, counts))
+
+    # -- host side -------------------------------------------------------------------------
+    def collect(self) -> GradientRecord:
+        """Reduce parameter gradients, move everything to the host at once, and disarm.
+
+        Returns:
+            The :class:`GradientRecord` of the step; empty when the monitor was not armed.
+        """
+        if not self._armed:
+            return GradientRecord()
+        for name, param in self.parameters.items():
+            if param.grad is not None:
+                self._reduce("param_grad", name, (param.grad,), self.histograms)
+        pending, self._pending, self._armed = self._pending, [], False
+        return GradientRecord(_to_host(pending))
+
+
+def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]]) -> list[GradientEntry]:
+    """Bring all statistics and histograms to the host with one transfer per device."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for _, _, stats, counts in pending:
+        parts = by_device.setdefault(stats.device, [])
+        parts.append(stats)
+        if counts is not None:
+            parts.append(counts)
+    host = {dev: iter(torch.cat(parts).tolist()) for dev, parts in by_device.items()}
+
+    entries, seen = [], {}
+    for kind, label, stats, counts in pending:
+        values = host[stats.device]
+        row = [next(values) for _ in range(STATS_WIDTH)]
+        histogram = None
+        if counts is not None:
+            histogram = Histogram(row[-2], row[-1], [next(values) for _ in range(counts.numel())])
+        calls = seen[kind, label] = seen.get((kind, label), 0) + 1
+        entries.append(
+            GradientEntry(
+                kind=kind,
+                name=label if calls == 1 else f"{label}#{calls}",
+                stats=dict(zip(STATISTICS, row)),
+                histogram=histogram,
+            )
+        )
+    return entries

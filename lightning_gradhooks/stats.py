@@ -1,0 +1,94 @@
+"""Pure-torch reductions of a gradient tensor to its statistics and histogram.
+
+Everything here stays on the tensor's device: no ``.item()``, ``.cpu()`` or ``.tolist()``.
+The statistics of one tensor are a 1-D float32 tensor laid out as :data:`STATISTICS`; they are
+computed over the *finite* elements only, and ``nonfinite`` counts the others, so that one NaN
+does not hide the shape of the rest of the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Names of the statistics, in the order of :func:`tensor_stats`'s result.
+#: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
+#: ``absmax``, ``nonfinite`` (count of NaN/Inf elements).
+STATISTICS: tuple[str, ...] = ("norm", "mean", "std", "absmax", "nonfinite")
+
+# Position of the finite-element count and of the histogram range in the vector that
+# :func:`tensor_stats` returns behind the public statistics (used to build histograms).
+_COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
+STATS_WIDTH = len(STATISTICS) + 3
+
+
+def _as_float(tensor: Tensor) -> Tensor:
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return flat
+
+
+def tensor_stats(tensor: Tensor) -> Tensor:
+    """Reduce ``tensor`` to its statistics, on its own device.
+
+    Args:
+        tensor: any floating-point tensor (half precision is reduced in float32).
+
+    Returns:
+        A float32 tensor of ``STATS_WIDTH`` values: the :data:`STATISTICS`, then the number of
+        finite elements and the finite minimum and maximum (the histogram range).
+
+    Example:
+        >>> s = tensor_stats(torch.tensor([3.0, -4.0, float("nan")]))
+        >>> [round(v, 4) for v in s[:5].tolist()]
+        [5.0, -0.5, 4.9497, 4.0, 1.0]
+    """
+    x = _as_float(tensor)
+    finite = torch.isfinite(x)
+    count = finite.sum()
+    zeroed = torch.where(finite, x, 0.0)
+    norm = torch.linalg.vector_norm(zeroed)
+    mean = zeroed.sum() / count.clamp(min=1)
+    centred = torch.where(finite, x - mean, 0.0)
+    std = torch.linalg.vector_norm(centred) / (count - 1).clamp(min=1).sqrt()
+    low = torch.where(finite, x, torch.inf).amin()
+    high = torch.where(finite, x, -torch.inf).amax()
+    any_finite = count > 0
+    low = torch.where(any_finite, low, 0.0)
+    high = torch.where(any_finite, high, 0.0)
+    absmax = torch.maximum(high.abs(), low.abs())
+    nonfinite = x.numel() - count
+    return torch.stack([norm, mean, std, absmax, nonfinite, count, low, high]).float()
+
+
+def tensor_histogram(tensor: Tensor, stats: Tensor, bins: int) -> Tensor:
+    """Count the finite elements of ``tensor`` in ``bins`` equal bins over their range.
+
+    Args:
+        tensor: the tensor that ``stats`` was computed from.
+        stats: the result of :func:`tensor_stats` for ``tensor`` (supplies the range).
+        bins: number of bins.
+
+    Returns:
+        A float32 tensor of ``bins`` counts on the tensor's device. Non-finite elements are
+        not counted; the bin edges follow from :func:`histogram_edges`.
+    """
+    x = _as_float(tensor)
+    low, high = stats[_LOW].to(x.dtype), stats[_HIGH].to(x.dtype)
+    width = torch.where(high > low, high - low, 1.0)
+    index = ((x - low) * (bins / width)).clamp_(0, bins - 1)
+    # Non-finite elements land in an extra bin that is dropped.
+    index = torch.where(torch.isfinite(x), index, bins).long()
+    if x.is_cuda:
+        counts = torch.zeros(bins + 1, device=x.device, dtype=torch.float32)
+        counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    else:
+        counts = torch.bincount(index, minlength=bins + 1).float()
+    return counts[:bins]
+
+
+def histogram_edges(low: float, high: float, bins: int) -> list[float]:
+    """Right edges of the ``bins`` bins that :func:`tensor_histogram` counted into."""
+    width = (high - low) if high > low else 1.0
+    return [low + width * (i + 1) / bins for i in range(bins)]
