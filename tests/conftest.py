@@ -1,0 +1,109 @@
+"""Shared models and helpers for the tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class MLP(pl.LightningModule):
+    """A small classifier; ``fail_at`` raises inside ``training_step`` at that batch index."""
+
+    def __init__(self, fail_at: int | None = None, nan_at: int | None = None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.nan_at = nan_at
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        if batch_idx == self.fail_at:
+            raise RuntimeError("boom in training_step")
+        x, y = batch
+        logits = self(x)
+        if batch_idx == self.nan_at:
+            poison = torch.ones_like(logits)
+            poison[0] = float("nan")  # one sample's gradients become NaN
+            logits = logits * poison
+        loss = nn.functional.cross_entropy(logits, y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        return self(batch[0])
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def make_trainer(tmp_path, callbacks=(), **kwargs) -> pl.Trainer:  # noqa: ANN001
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    options = dict(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(save_dir=str(tmp_path), name="logs"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        log_every_n_steps=1,
+        deterministic=True,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **options)
+
+
+def hook_snapshot(model: nn.Module) -> dict[str, tuple]:
+    """Every hook dict of every module, by module name, plus the full-backward-hook flag."""
+    return {
+        name: (
+            list(module._backward_hooks.items()),
+            list(module._backward_pre_hooks.items()),
+            list(module._forward_hooks.items()),
+            list(module._forward_pre_hooks.items()),
+            module._is_full_backward_hook,
+        )
+        for name, module in model.named_modules()
+    }
+
+
+def read_events(log_dir: str):  # noqa: ANN201
+    """Load a run's event files with TensorBoard's EventAccumulator (everything kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning(monkeypatch):  # noqa: ANN001
+    monkeypatch.setenv("PL_DISABLE_FORK", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    yield

@@ -1,0 +1,172 @@
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+
+from lightning_gradhooks import GradHooks
+
+from conftest import MLP, hook_snapshot, loader, make_trainer, read_events
+
+LAYERS = ["net.0", "net.2", "net.4"]
+PARAMS = [f"{m}.{p}" for m in LAYERS for p in ("weight", "bias")]
+
+
+def fit(tmp_path, callback=None, model=None, **kwargs):  # noqa: ANN001, ANN201
+    pl.seed_everything(0, verbose=False)
+    model = model or MLP()
+    trainer = make_trainer(tmp_path, [callback] if callback else [], **kwargs)
+    trainer.fit(model, loader(), loader(16))
+    return trainer, model
+
+
+def test_events_hold_expected_tags_at_expected_steps(tmp_path):
+    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2))
+    events = read_events(trainer.logger.log_dir)
+    scalars, histograms = set(events.Tags()["scalars"]), set(events.Tags()["histograms"])
+    for stat in ("norm", "mean", "std", "absmax", "nonfinite"):
+        assert {f"grad_output_{stat}/{m}" for m in LAYERS} <= scalars
+        assert {f"grad_input_{stat}/{m}" for m in ("net.2", "net.4")} <= scalars
+        assert {f"param_grad_{stat}/{p}" for p in PARAMS} <= scalars
+    assert "grad_input_norm/net.0" not in scalars  # the input batch needs no grad
+    assert histograms == {f"grad_output_hist/{m}" for m in LAYERS} | {f"param_grad_hist/{p}" for p in PARAMS}
+    for tag in ("grad_output_norm/net.0", "param_grad_std/net.4.bias"):
+        assert [e.step for e in events.Scalars(tag)] == [0, 2, 4]
+    hist = events.Histograms("grad_output_hist/net.2")
+    assert [e.step for e in hist] == [0, 2, 4]
+    assert hist[0].histogram_value.num == 8 * 16  # batch 8 x 16 features, all finite
+    norm = events.Scalars("grad_output_norm/net.2")[0].value
+    assert hist[0].histogram_value.sum_squares == pytest.approx(norm**2, rel=1e-4)
+
+
+def test_default_interval_is_log_every_n_steps_and_statistics_are_chosen(tmp_path):
+    trainer, _ = fit(tmp_path, GradHooks(statistics=["norm"], histograms=False), log_every_n_steps=5)
+    events = read_events(trainer.logger.log_dir)
+    ours = {t for t in events.Tags()["scalars"] if "grad" in t}
+    assert ours == {f"grad_output_norm/{m}" for m in LAYERS} | {"grad_input_norm/net.2", "grad_input_norm/net.4"} | {
+        f"param_grad_norm/{p}" for p in PARAMS
+    }
+    assert events.Tags()["histograms"] == []
+    assert [e.step for e in events.Scalars("grad_output_norm/net.0")] == [0, 5]
+
+
+def test_include_and_exclude_choose_modules(tmp_path):
+    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=3, include=["net.*"], exclude=["net.3", "net.4"]))
+    tags = read_events(trainer.logger.log_dir).Tags()["scalars"]
+    assert {t.split("/", 1)[1] for t in tags if t.startswith("grad_output_norm/")} == {"net.0", "net.1", "net.2"}
+
+
+def test_pattern_matching_nothing_fails_at_fit_start_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"'encoder\.\*' matches no module of MLP.*'net.0'"):
+        fit(tmp_path, GradHooks(include=["encoder.*"]))
+
+
+def test_losses_and_gradients_bitwise_identical(tmp_path):
+    runs = []
+    for callback in (None, GradHooks(every_n_steps=1)):
+        _, model = fit(tmp_path, callback)
+        runs.append((torch.stack(model.losses), [p.detach().clone() for p in model.parameters()]))
+    (loss_a, params_a), (loss_b, params_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+
+
+class HookCounter(pl.Callback):
+    def __init__(self) -> None:
+        self.counts = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        self.counts.append(len(pl_module.net[0]._backward_hooks))
+
+
+def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
+    model = MLP()
+    before = hook_snapshot(model)
+    counter = HookCounter()
+    callback = GradHooks()
+    for max_steps in (2, 4):  # the second fit resumes training for two more steps
+        trainer = make_trainer(tmp_path, [callback, counter], max_steps=max_steps)
+        trainer.fit(model, loader())
+        assert hook_snapshot(model) == before
+    assert counter.counts == [1] * 6  # each fit has its own trainer, from step 0
+    callback.teardown(trainer, model, "fit")  # cleanup is safe to run again
+
+
+def test_hooks_removed_after_exception_in_training_step(tmp_path):
+    model = MLP(fail_at=3)
+    before = hook_snapshot(model)
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        fit(tmp_path, GradHooks(every_n_steps=1), model=model)
+    assert hook_snapshot(model) == before
+    assert not [f for f in warnings.filters if "Full backward hook" in str(f[1])]
+
+
+def test_nonfinite_gradients_are_counted_and_warned_once(tmp_path):
+    with pytest.warns(UserWarning, match=r"non-finite gradients at step 2; first seen .* grad_output of `net.4`") as rec:
+        trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1), model=MLP(nan_at=2))
+    assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
+    events = read_events(trainer.logger.log_dir)
+    counts = {e.step: e.value for e in events.Scalars("grad_output_nonfinite/net.4")}
+    assert counts[0] == counts[1] == 0 and counts[2] == 3  # one sample's 3 logits
+    # Histograms are built from the finite values of that step.
+    hist = {e.step: e.histogram_value for e in events.Histograms("grad_output_hist/net.4")}
+    assert hist[2].num == 8 * 3 - 3
+
+
+def test_without_tensorboard_scalars_go_to_other_loggers_with_one_warning(tmp_path):
+    logger = CSVLogger(str(tmp_path))
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as rec:
+        fit(tmp_path, GradHooks(every_n_steps=2), logger=logger)
+    assert len([w for w in rec if "TensorBoardLogger" in str(w.message)]) == 1
+    header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "grad_output_norm/net.0" in header and "param_grad_absmax/net.4.bias" in header
+
+
+class ArmedProbe(pl.Callback):
+    def __init__(self, gradhooks: GradHooks) -> None:
+        self.gradhooks = gradhooks
+        self.seen = []
+
+    def _check(self) -> None:
+        monitor = self.gradhooks._monitor
+        self.seen.append(monitor is not None and (monitor.armed or bool(monitor._pending)))
+
+    def on_validation_batch_end(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        self._check()
+
+
+def test_validation_test_and_predict_do_no_hook_work_and_warn_nothing(tmp_path):
+    callback = GradHooks(every_n_steps=1)
+    probe = ArmedProbe(callback)
+    model = MLP()
+    trainer = make_trainer(tmp_path, [callback, probe], val_check_interval=2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(), loader(16))
+        trainer.validate(model, loader(16), verbose=False)
+        trainer.test(model, loader(16), verbose=False)
+        trainer.predict(model, loader(16))
+    assert probe.seen and not any(probe.seen)
+    ours = [w for w in rec if "GradHooks" in str(w.message) or "backward hook" in str(w.message)]
+    assert ours == []
+    assert all(len(m._backward_hooks) == 0 for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(every_n_steps=0), "`every_n_steps` expected a positive int or None, got 0"),
+        (dict(every_n_steps=2.5), "`every_n_steps` expected a positive int or None, got 2.5"),
+        (dict(every_n_steps=True), "`every_n_steps` expected a positive int or None, got True"),
+        (dict(include="net.0"), "`include` expected a list of glob patterns, got 'net.0'"),
+        (dict(exclude=[1]), r"`exclude` expected a list of glob patterns, got \[1\]"),
+        (dict(statistics=["norm", "median"]), r"`statistics` expected a list drawn from \['norm'"),
+        (dict(statistics="norm"), "`statistics` expected a list drawn from"),
+        (dict(histograms="yes"), "`histograms` expected a bool, got 'yes'"),
+        (dict(histogram_bins=0), "`histogram_bins` expected a positive int, got 0"),
+    ],
+)
+def test_invalid_arguments_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GradHooks(**kwargs)

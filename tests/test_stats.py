@@ -1,0 +1,69 @@
+import math
+
+import pytest
+import torch
+
+from lightning_gradhooks.stats import STATISTICS, histogram_edges, tensor_histogram, tensor_stats
+
+
+def reference(t: torch.Tensor) -> dict[str, float]:
+    finite = t[torch.isfinite(t)].double()
+    std = finite.std().item() if finite.numel() > 1 else 0.0
+    return {
+        "norm": finite.norm().item(),
+        "mean": finite.mean().item(),
+        "std": std,
+        "absmax": finite.abs().max().item(),
+        "nonfinite": float((~torch.isfinite(t)).sum()),
+    }
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 13, 5), (2, 1)])
+def test_statistics_match_reference(shape):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
+    got = dict(zip(STATISTICS, tensor_stats(t)[: len(STATISTICS)].tolist()))
+    for name, value in reference(t).items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+def test_nonfinite_values_are_counted_and_left_out():
+    t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf")])
+    got = dict(zip(STATISTICS, tensor_stats(t)[: len(STATISTICS)].tolist()))
+    assert got["nonfinite"] == 3
+    assert got["norm"] == pytest.approx(math.sqrt(14))
+    assert got["mean"] == pytest.approx(0.0)
+    assert got["absmax"] == 3
+    counts = tensor_histogram(t, tensor_stats(t), bins=4)
+    assert counts.sum().item() == 3
+
+
+def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram():
+    t = torch.full((5,), float("nan"))
+    stats = tensor_stats(t)
+    assert stats[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert stats[4].item() == 5
+    assert tensor_histogram(t, stats, bins=8).sum().item() == 0
+
+
+def test_histogram_matches_torch_histc():
+    t = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    counts = tensor_histogram(t, tensor_stats(t), bins=30)
+    expected = torch.histc(t, bins=30, min=t.min().item(), max=t.max().item())
+    # Elements on a bin edge may fall either side by float rounding.
+    assert (counts - expected).abs().sum().item() <= 4
+    assert counts.sum().item() == t.numel()
+    edges = histogram_edges(t.min().item(), t.max().item(), 30)
+    assert len(edges) == 30 and edges[-1] == pytest.approx(t.max().item())
+
+
+def test_constant_tensor_histogram_has_one_full_bin():
+    t = torch.zeros(100)
+    counts = tensor_histogram(t, tensor_stats(t), bins=10)
+    assert counts.sum().item() == 100 and counts.max().item() == 100
+
+
+def test_half_precision_is_reduced_in_float32():
+    t = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = tensor_stats(t)
+    assert got.dtype == torch.float32
+    assert got[0].item() == pytest.approx(t.float().norm().item(), rel=1e-5)
