@@ -1,0 +1,785 @@
+"""Disk offload of tensors saved for backward: :class:`save_on_disk`.
+
+``save_on_disk`` is a :class:`torch.autograd.graph.saved_tensors_hooks`, like torch's
+``save_on_cpu``. Inside its ``with`` block every tensor that autograd saves for the backward
+pass and that spans at least ``threshold_bytes`` of storage is handed to a background writer
+thread and replaced by a small handle; its memory is released as soon as it is on disk. The
+backward pass reads it back, prefetching in reverse order of saving. Smaller tensors,
+parameters and views of parameters stay in memory. Pure PyTorch: no Lightning import.
+
+One engine serves many steps. Create it once, enter it once per step (entering the same
+object again is supported: ``saved_tensors_hooks`` just pushes and pops the hooks), and close
+it at the end (it is also closed at interpreter exit)::
+
+    offload = save_on_disk(threshold_bytes=1 << 20, directory="/scratch")
+    for x, y in batches:
+        with offload:                 # one step: one file (or more, see segment_bytes)
+            loss = loss_fn(model(x), y)
+        loss.backward()               # may run inside or outside the with block
+        optimizer.step()
+    offload.close()
+
+Each step's tensors are appended to one file, deleted as soon as that step's graph is freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
+
+_ALIGN = 4096  # file offset alignment of each saved region
+_PINNED_GRANULE = 1 << 20  # pinned host buffers are pooled by size rounded up to this
+
+
+class DiskOffloadError(OSError):
+    """The offload folder could not be created, written or read.
+
+    ``errno`` is the operating system's error number (``errno.ENOSPC`` for a full disk,
+    ``errno.EFBIG`` over a file size limit); the message names the folder and the bytes
+    attempted.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    """A snapshot of a :class:`save_on_disk` engine, from :meth:`save_on_disk.stats`."""
+
+    directory: str  #: the private folder holding the files
+    bytes_in_memory: int  #: held by the engine: pending writes plus buffers read ahead
+    bytes_pending_write: int  #: handed to the writer, not yet on disk
+    bytes_prefetched: int  #: read back (or being read) ahead of the backward pass
+    bytes_written: int  #: total written since construction
+    bytes_read: int  #: total read back since construction
+    bytes_on_disk: int  #: size of the files that exist now
+    files_on_disk: int  #: number of files that exist now
+    tensors_offloaded: int  #: storage regions written (after deduplication)
+    tensors_deduplicated: int  #: saves answered by a region already written
+    tensors_kept: int  #: saves left in memory (small, parameters, unsupported)
+
+
+class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save_on_cpu
+    """Context manager that offloads large tensors saved for backward to disk.
+
+    Under the context, a saved tensor spanning at least ``threshold_bytes`` of storage is
+    queued for a background writer thread that appends its raw bytes to the current step's
+    file and then drops the engine's reference, so its memory is freed once written. The
+    forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
+    During backward the first unpack of a tensor starts reading the tensors saved before it,
+    in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
+    running without the context. Metadata (dtype, shape, strides, offsets) stays in memory;
+    files hold raw bytes only and are never unpickled.
+
+    Not offloaded: parameters and other leaves that require grad, views of those, tensors of
+    modules given to :meth:`keep_in_memory`, tensor subclasses, non-strided, conjugate or
+    negative-bit tensors, and devices other than CPU and CUDA. Views saved twice share one
+    written region (per step). CUDA tensors are copied to reused pinned host buffers on a
+    side stream and read back the same way.
+
+    Args:
+        threshold_bytes: offload a saved tensor if the storage region it spans has at least
+            this many bytes.
+        directory: folder in which a private subfolder (mode 0700, one per process and rank)
+            is created; ``None`` uses a private temporary folder.
+        max_bytes_in_flight: bytes queued for writing before the forward pass waits.
+        prefetch_bytes: bytes read ahead of need during backward; 0 disables prefetching.
+        segment_bytes: a step's file is closed and a new one started past this size, so
+            space is returned sooner when a context spans many steps.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range.
+        DiskOffloadError: the folder cannot be created or written (at construction), or a
+            write fails later: raised in the forward pass, at the latest at the first unpack
+            or when the context exits.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+        >>> offload = save_on_disk(threshold_bytes=64 << 10)
+        >>> with offload:
+        ...     loss = model(torch.randn(512, 256)).square().sum()
+        >>> loss.backward()
+        >>> offload.stats().bytes_written > 0
+        True
+        >>> offload.close()
+    """
+
+    def __init__(
+        self,
+        threshold_bytes: int,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        max_bytes_in_flight: int = 256 << 20,
+        prefetch_bytes: int = 64 << 20,
+        segment_bytes: int = 1 << 30,
+    ) -> None:
+        _check_int("threshold_bytes", threshold_bytes, 0)
+        _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
+        _check_int("prefetch_bytes", prefetch_bytes, 0)
+        _check_int("segment_bytes", segment_bytes, 1)
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
+        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes)
+        self._depth = 0
+        super().__init__(self._engine.pack, self._engine.unpack)
+
+    def __enter__(self) -> save_on_disk:  # type: ignore[override]
+        if self._depth == 0:
+            self._engine.begin_step()
+        super().__enter__()
+        self._depth += 1
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *args: object) -> None:
+        super().__exit__(exc_type, *args)
+        self._depth -= 1
+        if self._depth == 0:
+            self._engine.end_step(raise_error=exc_type is None)
+
+    @property
+    def directory(self) -> str:
+        """The private folder holding this engine's files."""
+        return self._engine.folder
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._engine.closed
+
+    def stats(self) -> OffloadStats:
+        """Return a snapshot of the engine's memory, disk and traffic counters."""
+        return self._engine.stats()
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk; raise a pending write error."""
+        self._engine.flush()
+
+    def keep_in_memory(self, *modules: nn.Module) -> None:
+        """Never offload tensors sharing storage with these modules' parameters or buffers."""
+        for module in modules:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"expected torch.nn.Module, got {type(module).__name__}")
+        self._engine.keep_in_memory(modules)
+
+    def close(self) -> None:
+        """Stop the threads and delete every file and the folder. Idempotent.
+
+        Graphs still holding offloaded tensors can no longer run backward afterwards.
+        """
+        self._engine.close()
+
+    def __repr__(self) -> str:
+        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"expected {name} >= {minimum}, got {value}")
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _buffer(address: int, nbytes: int) -> memoryview:
+    """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
+
+
+def _pread_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.preadv(fd, [data[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        done += n
+
+
+def _make_private_folder(directory: str | os.PathLike[str] | None) -> str:
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
+    prefix = f"save_on_disk-{'' if rank is None else f'rank{rank}-'}pid{os.getpid()}-"
+    folder = None
+    try:
+        if directory is None:
+            folder = tempfile.mkdtemp(prefix=prefix)  # mode 0700
+        else:
+            os.makedirs(directory, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=prefix, dir=directory)
+        os.chmod(folder, 0o700)
+        probe = os.path.join(folder, "probe")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _pwrite_all(fd, memoryview(bytes(_ALIGN)), 0)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        where = "a private temporary folder" if directory is None else repr(os.fspath(directory))
+        raise DiskOffloadError(
+            exc.errno, f"save_on_disk: expected a writable folder, got {where}: {exc.strerror or exc}"
+        ) from exc
+    return folder
+
+
+class _Segment:
+    """One file receiving a step's tensors, appended sequentially."""
+
+    def __init__(self, index: int, path: str, fd: int) -> None:
+        self.index, self.path, self.fd = index, path, fd
+        self.size = 0  # next free offset
+        self.records: list[_Record] = []  # in order of saving, for prefetch
+        self.live = 0  # records with a live handle
+        self.io = 0  # reads and writes queued or running on fd
+        self.sealed = False  # no more appends; deleted once live == io == 0
+        self.failed: BaseException | None = None
+        self.linked = True
+        self.cursor = -1  # next record to consider for prefetch
+        self.last_unpacked = -1
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Record:
+    """One storage region written to a segment, shared by the handles of its views."""
+
+    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
+                 "src", "pinned", "event", "write_future", "written", "error", "handles",
+                 "loaded", "load_event", "loading", "read_error", "served")
+
+    def __init__(self, segment: _Segment, offset: int, nbytes: int, byte_start: int, t: torch.Tensor,
+                 storage: torch.UntypedStorage) -> None:
+        self.segment, self.index, self.offset = segment, len(segment.records), offset
+        self.nbytes, self.byte_start, self.device = nbytes, byte_start, t.device
+        self.storage_ref, self.version = StorageWeakRef(storage), t._version
+        self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
+        self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
+        self.event: Any = None  # CUDA: device-to-host copy done
+        self.write_future: cf.Future[None] | None = None
+        self.written = False
+        self.error: BaseException | None = None  # modified in place before being written
+        self.handles = 0
+        self.loaded: torch.Tensor | None = None  # bytes read back, held until served
+        self.load_event: Any = None  # CUDA: host-to-device copy done
+        self.loading: cf.Future[Any] | None = None
+        self.read_error: BaseException | None = None
+        self.served = 0  # unpacks served from ``loaded``
+
+
+class _Handle:
+    """What autograd keeps instead of an offloaded tensor: metadata and a record reference."""
+
+    __slots__ = ("engine", "record", "dtype", "size", "stride", "storage_offset", "rel_offset")
+
+    def __init__(self, engine: _Engine, record: _Record, t: torch.Tensor) -> None:
+        self.engine, self.record, self.dtype = engine, record, t.dtype
+        self.size, self.stride, self.storage_offset = t.size(), t.stride(), t.storage_offset()
+        self.rel_offset = (t.storage_offset() * t.element_size() - record.byte_start) // t.element_size()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # may run at interpreter shutdown
+            self.engine.handle_died(self.record)
+
+
+def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tensor:
+    return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)
+
+
+def _cleanup(folder: str, segments: dict[int, _Segment], executors: tuple[cf.Executor, ...], pid: int) -> None:
+    for executor in executors:
+        executor.shutdown(wait=False, cancel_futures=True)
+    if os.getpid() != pid:  # a forked child must not delete its parent's files
+        return
+    for segment in list(segments.values()):
+        segment.close()
+    segments.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class _PinnedPool:
+    """Page-locked host buffers reused across CUDA copies, pooled by rounded size."""
+
+    def __init__(self, capacity: int) -> None:
+        self._lock = threading.Lock()
+        self._free: list[tuple[torch.Tensor, Any]] = []
+        self._capacity = capacity
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = _round_up(nbytes, _PINNED_GRANULE)
+        with self._lock:
+            for i, (buf, event) in enumerate(self._free):
+                if buf.numel() == size and (event is None or event.query()):
+                    del self._free[i]
+                    return buf
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def put(self, buf: torch.Tensor, event: Any = None) -> None:
+        with self._lock:
+            self._free.append((buf, event))
+            total = sum(b.numel() for b, _ in self._free)
+            while total > self._capacity:  # torch records copy events, so freeing is safe
+                total -= self._free.pop(0)[0].numel()
+
+
+class _Engine:
+    """Owns the folder, files, threads and records of one :class:`save_on_disk`."""
+
+    def __init__(self, threshold: int, directory: str | os.PathLike[str] | None, max_in_flight: int,
+                 prefetch_bytes: int, segment_bytes: int) -> None:
+        self.threshold, self.max_in_flight = threshold, max_in_flight
+        self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
+        self.folder = _make_private_folder(directory)
+        self.closed = False
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._dead: collections.deque[_Record] = collections.deque()  # handles died, not yet counted
+        self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="save_on_disk-writer")
+        self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="save_on_disk-reader")
+        self._segments: dict[int, _Segment] = {}
+        self._current: _Segment | None = None
+        self._indices = itertools.count()
+        self._dedupe: dict[tuple[torch.device, int], list[_Record]] = {}
+        self._resident_modules: list[weakref.ref[nn.Module]] = []
+        self._resident_ptrs: set[int] = set()
+        self._error: BaseException | None = None
+        self._in_flight = self._prefetched = self._bytes_written = self._bytes_read = 0
+        self._offloaded = self._deduplicated = self._kept = 0
+        self._pool: _PinnedPool | None = None
+        self._streams: dict[tuple[str, torch.device], Any] = {}
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self.folder, self._segments, (self._writer, self._reader), os.getpid()
+        )
+
+    # -- locking: handles die in any thread (even inside our own critical sections, via the
+    # garbage collector), so a death is queued and counted by whoever holds the lock.
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._reap()
+        while self._dead and self._lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._lock.release()
+
+    def handle_died(self, record: _Record) -> None:
+        self._dead.append(record)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._lock.release()
+
+    def _reap(self) -> None:
+        while self._dead:
+            rec = self._dead.popleft()
+            rec.handles -= 1
+            if rec.handles == 0:
+                self._drop(rec)
+
+    def _drop(self, rec: _Record) -> None:
+        seg = rec.segment
+        rec.src = None  # a running write keeps its own reference until done
+        if rec.loaded is not None:
+            self._unhold(rec)
+        if rec.loading is not None and rec.loading.cancel():
+            rec.loading = None
+            self._prefetched -= rec.nbytes
+            seg.io -= 1
+        seg.live -= 1
+        self._maybe_release(seg)
+
+    def _unhold(self, rec: _Record) -> None:
+        rec.loaded = rec.load_event = None
+        self._prefetched -= rec.nbytes
+
+    def _maybe_release(self, seg: _Segment) -> None:
+        if seg.sealed and seg.live == 0 and seg.io == 0 and seg.fd >= 0:
+            seg.close()
+            self._segments.pop(seg.index, None)
+
+    def _raise_error(self) -> None:
+        if self.closed:
+            raise RuntimeError("save_on_disk is closed: its offloaded tensors were deleted")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- steps
+    def begin_step(self) -> None:
+        with self._guard():
+            self._raise_error()
+            self._resident_ptrs = {
+                t.untyped_storage().data_ptr()
+                for ref in self._resident_modules if (module := ref()) is not None
+                for t in itertools.chain(module.parameters(), module.buffers())
+            }
+
+    def end_step(self, raise_error: bool) -> None:
+        with self._guard():
+            self._seal()
+            self._dedupe.clear()
+            if raise_error and self._error is not None:
+                self._raise_error()
+
+    def _seal(self) -> None:
+        if self._current is not None:
+            self._current.sealed = True
+            self._maybe_release(self._current)
+            self._current = None
+
+    def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
+        with self._guard():
+            self._resident_modules.extend(weakref.ref(m) for m in modules)
+            self._resident_ptrs.update(
+                t.untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())
+            )
+
+    # -- pack (forward)
+    def _region(self, t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int, int, int] | None:
+        """(storage, tensor start, tensor bytes, region start, region bytes), or None: keep."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+            return None
+        if (t.is_leaf and t.requires_grad) or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg():
+            return None
+        base = t._base
+        if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+            return None
+        if t.numel() == 0:
+            return None
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. functorch wrappers
+            return None
+        elsize = t.element_size()
+        nbytes = elsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        if nbytes < self.threshold or storage.data_ptr() in self._resident_ptrs:
+            return None
+        start, total = t.storage_offset() * elsize, storage.nbytes()
+        if 2 * nbytes >= total:  # mostly the whole storage: save it all, so other views share it
+            return storage, start, nbytes, 0, total
+        return storage, start, nbytes, start, nbytes
+
+    def pack(self, t: torch.Tensor) -> Any:
+        region = self._region(t)
+        if region is None:
+            with self._guard():
+                self._raise_error()
+                self._kept += 1
+            return t.detach()
+        storage, start, nbytes, region_start, region_bytes = region
+        with self._guard():
+            self._raise_error()
+            rec = self._find_duplicate(t, storage, start, nbytes)
+            new = rec is None
+            if rec is None:
+                rec = self._new_record(t, storage, region_start, region_bytes)
+            rec.handles += 1
+            handle = _Handle(self, rec, t)
+        if new:
+            if rec.device.type == "cuda":
+                self._copy_to_host(rec, storage)
+            rec.write_future = self._writer.submit(self._write, rec)
+        return handle
+
+    def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int) -> _Record | None:
+        elsize = t.element_size()
+        for rec in self._dedupe.get((t.device, storage.data_ptr()), ()):
+            if (rec.handles > 0 and rec.segment.failed is None and not rec.storage_ref.expired()
+                    and rec.version == t._version and rec.byte_start <= start
+                    and start + nbytes <= rec.byte_start + rec.nbytes and rec.byte_start % elsize == 0):
+                self._deduplicated += 1
+                return rec
+        return None
+
+    def _new_record(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int) -> _Record:
+        while self._in_flight and self._in_flight + nbytes > self.max_in_flight:  # backpressure
+            self._cond.wait()
+            self._raise_error()
+        seg = self._current
+        if seg is not None and seg.records and seg.size + nbytes > self.segment_bytes:
+            self._seal()
+            seg = None
+        if seg is None:
+            index = next(self._indices)
+            path = os.path.join(self.folder, f"{index:06d}.bin")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise DiskOffloadError(exc.errno, f"save_on_disk: could not create a file for {nbytes} bytes in "
+                                                  f"folder {self.folder!r}: {exc.strerror or exc}") from exc
+            seg = self._current = self._segments[index] = _Segment(index, path, fd)
+        rec = _Record(seg, seg.size, nbytes, start, t, storage)
+        seg.records.append(rec)
+        seg.size = _round_up(seg.size + nbytes, _ALIGN)
+        seg.live += 1
+        seg.io += 1  # the write
+        self._in_flight += nbytes
+        self._offloaded += 1
+        self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
+        return rec
+
+    def _stream(self, kind: str, device: torch.device) -> Any:
+        with self._lock:
+            if (kind, device) not in self._streams:
+                self._streams[kind, device] = torch.cuda.Stream(device)
+            if self._pool is None:
+                self._pool = _PinnedPool(self.max_in_flight + self.prefetch_bytes)
+            return self._streams[kind, device]
+
+    def _copy_to_host(self, rec: _Record, storage: torch.UntypedStorage) -> None:
+        """Start the device-to-host copy on a side stream into a pooled pinned buffer."""
+        stream = self._stream("d2h", rec.device)
+        assert self._pool is not None
+        pinned = self._pool.get(rec.nbytes)
+        src = torch.empty(0, dtype=torch.uint8, device=rec.device).set_(storage, rec.byte_start, (rec.nbytes,), (1,))
+        stream.wait_stream(torch.cuda.current_stream(rec.device))  # the tensor is computed
+        with torch.cuda.stream(stream):
+            pinned[: rec.nbytes].copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        src.record_stream(stream)  # the allocator keeps the memory until the copy is done
+        rec.pinned, rec.event = pinned, event
+
+    # -- writer thread
+    def _write(self, rec: _Record) -> None:
+        seg = rec.segment
+        with self._guard():
+            src, pinned, event = rec.src, rec.pinned, rec.event
+            skip = rec.handles == 0 or seg.failed is not None or self.closed or (src is None and pinned is None)
+        error: BaseException | None = None
+        try:
+            if not skip:
+                if event is not None:
+                    event.synchronize()
+                address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
+                _pwrite_all(seg.fd, _buffer(address, rec.nbytes), rec.offset)
+                if src is not None and src._version != rec.version:
+                    rec.error = RuntimeError(
+                        "save_on_disk: a tensor saved for backward was modified by an in-place operation before it "
+                        f"was written (version {rec.version}, now {src._version}); autograd cannot use it"
+                    )
+        except OSError as exc:
+            error = DiskOffloadError(exc.errno, f"save_on_disk: could not write {rec.nbytes} bytes to folder "
+                                                f"{self.folder!r} (file {os.path.basename(seg.path)}, offset "
+                                                f"{rec.offset}): {exc.strerror or exc}")
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
+            error = exc
+        finally:
+            del src
+            with self._guard():
+                rec.src = None
+                rec.written = not skip and error is None
+                if pinned is not None:
+                    rec.pinned = rec.event = None
+                    assert self._pool is not None
+                    self._pool.put(pinned)
+                self._in_flight -= rec.nbytes
+                if error is not None:
+                    self._fail(seg, error)
+                elif rec.written:
+                    self._bytes_written += rec.nbytes
+                seg.io -= 1
+                self._cond.notify_all()
+                self._maybe_release(seg)
+
+    def _fail(self, seg: _Segment, error: BaseException) -> None:
+        """Poison the segment and remove its file now; the error surfaces in the training thread."""
+        if seg.failed is None:
+            seg.failed = error
+            seg.unlink()
+            if self._error is None:
+                self._error = error
+
+    # -- unpack (backward)
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        h, rec = packed, packed.record
+        while True:
+            read_here = None
+            with self._guard():
+                self._raise_error()
+                for error in (rec.segment.failed, rec.error):
+                    if error is not None:
+                        raise error
+                if rec.read_error is not None:
+                    error, rec.read_error = rec.read_error, None
+                    raise error
+                src = rec.src
+                if src is not None:  # CPU, not written yet: still in memory
+                    if src._version != rec.version:
+                        raise RuntimeError("save_on_disk: a tensor saved for backward was modified by an in-place "
+                                           "operation; autograd cannot use it")
+                    self._prefetch(rec)
+                    return _view(src.untyped_storage(), h, h.storage_offset)
+                if rec.loaded is not None:
+                    buf, event = rec.loaded, rec.load_event
+                    rec.served += 1
+                    if rec.served >= rec.handles:
+                        self._unhold(rec)
+                    self._prefetch(rec)
+                    break
+                if rec.loading is not None:  # being read ahead
+                    wait = rec.loading
+                elif not rec.written:  # CUDA: its host copy is being written
+                    wait = rec.write_future
+                    if wait is None:
+                        raise RuntimeError("save_on_disk: internal error: saved tensor neither written nor queued")
+                else:
+                    wait = read_here = rec.loading = cf.Future()
+                    wait.set_running_or_notify_cancel()
+                    self._prefetched += rec.nbytes
+                    rec.segment.io += 1
+            if read_here is not None:
+                self._load(rec, read_here)
+            else:
+                cf.wait([wait])
+        if event is not None:
+            stream = torch.cuda.current_stream(buf.device)
+            stream.wait_event(event)  # the host-to-device copy is done
+            buf.record_stream(stream)
+        return _view(buf.untyped_storage(), h, h.rel_offset)
+
+    def _prefetch(self, rec: _Record) -> None:
+        """Queue reads of the records saved before ``rec``, newest first, within the budget."""
+        seg = rec.segment
+        seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
+        seg.last_unpacked = rec.index
+        while seg.cursor >= 0 and seg.failed is None:
+            r = seg.records[seg.cursor]
+            if r.handles > 0 and r.written and r.loaded is None and r.loading is None:
+                if self._prefetched + r.nbytes > self.prefetch_bytes:
+                    return
+                self._prefetched += r.nbytes
+                seg.io += 1
+                r.loading = self._reader.submit(self._load, r)
+            seg.cursor -= 1
+
+    def _load(self, rec: _Record, future: cf.Future[Any] | None = None) -> None:
+        """Read ``rec`` back (reader thread, or the caller when not prefetched)."""
+        buf = event = error = None
+        try:
+            buf, event = self._read_back(rec)
+        except OSError as exc:
+            error = DiskOffloadError(exc.errno, f"save_on_disk: could not read {rec.nbytes} bytes from folder "
+                                                f"{self.folder!r}: {exc.strerror or exc}")
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
+            error = exc
+        with self._guard():
+            rec.loading = None
+            rec.segment.io -= 1
+            if error is None:
+                self._bytes_read += rec.nbytes
+            if error is None and rec.handles > 0:
+                rec.loaded, rec.load_event, rec.served = buf, event, 0
+            else:
+                self._prefetched -= rec.nbytes
+                rec.read_error = error
+            self._maybe_release(rec.segment)
+        if future is not None:
+            future.set_result(None)
+
+    def _read_back(self, rec: _Record) -> tuple[torch.Tensor, Any]:
+        fd, n = rec.segment.fd, rec.nbytes
+        if rec.device.type == "cpu":
+            buf = torch.empty(n, dtype=torch.uint8)
+            _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
+            return buf, None
+        stream = self._stream("h2d", rec.device)
+        assert self._pool is not None
+        pinned, event = self._pool.get(n), None
+        try:
+            _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
+            with torch.cuda.device(rec.device), torch.cuda.stream(stream):
+                buf = torch.empty(n, dtype=torch.uint8, device=rec.device)  # allocated on the side stream
+                buf.copy_(pinned[:n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        finally:
+            self._pool.put(pinned, event)
+        return buf, event
+
+    # -- introspection and teardown
+    def stats(self) -> OffloadStats:
+        with self._guard():
+            linked = [s for s in self._segments.values() if s.linked]
+            return OffloadStats(
+                directory=self.folder,
+                bytes_in_memory=self._in_flight + self._prefetched,
+                bytes_pending_write=self._in_flight,
+                bytes_prefetched=self._prefetched,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                bytes_on_disk=sum(os.fstat(s.fd).st_size for s in linked if s.fd >= 0),
+                files_on_disk=len(linked),
+                tensors_offloaded=self._offloaded,
+                tensors_deduplicated=self._deduplicated,
+                tensors_kept=self._kept,
+            )
+
+    def flush(self) -> None:
+        with self._guard():
+            while self._in_flight and not self.closed:
+                self._cond.wait()
+            self._raise_error()
+
+    def close(self) -> None:
+        with self._guard():
+            if self.closed:
+                return
+            self.closed = True
+            self._current = None
+            self._cond.notify_all()
+        current = threading.current_thread().name
+        for executor in (self._writer, self._reader):
+            executor.shutdown(wait=not current.startswith("save_on_disk-"), cancel_futures=True)
+        self._finalizer()
