@@ -2,12 +2,18 @@
 
 Tag scheme: ``<kind>_<statistic>/<name>`` for scalars (``grad_output_norm/encoder.0.linear1``)
 and ``<kind>_hist/<name>`` for histograms, so TensorBoard groups one section per statistic.
+
+A logged step is written as a single event holding every scalar and histogram of the step: the
+same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
+``add_histogram_raw`` write, but serialised once instead of once per tag (~85 us each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
+
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
 from lightning_gradhooks.monitor import GradientRecord
 from lightning_gradhooks.stats import histogram_edges
@@ -23,24 +29,35 @@ def scalar_metrics(record: GradientRecord, statistics: Collection[str]) -> dict[
     }
 
 
-def write_histograms(writer: Any, record: GradientRecord, step: int) -> None:
-    """Write every histogram of ``record`` with ``SummaryWriter.add_histogram_raw``."""
+def histogram_values(record: GradientRecord) -> list[Summary.Value]:
+    """The histograms of ``record`` as summary values (entries with no finite value are skipped)."""
+    values = []
     for entry in record.entries:
         hist = entry.histogram
-        if hist is None:
+        num = sum(hist.counts) if hist is not None else 0
+        if num == 0:
             continue
-        num = sum(hist.counts)
-        if num == 0:  # nothing finite to show
-            continue
-        bins = len(hist.counts)
-        writer.add_histogram_raw(
-            tag=f"{entry.kind}_hist/{entry.name}",
+        proto = HistogramProto(
             min=hist.low,
             max=hist.high,
             num=num,
             sum=entry.stats["mean"] * num,
             sum_squares=entry.stats["norm"] ** 2,
-            bucket_limits=histogram_edges(hist.low, hist.high, bins),
-            bucket_counts=hist.counts,
-            global_step=step,
+            bucket_limit=histogram_edges(hist.low, hist.high, len(hist.counts)),
+            bucket=hist.counts,
         )
+        values.append(Summary.Value(tag=f"{entry.kind}_hist/{entry.name}", histo=proto))
+    return values
+
+
+def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int) -> None:
+    """Write the scalars (and the histograms of ``record``, if given) of one step as one event.
+
+    Args:
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
+    """
+    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
+    if record is not None:
+        values += histogram_values(record)
+    # The file writer that SummaryWriter.add_scalar and add_histogram_raw write through.
+    writer._get_file_writer().add_summary(Summary(value=values), step)

@@ -11,7 +11,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gradhooks._tensorboard import scalar_metrics, write_histograms
+from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord
 from lightning_gradhooks.stats import STATISTICS
 
@@ -177,10 +177,12 @@ class GradHooks(Callback):
 
     def _log(self, trainer: pl.Trainer, record: GradientRecord) -> None:
         metrics = scalar_metrics(record, self.statistics)
+        tensorboards = _tensorboard_loggers(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=self._step)
-        for logger in _tensorboard_loggers(trainer):
-            write_histograms(logger.experiment, record, self._step)
+            if logger not in tensorboards:
+                logger.log_metrics(metrics, step=self._step)
+        for logger in tensorboards:
+            write_step(logger.experiment, metrics, record if self.histograms else None, self._step)
         first = record.first_nonfinite
         if first is not None and not self._in_nonfinite_episode:
             rank_zero_warn(
