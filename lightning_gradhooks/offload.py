@@ -243,7 +243,8 @@ def _make_private_folder(directory: str | os.PathLike[str] | None) -> str:
         probe = os.path.join(folder, "probe")
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            _pwrite_all(fd, memoryview(bytes(_ALIGN)), 0)
+            if os.write(fd, bytes(_ALIGN)) != _ALIGN:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         finally:
             os.close(fd)
             os.unlink(probe)

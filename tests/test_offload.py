@@ -1,0 +1,527 @@
+"""Tests for the disk offload engine ``save_on_disk`` (CPU; CUDA tests skip without a GPU)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import importlib.util
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_gradhooks import offload
+from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mlp(depth: int = 4, width: int = 256, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def batch(n: int = 1024, width: int = 256) -> torch.Tensor:  # 1 MiB per activation by default
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(1))
+
+
+class Keep(torch.autograd.Function):
+    """Identity that saves its inputs and records what backward unpacks from them."""
+
+    unpacked: list[tuple[torch.Tensor, ...]] = []
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(*xs)
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        Keep.unpacked.append(ctx.saved_tensors)
+        Keep.unpacked.append(ctx.saved_tensors)  # unpacking twice gives the same data
+        return (grad,) + (None,) * len(ctx.saved_tensors)
+
+
+def roundtrip(engine: save_on_disk, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Save ``xs`` under ``engine``, wait until they are on disk, run backward, return what came back."""
+    anchor = torch.zeros(1, requires_grad=True)
+    Keep.unpacked.clear()
+    with engine:
+        out = Keep.apply(anchor, *xs)
+    engine.flush()
+    out.sum().backward()
+    first, second = Keep.unpacked
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    return first
+
+
+@pytest.fixture
+def engine(tmp_path: Path):
+    e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path)
+    yield e
+    e.close()
+
+
+def files(e: save_on_disk) -> list[str]:
+    return os.listdir(e.directory) if os.path.isdir(e.directory) else []
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def test_memory_released_during_forward(tmp_path: Path) -> None:
+    model, x = mlp(depth=6), batch()
+    e = save_on_disk(threshold_bytes=MiB, directory=tmp_path)
+    refs: list[StorageWeakRef] = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, i, o: refs.append(StorageWeakRef(o.untyped_storage())))
+    with e:
+        loss = model(x).sum()
+    e.flush()
+    gc.collect()
+    s = e.stats()
+    assert s.bytes_in_memory == 0 and s.bytes_pending_write == 0
+    assert s.bytes_written >= 12 * MiB and s.bytes_on_disk >= s.bytes_written and s.files_on_disk == 1
+    assert len(refs) == 12 and sum(not r.expired() for r in refs) == 0  # all activations freed
+    loss.backward()
+    e.close()
+
+
+def test_without_offload_activations_stay_alive() -> None:  # the check above can fail
+    model, x = mlp(depth=6), batch()
+    refs: list[StorageWeakRef] = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, i, o: refs.append(StorageWeakRef(o.untyped_storage())))
+    loss = model(x).sum()
+    assert len(refs) == 12 and sum(not r.expired() for r in refs) == 11  # all but the summed output
+    loss.backward()
+
+
+def test_backpressure_bounds_bytes_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = offload._pwrite_all
+    monkeypatch.setattr(offload, "_pwrite_all", lambda *a: gate.wait(20) and real(*a))  # a stalled disk
+    e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, max_bytes_in_flight=2 * MiB)
+    model, x = mlp(depth=4), batch()
+    seen: list[int] = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, i, o: seen.append(e.stats().bytes_pending_write))
+    losses: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with e:  # hooks are per thread
+            losses.append(model(x).sum())
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    for _ in range(500):
+        if e.stats().bytes_pending_write == 2 * MiB:
+            break
+        threading.Event().wait(0.01)
+    worker.join(0.3)
+    assert worker.is_alive() and e.stats().bytes_pending_write == 2 * MiB  # the forward waits for the disk
+    gate.set()
+    worker.join(20)
+    assert not worker.is_alive() and len(losses) == 1 and 0 < max(seen) <= 2 * MiB
+    losses[0].backward()
+    e.close()
+
+
+# ---------------------------------------------------------------------------- correctness
+
+
+def train_step(model: nn.Module, x: torch.Tensor, ctx: save_on_disk | None) -> list[torch.Tensor]:
+    model.zero_grad()
+    if ctx is None:
+        loss = model(x).square().mean()
+    else:
+        with ctx:
+            loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()  # second backward on the retained graph
+    return first + [p.grad.clone() for p in model.parameters()]
+
+
+def test_bitwise_identical_and_retain_graph(engine: save_on_disk) -> None:
+    model, x = mlp(), batch()
+    ref = train_step(model, x, None)
+    for _ in range(3):  # one engine, several steps
+        got = train_step(model, x, engine)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        assert engine.stats().files_on_disk == 0
+    s = engine.stats()
+    assert s.bytes_written > 0 and s.bytes_read >= s.bytes_written  # really went through the disk
+
+
+def test_double_backward(engine: save_on_disk) -> None:
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh()), batch()
+
+    def penalty(ctx: save_on_disk | None) -> list[torch.Tensor]:
+        model.zero_grad()
+        with ctx if ctx is not None else torch.enable_grad():
+            out = model(x).square().sum()
+        grads = torch.autograd.grad(out, list(model.parameters()), create_graph=True)
+        total = sum(g.square().sum() for g in grads)
+        total.backward()
+        return [total.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    ref = penalty(None)
+    got = penalty(engine)
+    assert engine.stats().bytes_read > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                                   torch.bool, torch.complex64, torch.float64])
+def test_dtype_shape_stride_roundtrip(engine: save_on_disk, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    def make(*shape: int) -> torch.Tensor:
+        if dtype == torch.bool:
+            return torch.rand(*shape, generator=g) > 0.5
+        if dtype.is_complex:
+            return torch.randn(*shape, dtype=dtype, generator=g)
+        return (torch.randn(*shape, generator=g) * 100).to(dtype)
+
+    base = make(3, 256, 320)
+    views = [base[1].t(), make(300, 300)[5:, 7:290], base.permute(2, 0, 1), make(1, 1 << 16).expand(3, 1 << 16)]
+    for v in views:
+        (back,) = roundtrip(engine, v)
+        assert back.dtype == v.dtype and back.shape == v.shape and back.stride() == v.stride()
+        assert back.storage_offset() >= 0 and torch.equal(back, v)
+        assert not back.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # read from disk
+
+
+def test_views_of_one_storage_written_once(engine: save_on_disk) -> None:
+    base = torch.randn(512, 512)  # 1 MiB
+    a, b, c = base, base.t(), base[64:]
+    before = engine.stats().bytes_written
+    ra, rb, rc = roundtrip(engine, a, b, c)
+    s = engine.stats()
+    assert s.bytes_written - before == base.untyped_storage().nbytes()
+    assert s.tensors_deduplicated == 2
+    assert torch.equal(ra, a) and torch.equal(rb, b) and torch.equal(rc, c) and rb.stride() == (1, 512)
+    assert ra.untyped_storage().data_ptr() == rb.untyped_storage().data_ptr() == rc.untyped_storage().data_ptr()
+
+
+def test_small_view_of_large_storage_writes_only_its_region(engine: save_on_disk) -> None:
+    base = torch.randn(1024, 1024)  # 4 MiB
+    v = base[100:200]  # 400 KiB
+    (back,) = roundtrip(engine, v)
+    assert engine.stats().bytes_written == v.numel() * 4 and torch.equal(back, v)
+
+
+def test_parameters_and_small_tensors_not_written(engine: save_on_disk) -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB weights
+    x = torch.randn(32, 1024)  # 128 KiB activations
+    with engine:
+        loss = model(x).sum()
+    loss.backward()
+    s = engine.stats()
+    assert s.bytes_written == 2 * x.numel() * 4  # x and the hidden activation; no weight
+    assert s.tensors_kept >= 1  # weight.t() of the second layer, a view of a parameter
+    roundtrip(engine, torch.randn(8, 8))  # below the threshold
+    assert engine.stats().bytes_written == 2 * x.numel() * 4
+
+
+def test_keep_in_memory_buffers(engine: save_on_disk) -> None:
+    class Proj(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("basis", torch.randn(512, 512))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.basis  # saves the buffer for the input gradient
+
+    proj, x = Proj(), torch.randn(8, 512, requires_grad=True)
+    with engine:
+        proj(x).sum().backward()
+    assert engine.stats().bytes_written == proj.basis.numel() * 4
+    engine.keep_in_memory(proj)
+    with engine:
+        proj(x).sum().backward()
+    assert engine.stats().bytes_written == proj.basis.numel() * 4
+
+
+def test_in_place_change_before_write_is_an_error(engine: save_on_disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = offload._pwrite_all
+    monkeypatch.setattr(offload, "_pwrite_all", lambda *a: gate.wait(10) and real(*a))
+    x = torch.randn(256, 256, requires_grad=True)
+    with engine:
+        y = x * 2
+        z = y.exp()  # saves y... no: saves the result z
+        z.mul_(1)  # in-place change of a saved tensor
+    gate.set()
+    with pytest.raises(RuntimeError, match="in-place"):
+        z.sum().backward()
+
+
+# ---------------------------------------------------------------------------- safety
+
+
+def test_folder_and_file_modes_raw_bytes(engine: save_on_disk, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*a: object, **k: object) -> None:
+        raise AssertionError("unpickling is forbidden")
+
+    for name in ("load", "loads"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    folder = Path(engine.directory)
+    assert folder.parent == tmp_path and f"pid{os.getpid()}" in folder.name
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    x = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)
+    anchor = torch.zeros(1, requires_grad=True)
+    with engine:
+        out = Keep.apply(anchor, x)
+    engine.flush()
+    (name,) = files(engine)
+    assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600
+    raw = (folder / name).read_bytes()
+    assert raw[: x.numel() * 4] == x.numpy().tobytes()  # raw data, no header, no pickle
+    out.sum().backward()
+    assert files(engine) == []
+
+
+def test_private_temporary_folder_by_default() -> None:
+    e = save_on_disk(threshold_bytes=0)
+    try:
+        assert stat.S_IMODE(os.stat(e.directory).st_mode) == 0o700
+    finally:
+        e.close()
+    assert not os.path.exists(e.directory)
+
+
+def test_rank_in_folder_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    with save_on_disk(0, tmp_path) as e:
+        assert "rank3" in os.path.basename(e.directory)
+    e.close()
+
+
+def test_no_files_after_exception_in_forward(engine: save_on_disk) -> None:
+    model, x = mlp(), batch()
+    with pytest.raises(ValueError, match="boom"):
+        with engine:
+            h = model(x)
+            engine.flush()
+            assert len(files(engine)) == 1
+            raise ValueError("boom")
+    del h
+    gc.collect()
+    assert files(engine) == [] and engine.stats().bytes_in_memory == 0
+
+
+def test_no_files_after_exception_in_backward(engine: save_on_disk) -> None:
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            raise ValueError("boom in backward")
+
+    model, x = mlp(), batch()
+    with engine:
+        loss = model[4:](Fail.apply(model[:4](x))).sum()  # fails halfway through backward
+    engine.flush()
+    assert len(files(engine)) == 1
+    with pytest.raises(ValueError, match="boom in backward"):
+        loss.backward()
+    del loss
+    gc.collect()
+    assert files(engine) == []
+
+
+def test_files_follow_graph_lifetime(engine: save_on_disk) -> None:
+    model, x = mlp(), batch()
+    with engine:
+        loss1 = model(x).sum()
+    with engine:
+        loss2 = model(x).sum()
+    engine.flush()
+    assert len(files(engine)) == 2
+    del loss1
+    assert len(files(engine)) == 1
+    loss2.backward()
+    assert files(engine) == []
+
+
+def test_close_removes_everything(tmp_path: Path) -> None:
+    e = save_on_disk(threshold_bytes=MiB, directory=tmp_path)
+    model, x = mlp(), batch()
+    with e:
+        loss = model(x).sum()
+    e.close()
+    e.close()  # idempotent
+    assert not os.path.exists(e.directory) and os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="closed"):
+        e.__enter__()
+
+
+def test_atexit_cleanup_in_subprocess(tmp_path: Path) -> None:
+    proc = run_python(f"""
+        import torch
+        from lightning_gradhooks.offload import save_on_disk
+        e = save_on_disk(threshold_bytes=1 << 16, directory={str(tmp_path)!r})
+        with e:
+            loss = torch.nn.Linear(256, 256)(torch.randn(512, 256)).exp().sum()
+        e.flush()
+        import os; print(len(os.listdir(e.directory)))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_folder_fails_at_construction(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(DiskOffloadError, match="expected a writable folder, got .*afile"):
+        save_on_disk(threshold_bytes=MiB, directory=tmp_path / "afile" / "sub")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"threshold_bytes": -1}, ValueError, "expected threshold_bytes >= 0, got -1"),
+    ({"threshold_bytes": 1.5}, TypeError, "expected threshold_bytes to be an int, got float"),
+    ({"threshold_bytes": True}, TypeError, "got bool"),
+    ({"threshold_bytes": 1, "directory": 3}, TypeError, "expected directory"),
+    ({"threshold_bytes": 1, "max_bytes_in_flight": 0}, ValueError, "expected max_bytes_in_flight >= 1"),
+    ({"threshold_bytes": 1, "prefetch_bytes": -5}, ValueError, "expected prefetch_bytes >= 0"),
+])
+def test_argument_checks(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        save_on_disk(**kwargs)
+
+
+def test_write_failure_is_clear_and_leaves_nothing(engine: save_on_disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: memoryview, off: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(offload, "_pwrite_all", full)
+    model, x = mlp(depth=8), batch()
+    with pytest.raises(DiskOffloadError) as info:
+        with engine:
+            model(x).sum().backward()
+    err = info.value
+    assert err.errno == errno.ENOSPC and engine.directory in str(err) and f"{MiB} bytes" in str(err)
+    del info, err
+    gc.collect()
+    assert files(engine) == []
+    monkeypatch.undo()  # the disk has room again: the engine is still usable
+    ref = train_step(model, x, None)
+    assert all(torch.equal(a, b) for a, b in zip(ref, train_step(model, x, engine)))
+
+
+def test_late_write_failure_surfaces_at_exit_or_backward(engine: save_on_disk,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+
+    def late(fd: int, data: memoryview, off: int) -> None:
+        gate.wait(10)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(offload, "_pwrite_all", late)
+    model, x = mlp(depth=1), batch()
+    with engine:
+        loss = model(x).sum()  # no error yet: the writes are still waiting
+    gate.set()
+    while engine.stats().bytes_pending_write:
+        threading.Event().wait(0.01)
+    with pytest.raises(DiskOffloadError, match="could not write"):
+        loss.backward()  # at the latest at the first unpack
+    del loss
+    gc.collect()
+    assert files(engine) == []
+
+
+def test_file_size_limit_in_subprocess(tmp_path: Path) -> None:
+    proc = run_python(f"""
+        import errno, os, resource, signal, torch
+        from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
+        e = save_on_disk(threshold_bytes=1 << 20, directory={str(tmp_path)!r})
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+        try:
+            with e:
+                model(torch.randn(1024, 256)).sum().backward()
+        except DiskOffloadError as err:
+            print("errno", err.errno == errno.EFBIG, e.directory in str(err), "1048576 bytes" in str(err))
+        import gc; gc.collect()
+        print("left", os.listdir(e.directory))
+        e.close()
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "errno True True True" in proc.stdout and "left []" in proc.stdout
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- prefetch, threads, imports
+
+
+def test_prefetch_reads_in_reverse_order_on_reader_thread(engine: save_on_disk,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[tuple[int, str]] = []
+    real = offload._pread_all
+
+    def spy(fd: int, data: memoryview, off: int) -> None:
+        reads.append((off, threading.current_thread().name))
+        real(fd, data, off)
+
+    monkeypatch.setattr(offload, "_pread_all", spy)
+    model, x = mlp(depth=6), batch()
+    with engine:
+        loss = model(x).sum()
+    engine.flush()
+    loss.backward()
+    offsets = [off for off, _ in reads]
+    assert len(reads) >= 12 and offsets == sorted(offsets, reverse=True)
+    assert sum(name.startswith("save_on_disk-reader") for _, name in reads) >= len(reads) - 2
+
+
+def test_core_does_not_import_lightning() -> None:
+    proc = run_python(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("offload", {str(REPO / "lightning_gradhooks" / "offload.py")!r})
+        module = sys.modules["offload"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_gradhooks")))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert importlib.util.find_spec("lightning_gradhooks.offload") is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_roundtrip_and_grads(engine: save_on_disk) -> None:
+    model, x = mlp().cuda(), batch().cuda()
+    ref = train_step(model, x, None)
+    got = train_step(model, x, engine)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+        v = torch.randn(300, 200, device="cuda").to(dtype).t()[3:]
+        (back,) = roundtrip(engine, v)
+        assert back.device == v.device and back.stride() == v.stride() and torch.equal(back, v)
+    torch.cuda.synchronize()
+    assert engine.stats().files_on_disk == 0
