@@ -116,7 +116,9 @@ class GradHooks(Callback):
             bins=self.histogram_bins,
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
-        if trainer.loggers and not _tensorboard_loggers(trainer):
+        if not trainer.loggers:
+            rank_zero_warn("GradHooks found no logger (`Trainer(logger=False)`?): nothing will be logged.")
+        elif not _tensorboard_loggers(trainer):
             rank_zero_warn(
                 "GradHooks found no TensorBoardLogger in `trainer.loggers`: scalars go to the "
                 "other loggers and histograms are not written."

@@ -48,6 +48,7 @@ __all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
 
 _ALIGN = 4096  # file offset alignment of each saved region
 _PINNED_GRANULE = 1 << 20  # pinned host buffers are pooled by size rounded up to this
+_HUGE_PAGE = 2 << 20
 
 
 class DiskOffloadError(OSError):
@@ -100,9 +101,14 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         directory: folder in which a private subfolder (mode 0700, one per process and rank)
             is created; ``None`` uses a private temporary folder.
         max_bytes_in_flight: bytes queued for writing before the forward pass waits.
-        prefetch_bytes: bytes read ahead of need during backward; 0 disables prefetching.
+        prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
+            0 disables prefetching.
         segment_bytes: a step's file is closed and a new one started past this size, so
             space is returned sooner when a context spans many steps.
+        drop_page_cache: after each write, flush the bytes to the device and drop them from
+            the operating system's page cache (and again after each read), so offloaded
+            bytes stop occupying RAM at all; costs device bandwidth. By default the kernel
+            decides when to write the (usually short-lived) pages back.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -130,16 +136,20 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         directory: str | os.PathLike[str] | None = None,
         *,
         max_bytes_in_flight: int = 256 << 20,
-        prefetch_bytes: int = 64 << 20,
+        prefetch_bytes: int = 32 << 20,
         segment_bytes: int = 1 << 30,
+        drop_page_cache: bool = False,
     ) -> None:
         _check_int("threshold_bytes", threshold_bytes, 0)
         _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
         _check_int("prefetch_bytes", prefetch_bytes, 0)
         _check_int("segment_bytes", segment_bytes, 1)
+        if not isinstance(drop_page_cache, bool):
+            raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
-        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes)
+        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
+                               drop_page_cache)
         self._depth = 0
         super().__init__(self._engine.pack, self._engine.unpack)
 
@@ -209,6 +219,22 @@ def _round_up(n: int, k: int) -> int:
 def _buffer(address: int, nbytes: int) -> memoryview:
     """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+def _empty_host(nbytes: int) -> torch.Tensor:
+    """A CPU byte buffer; large ones ask Linux for transparent huge pages (fewer page faults)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    start = _round_up(buf.data_ptr(), _HUGE_PAGE)
+    length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
+    if _LIBC is not None and length > 0:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 14)  # MADV_HUGEPAGE; best effort
+    return buf
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None) if os.uname().sysname == "Linux" else None
+except OSError:  # pragma: no cover
+    _LIBC = None
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -371,8 +397,8 @@ class _Engine:
     """Owns the folder, files, threads and records of one :class:`save_on_disk`."""
 
     def __init__(self, threshold: int, directory: str | os.PathLike[str] | None, max_in_flight: int,
-                 prefetch_bytes: int, segment_bytes: int) -> None:
-        self.threshold, self.max_in_flight = threshold, max_in_flight
+                 prefetch_bytes: int, segment_bytes: int, drop_page_cache: bool) -> None:
+        self.threshold, self.max_in_flight, self.drop_page_cache = threshold, max_in_flight, drop_page_cache
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = _make_private_folder(directory)
         self.closed = False
@@ -603,6 +629,9 @@ class _Engine:
                     event.synchronize()
                 address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
                 _pwrite_all(seg.fd, _buffer(address, rec.nbytes), rec.offset)
+                if self.drop_page_cache:
+                    os.fdatasync(seg.fd)
+                    os.posix_fadvise(seg.fd, rec.offset, rec.nbytes, os.POSIX_FADV_DONTNEED)
                 if src is not None and src._version != rec.version:
                     rec.error = RuntimeError(
                         "save_on_disk: a tensor saved for backward was modified by an in-place operation before it "
@@ -695,10 +724,10 @@ class _Engine:
         seg = rec.segment
         seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
         seg.last_unpacked = rec.index
-        while seg.cursor >= 0 and seg.failed is None:
+        while seg.cursor >= 0 and seg.failed is None and self.prefetch_bytes:
             r = seg.records[seg.cursor]
             if r.handles > 0 and r.written and r.loaded is None and r.loading is None:
-                if self._prefetched + r.nbytes > self.prefetch_bytes:
+                if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
                     return
                 self._prefetched += r.nbytes
                 seg.io += 1
@@ -732,14 +761,16 @@ class _Engine:
     def _read_back(self, rec: _Record) -> tuple[torch.Tensor, Any]:
         fd, n = rec.segment.fd, rec.nbytes
         if rec.device.type == "cpu":
-            buf = torch.empty(n, dtype=torch.uint8)
+            buf = _empty_host(n)
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
+            self._after_read(fd, rec)
             return buf, None
         stream = self._stream("h2d", rec.device)
         assert self._pool is not None
         pinned, event = self._pool.get(n), None
         try:
             _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
+            self._after_read(fd, rec)
             with torch.cuda.device(rec.device), torch.cuda.stream(stream):
                 buf = torch.empty(n, dtype=torch.uint8, device=rec.device)  # allocated on the side stream
                 buf.copy_(pinned[:n], non_blocking=True)
@@ -748,6 +779,10 @@ class _Engine:
         finally:
             self._pool.put(pinned, event)
         return buf, event
+
+    def _after_read(self, fd: int, rec: _Record) -> None:
+        if self.drop_page_cache:
+            os.posix_fadvise(fd, rec.offset, rec.nbytes, os.POSIX_FADV_DONTNEED)
 
     # -- introspection and teardown
     def stats(self) -> OffloadStats:

@@ -62,14 +62,32 @@ def test_pattern_matching_nothing_fails_at_fit_start_naming_it(tmp_path):
         fit(tmp_path, GradHooks(include=["encoder.*"]))
 
 
+class GradRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+
+
 def test_losses_and_gradients_bitwise_identical(tmp_path):
     runs = []
     for callback in (None, GradHooks(every_n_steps=1)):
-        _, model = fit(tmp_path, callback)
-        runs.append((torch.stack(model.losses), [p.detach().clone() for p in model.parameters()]))
-    (loss_a, params_a), (loss_b, params_b) = runs
+        recorder = GradRecorder()
+        pl.seed_everything(0, verbose=False)
+        model = MLP()
+        trainer = make_trainer(tmp_path, [c for c in (callback, recorder) if c])
+        trainer.fit(model, loader())
+        runs.append((torch.stack(model.losses), recorder.grads))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
     assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert len(grads_a) == len(grads_b) == 6
+    assert all(torch.equal(a, b) for step_a, step_b in zip(grads_a, grads_b) for a, b in zip(step_a, step_b))
+
+
+def test_no_logger_is_warned(tmp_path):
+    with pytest.warns(UserWarning, match="found no logger"):
+        fit(tmp_path, GradHooks(), logger=False)
 
 
 class HookCounter(pl.Callback):

@@ -67,3 +67,10 @@ def test_half_precision_is_reduced_in_float32():
     got = tensor_stats(t)
     assert got.dtype == torch.float32
     assert got[0].item() == pytest.approx(t.float().norm().item(), rel=1e-5)
+
+
+def test_narrow_range_far_from_zero_keeps_every_element_in_range():
+    t = 1000.0 + torch.linspace(0, 1e-3, 4097)
+    counts = tensor_histogram(t, tensor_stats(t), bins=64)
+    assert counts.sum().item() == t.numel()
+    assert counts[0].item() > 0 and counts[-1].item() > 0
