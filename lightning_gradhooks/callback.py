@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord
+from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.stats import STATISTICS
 
 
@@ -38,6 +39,12 @@ class GradHooks(Callback):
     step. Scalars go to every logger, histograms to every ``TensorBoardLogger``. Every hook is
     removed at teardown and when fit raises.
 
+    With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
+    inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for
+    backward of at least that many bytes go to disk and come back in backward. Validation,
+    test and prediction are not offloaded. The engine's folder is removed at teardown and when
+    fit raises.
+
     Tags (one TensorBoard section per statistic): ``grad_output_<stat>/<module>``,
     ``grad_input_<stat>/<module>``, ``param_grad_<stat>/<parameter>``,
     ``grad_output_hist/<module>`` and ``param_grad_hist/<parameter>``, where ``<stat>`` is one
@@ -54,10 +61,16 @@ class GradHooks(Callback):
             ``["norm", "mean", "std", "absmax", "nonfinite"]``.
         histograms: log histograms of module output gradients and parameter gradients.
         histogram_bins: number of bins of each histogram.
+        offload_threshold_bytes: offload saved activations of at least this many bytes to
+            disk; ``None`` (default) turns offload off.
+        offload_dir: folder in which the private offload folder is made; ``None``: a private
+            temporary folder. Needs ``offload_threshold_bytes``.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
             or ``exclude`` pattern that matches no module.
+        DiskOffloadError: at fit start, for an offload folder that cannot be created or
+            written; during a step, when a write fails (full disk), naming folder and bytes.
 
     Example::
 
@@ -77,8 +90,18 @@ class GradHooks(Callback):
         statistics: list[str] | None = None,
         histograms: bool = True,
         histogram_bins: int = DEFAULT_BINS,
+        offload_threshold_bytes: int | None = None,
+        offload_dir: str | None = None,
     ) -> None:
         _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
+        _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
+        if offload_dir is not None and not isinstance(offload_dir, str):
+            raise ValueError(f"`offload_dir` expected a str or None, got {offload_dir!r}")
+        if offload_dir is not None and offload_threshold_bytes is None:
+            raise ValueError(
+                f"`offload_dir` expected `offload_threshold_bytes` to be set too, got offload_dir={offload_dir!r} "
+                "with offload_threshold_bytes=None (offload off)"
+            )
         _check_positive_int("histogram_bins", histogram_bins)
         for argument, patterns in (("include", include), ("exclude", exclude)):
             if patterns is not None and (
@@ -97,7 +120,11 @@ class GradHooks(Callback):
         self.statistics = list(statistics)
         self.histograms = histograms
         self.histogram_bins = histogram_bins
+        self.offload_threshold_bytes = offload_threshold_bytes
+        self.offload_dir = offload_dir
         self._monitor: GradientMonitor | None = None
+        self._offload: save_on_disk | None = None
+        self._offload_active = False
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False
@@ -116,6 +143,10 @@ class GradHooks(Callback):
             bins=self.histogram_bins,
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
+        if self.offload_threshold_bytes is not None:
+            # Fails here, before the first step, when the folder cannot be written.
+            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)
+            self._offload.keep_in_memory(pl_module)
         if not trainer.loggers:
             rank_zero_warn("GradHooks found no logger (`Trainer(logger=False)`?): nothing will be logged.")
         elif not _tensorboard_loggers(trainer):
@@ -143,7 +174,16 @@ class GradHooks(Callback):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+        if self._offload is not None:
+            self._leave_offload(exc_type=RuntimeError)
+            self._offload.close()
+            self._offload = None
         self._in_nonfinite_episode = False
+
+    def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
+        if self._offload_active:
+            self._offload_active = False
+            self._offload.__exit__(exc_type, None, None)
 
     # -- steps -----------------------------------------------------------------------------
     @override
@@ -154,6 +194,9 @@ class GradHooks(Callback):
         if monitor is not None and not monitor.armed and trainer.global_step % self._interval == 0:
             self._step = trainer.global_step
             monitor.arm()
+        if self._offload is not None and not self._offload_active:
+            self._offload.__enter__()
+            self._offload_active = True
 
     @override
     def on_before_optimizer_step(
@@ -165,6 +208,7 @@ class GradHooks(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._leave_offload()
         # A batch whose step made no optimizer step (e.g. manual optimization that skipped it)
         # still logs what its backward produced; accumulation keeps collecting.
         if trainer.accumulate_grad_batches == 1:

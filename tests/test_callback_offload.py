@@ -1,0 +1,167 @@
+"""GradHooks with disk offload: every training step offloaded, nothing else, nothing left behind."""
+
+import os
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_gradhooks import GradHooks
+from lightning_gradhooks.offload import DiskOffloadError
+
+from conftest import MLP, hook_snapshot, loader, make_trainer
+
+THRESHOLD = 256  # bytes: the MLP's activations (8 x 16 floats = 512 bytes) go to disk
+
+
+def saved_tensors_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class OffloadProbe(pl.Callback):
+    """Records the engine's counters after each backward and whether hooks are on in eval loops."""
+
+    def __init__(self, gradhooks: GradHooks) -> None:
+        self.gradhooks = gradhooks
+        self.written: list[int] = []
+        self.in_validation: list[bool] = []
+        self.folder = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        engine = self.gradhooks._offload
+        self.folder = engine.directory
+        self.written.append(engine.stats().bytes_written)
+
+    def on_validation_batch_start(self, *args):  # noqa: ANN002
+        self.in_validation.append(saved_tensors_hooks_active())
+
+
+def files_under(path) -> list[str]:  # noqa: ANN001
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+class GradRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+
+
+def test_offloaded_training_is_bitwise_identical_and_leaves_nothing(tmp_path):
+    runs = []
+    for threshold in (None, THRESHOLD):
+        pl.seed_everything(0, verbose=False)
+        model = MLP()
+        callback = GradHooks(every_n_steps=2, offload_threshold_bytes=threshold,
+                             offload_dir=str(tmp_path / "off") if threshold else None)
+        probe, grads = OffloadProbe(callback), GradRecorder()
+        callbacks = [callback, grads] + ([probe] if threshold else [])
+        make_trainer(tmp_path, callbacks, val_check_interval=3).fit(model, loader(), loader(16))
+        runs.append((torch.stack(model.losses), grads.grads))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for sa, sb in zip(grads_a, grads_b) for a, b in zip(sa, sb))
+    # Steps were offloaded (a tensor needed back before its write finished is served from
+    # memory, so not every tiny step writes); validation ran without the hooks.
+    assert len(probe.written) == 6 and probe.written[-1] > 0 and probe.written == sorted(probe.written)
+    assert probe.in_validation and not any(probe.in_validation)
+    assert probe.folder.startswith(str(tmp_path / "off"))
+    assert not os.path.exists(probe.folder) and files_under(tmp_path / "off") == []
+    assert not saved_tensors_hooks_active()
+
+
+def test_exception_in_training_step_leaves_no_files_and_no_hooks(tmp_path):
+    model = MLP(fail_at=3)
+    before = hook_snapshot(model)
+    callback = GradHooks(offload_threshold_bytes=THRESHOLD, offload_dir=str(tmp_path / "off"))
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        make_trainer(tmp_path, [callback]).fit(model, loader())
+    assert files_under(tmp_path / "off") == []
+    assert not saved_tensors_hooks_active()
+    assert hook_snapshot(model) == before
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        raise RuntimeError("boom in backward")
+
+
+class FailsInBackward(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return FailingBackward.apply(out) if self.global_step == 2 else out
+
+
+def test_exception_in_backward_leaves_no_files(tmp_path):
+    callback = GradHooks(offload_threshold_bytes=THRESHOLD, offload_dir=str(tmp_path / "off"))
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        make_trainer(tmp_path, [callback]).fit(FailsInBackward(), loader())
+    assert files_under(tmp_path / "off") == []
+    assert not saved_tensors_hooks_active()
+
+
+class ManualGAN(pl.LightningModule):
+    """Two optimizers and two manual_backward calls per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.saved_inside: list[bool] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        opt_g, opt_d = self.optimizers()
+        self.saved_inside.append(saved_tensors_hooks_active())
+        x, _ = batch
+        fake = self.gen(torch.randn_like(x))
+        loss_d = self.disc(fake.detach()).mean() - self.disc(x).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = -self.disc(fake).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+
+def test_manual_optimization_runs_offloaded(tmp_path):
+    model = ManualGAN()
+    callback = GradHooks(offload_threshold_bytes=THRESHOLD, offload_dir=str(tmp_path / "off"))
+    make_trainer(tmp_path, [callback], max_steps=6).fit(model, loader())
+    assert model.saved_inside and all(model.saved_inside)
+    assert files_under(tmp_path / "off") == []
+
+
+def test_unwritable_offload_dir_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    model = MLP(fail_at=0)  # would raise "boom" if a step ran
+    callback = GradHooks(offload_threshold_bytes=THRESHOLD, offload_dir=str(blocker / "sub"))
+    with pytest.raises(DiskOffloadError, match="a_file"):
+        make_trainer(tmp_path, [callback]).fit(model, loader())
+    assert model.losses == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(offload_threshold_bytes=0), "`offload_threshold_bytes` expected a positive int or None, got 0"),
+        (dict(offload_threshold_bytes="1M"), "`offload_threshold_bytes` expected a positive int or None, got '1M'"),
+        (dict(offload_threshold_bytes=1, offload_dir=3), "`offload_dir` expected a str or None, got 3"),
+        (dict(offload_dir="/tmp"), "`offload_dir` expected `offload_threshold_bytes` to be set too"),
+    ],
+)
+def test_invalid_offload_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GradHooks(**kwargs)
