@@ -114,20 +114,29 @@ def tensor_histogram(tensor: Tensor, stats: Tensor, bins: int) -> Tensor:
     """
     x = _as_float(tensor)
     if x.device.type == "cpu":
-        # Statistics live in host memory here: plain floats, and no NaN/Inf unless counted.
-        low, high, nonfinite = stats[_LOW].item(), stats[_HIGH].item(), stats[_NONFINITE].item()
-        scale = _shrunk(bins) / (high - low if high > low else 1.0)
-        # x - low is exact and >= 0 for finite x (Sterbenz), so no clamp pass is needed.
-        index = torch.sub(x, low).mul_(scale)
-        if nonfinite:
-            index = torch.where(torch.isfinite(x), index, bins)
-        # Truncation maps [0, bins) onto the bins; bincount counts bytes fastest.
-        counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins + 1)
-        return counts[:bins].float()
+        return _histogram_host_range(x, stats, bins)
+    return _histogram_on_device(x, stats, bins)
+
+
+def _histogram_host_range(x: Tensor, stats: Tensor, bins: int) -> Tensor:
+    """CPU: the statistics are in host memory, so the range is read as plain floats."""
+    low, high, nonfinite = stats[_LOW].item(), stats[_HIGH].item(), stats[_NONFINITE].item()
+    scale = _shrunk(bins) / (high - low if high > low else 1.0)
+    # x - low is exact and >= 0 for finite x (Sterbenz), so no clamp pass is needed.
+    index = torch.sub(x, low).mul_(scale)
+    if nonfinite:
+        index = torch.where(torch.isfinite(x), index, bins)
+    # Truncation maps [0, bins) onto the bins; bincount counts bytes fastest.
+    counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins + 1)
+    return counts[:bins].float()
+
+
+def _histogram_on_device(x: Tensor, stats: Tensor, bins: int) -> Tensor:
+    """Accelerators: nothing is read back (``bincount`` would read its maximum to the host)."""
     low, high = stats[_LOW].to(x.dtype), stats[_HIGH].to(x.dtype)
     scale = _shrunk(bins) / torch.where(high > low, high - low, 1.0)
     index = torch.where(torch.isfinite(x), (x - low) * scale, bins).long()
-    counts = torch.zeros(bins + 1, device=x.device, dtype=torch.float32)  # bincount would sync
+    counts = torch.zeros(bins + 1, device=x.device, dtype=torch.float32)
     counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:bins]
 

@@ -74,3 +74,16 @@ def test_narrow_range_far_from_zero_keeps_every_element_in_range():
     counts = tensor_histogram(t, tensor_stats(t), bins=64)
     assert counts.sum().item() == t.numel()
     assert counts[0].item() > 0 and counts[-1].item() > 0
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
+def test_branch_free_accelerator_path_agrees_with_cpu_path(poison):
+    """The path used on GPUs (no host reads) must give what the CPU fast path gives."""
+    from lightning_gradhooks.stats import _histogram_host_range, _histogram_on_device, _masked_stats
+
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 2 - 0.3
+    if poison is not None:
+        t[::100] = poison
+    fast, masked = tensor_stats(t), _masked_stats(t)
+    assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6)
+    assert torch.equal(_histogram_host_range(t, fast, 32), _histogram_on_device(t, masked, 32))

@@ -1,0 +1,37 @@
+"""CUDA paths of the statistics: run wherever a GPU is present, skip cleanly elsewhere."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradhooks import GradientMonitor
+from lightning_gradhooks.stats import tensor_histogram, tensor_stats
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_cuda_statistics_and_histograms_match_cpu():
+    t = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    t[::997] = float("nan")
+    cpu, gpu = tensor_stats(t), tensor_stats(t.cuda())
+    assert torch.allclose(cpu, gpu.cpu(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(tensor_histogram(t, cpu, 64), tensor_histogram(t.cuda(), gpu, 64).cpu())
+
+
+def test_hooks_never_synchronise_with_the_host():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)).cuda()
+    x = torch.randn(512, 64, device="cuda", requires_grad=True)
+    monitor = GradientMonitor(model)
+    with monitor.attach():
+        monitor.arm()
+        loss = model(x).square().mean()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()  # every hook runs here: any host read would raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        record = monitor.collect()
+    assert {e.kind for e in record.entries} == {"grad_output", "grad_input", "param_grad"}
+    assert all(e.stats["nonfinite"] == 0 for e in record.entries)
