@@ -167,3 +167,19 @@ def test_modules_called_twice_keep_every_call():
         net(torch.randn(2, 3)).sum().backward()
         names = [e.name for e in monitor.collect().entries if e.kind == "grad_output"]
     assert names == ["0", "0#2"]
+
+
+def test_core_modules_never_import_lightning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lightning_gradhooks import GradientMonitor, save_on_disk, STATISTICS;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric')];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    from lightning_gradhooks import GradHooks  # the callback is still one import away
+
+    assert GradHooks.__module__ == "lightning_gradhooks.callback"
