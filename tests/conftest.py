@@ -59,6 +59,16 @@ def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
+class GradRecorder(pl.Callback):
+    """Keeps a copy of every parameter gradient at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+
+
 def make_trainer(tmp_path, callbacks=(), **kwargs) -> pl.Trainer:  # noqa: ANN001
     from pytorch_lightning.loggers import TensorBoardLogger
 

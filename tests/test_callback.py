@@ -7,7 +7,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from lightning_gradhooks import GradHooks
 
-from conftest import MLP, hook_snapshot, loader, make_trainer, read_events
+from conftest import MLP, GradRecorder, hook_snapshot, loader, make_trainer, read_events
 
 LAYERS = ["net.0", "net.2", "net.4"]
 PARAMS = [f"{m}.{p}" for m in LAYERS for p in ("weight", "bias")]
@@ -60,14 +60,6 @@ def test_include_and_exclude_choose_modules(tmp_path):
 def test_pattern_matching_nothing_fails_at_fit_start_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"'encoder\.\*' matches no module of MLP.*'net.0'"):
         fit(tmp_path, GradHooks(include=["encoder.*"]))
-
-
-class GradRecorder(pl.Callback):
-    def __init__(self) -> None:
-        self.grads = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
-        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
 
 
 def test_losses_and_gradients_bitwise_identical(tmp_path):

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.offload import DiskOffloadError
 
-from conftest import MLP, hook_snapshot, loader, make_trainer
+from conftest import MLP, GradRecorder, hook_snapshot, loader, make_trainer
 
 THRESHOLD = 256  # bytes: the MLP's activations (8 x 16 floats = 512 bytes) go to disk
 
@@ -39,14 +39,6 @@ class OffloadProbe(pl.Callback):
 
 def files_under(path) -> list[str]:  # noqa: ANN001
     return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-class GradRecorder(pl.Callback):
-    def __init__(self) -> None:
-        self.grads = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
-        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
 
 
 def test_offloaded_training_is_bitwise_identical_and_leaves_nothing(tmp_path):
