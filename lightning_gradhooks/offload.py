@@ -31,6 +31,7 @@ import ctypes
 import dataclasses
 import errno
 import itertools
+import mmap
 import os
 import shutil
 import tempfile
@@ -48,7 +49,6 @@ __all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
 
 _ALIGN = 4096  # file offset alignment of each saved region
 _PINNED_GRANULE = 1 << 20  # pinned host buffers are pooled by size rounded up to this
-_HUGE_PAGE = 2 << 20
 
 
 class DiskOffloadError(OSError):
@@ -221,20 +221,13 @@ def _buffer(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _empty_host(nbytes: int) -> torch.Tensor:
-    """A CPU byte buffer; large ones ask Linux for transparent huge pages (fewer page faults)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    start = _round_up(buf.data_ptr(), _HUGE_PAGE)
-    length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
-    if _LIBC is not None and length > 0:
-        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 14)  # MADV_HUGEPAGE; best effort
-    return buf
-
-
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None) if os.uname().sysname == "Linux" else None
-except OSError:  # pragma: no cover
-    _LIBC = None
+def _empty_host(nbytes: int, capacity: int) -> torch.Tensor:
+    """A CPU byte buffer for reading back: its own anonymous mapping (page aligned, huge pages
+    where Linux allows), unmapped as soon as the tensor dies, so reads do not fragment the heap."""
+    mapping = mmap.mmap(-1, capacity)
+    with contextlib.suppress(AttributeError, OSError):  # MADV_HUGEPAGE is Linux only
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -246,9 +239,9 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += n
 
 
-def _pread_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
+def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None) -> None:
+    done, needed = 0, len(data) if needed is None else needed
+    while done < needed:
         n = os.preadv(fd, [data[done:]], offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "unexpected end of file")
@@ -289,6 +282,7 @@ class _Segment:
 
     def __init__(self, index: int, path: str, fd: int) -> None:
         self.index, self.path, self.fd = index, path, fd
+        self.direct_fd = -1  # O_DIRECT reader, with drop_page_cache where the filesystem allows
         self.size = 0  # next free offset
         self.records: list[_Record] = []  # in order of saving, for prefetch
         self.live = 0  # records with a live handle
@@ -307,9 +301,10 @@ class _Segment:
 
     def close(self) -> None:
         self.unlink()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in (self.fd, self.direct_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.direct_fd = -1
 
 
 class _Record:
@@ -584,6 +579,9 @@ class _Engine:
                 raise DiskOffloadError(exc.errno, f"save_on_disk: could not create a file for {nbytes} bytes in "
                                                   f"folder {self.folder!r}: {exc.strerror or exc}") from exc
             seg = self._current = self._segments[index] = _Segment(index, path, fd)
+            if self.drop_page_cache and hasattr(os, "O_DIRECT"):
+                with contextlib.suppress(OSError):  # e.g. tmpfs: buffered reads instead
+                    seg.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         rec = _Record(seg, seg.size, nbytes, start, t, storage)
         seg.records.append(rec)
         seg.size = _round_up(seg.size + nbytes, _ALIGN)
@@ -761,7 +759,12 @@ class _Engine:
     def _read_back(self, rec: _Record) -> tuple[torch.Tensor, Any]:
         fd, n = rec.segment.fd, rec.nbytes
         if rec.device.type == "cpu":
-            buf = _empty_host(n)
+            span = _round_up(n, _ALIGN)  # O_DIRECT reads whole aligned blocks into aligned memory
+            buf = _empty_host(n, span)
+            if rec.segment.direct_fd >= 0:
+                with contextlib.suppress(OSError):
+                    _pread_all(rec.segment.direct_fd, _buffer(buf.data_ptr(), span), rec.offset, n)
+                    return buf, None
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
             self._after_read(fd, rec)
             return buf, None

@@ -172,6 +172,19 @@ def test_bitwise_identical_and_retain_graph(engine: save_on_disk) -> None:
     assert s.bytes_written > 0 and s.bytes_read >= s.bytes_written  # really went through the disk
 
 
+def test_drop_page_cache_mode_is_identical(tmp_path: Path) -> None:
+    e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, drop_page_cache=True)
+    model, x = mlp(), batch()
+    ref = train_step(model, x, None)
+    got = train_step(model, x, e)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert e.stats().bytes_read >= e.stats().bytes_written > 0 and files(e) == []
+    for v in (torch.randn(300, 301).t()[1:], torch.randint(0, 9, (70001,), dtype=torch.int8)):  # odd sizes
+        (back,) = roundtrip(e, v)
+        assert torch.equal(back, v) and back.stride() == v.stride()
+    e.close()
+
+
 def test_double_backward(engine: save_on_disk) -> None:
     model, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh()), batch()
 
@@ -408,6 +421,7 @@ def test_unwritable_folder_fails_at_construction(tmp_path: Path) -> None:
     ({"threshold_bytes": 1, "directory": 3}, TypeError, "expected directory"),
     ({"threshold_bytes": 1, "max_bytes_in_flight": 0}, ValueError, "expected max_bytes_in_flight >= 1"),
     ({"threshold_bytes": 1, "prefetch_bytes": -5}, ValueError, "expected prefetch_bytes >= 0"),
+    ({"threshold_bytes": 1, "drop_page_cache": 1}, TypeError, "expected drop_page_cache to be a bool, got int"),
 ])
 def test_argument_checks(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):

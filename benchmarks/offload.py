@@ -1,0 +1,348 @@
+"""Benchmark disk offload of saved activations: ``save_on_disk`` against the alternatives.
+
+Workload: an activation-heavy MLP, ``depth`` x (Linear(width, width) + GELU), batch ``batch``,
+fp32, CPU, forward + backward. Variants, each step run in its own process (peak RSS via
+``ru_maxrss`` minus the RSS just before the first step), interleaved round by round so that a
+noisy machine affects all of them alike:
+
+- ``none``: no offload;
+- ``save_on_disk``: this package, threshold 1 MiB, default knobs;
+- ``save_on_disk_drop``: the same with ``drop_page_cache=True`` (bytes really leave RAM);
+- ``torch_save``: the PyTorch docs' hooks, one ``torch.save`` file per tensor (same threshold),
+  synchronous, ``torch.load`` on unpack;
+- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around each Linear + GELU.
+
+Then the raw sequential write and read bandwidth of the same folder (64 MiB blocks, O_DIRECT
+where the filesystem allows, else buffered + fsync) and the bandwidth of the engine alone.
+
+Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lightning_gradhooks.offload import save_on_disk  # noqa: E402
+
+MiB = 1 << 20
+THRESHOLD = MiB
+VARIANTS = ("none", "save_on_disk", "save_on_disk_drop", "torch_save", "checkpoint")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_model(args: argparse.Namespace) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.depth)])
+    return model, torch.randn(args.batch, args.width)
+
+
+class DocsTorchSave(torch.autograd.graph.saved_tensors_hooks):
+    """The PyTorch docs' "saving tensors to disk" hooks: one torch.save file per tensor."""
+
+    def __init__(self, folder: str) -> None:
+        class SelfDeletingTempFile:
+            def __init__(self) -> None:
+                self.name = os.path.join(folder, str(uuid.uuid4()))
+
+            def __del__(self) -> None:
+                os.remove(self.name)
+
+        def pack(t: torch.Tensor):  # noqa: ANN202
+            if t.numel() * t.element_size() < THRESHOLD:
+                return t
+            f = SelfDeletingTempFile()
+            torch.save(t, f.name)
+            return f
+
+        def unpack(f):  # noqa: ANN001, ANN202
+            return f if isinstance(f, torch.Tensor) else torch.load(f.name)
+
+        super().__init__(pack, unpack)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One variant, one process: print a JSON line with step times and peak RSS."""
+    model, x = make_model(args)
+    variant, folder = args.worker, args.dir or tempfile.gettempdir()
+    engine = None
+    if variant in ("save_on_disk", "save_on_disk_drop"):
+        engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "save_on_disk_drop")
+    docs_dir = tempfile.mkdtemp(dir=folder) if variant == "torch_save" else None
+
+    def forward() -> torch.Tensor:
+        if variant == "checkpoint":
+            h = x
+            for block in model:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            return h.sum()
+        if engine is not None:
+            with engine:
+                return model(x).sum()
+        if docs_dir is not None:
+            with DocsTorchSave(docs_dir):
+                return model(x).sum()
+        return model(x).sum()
+
+    baseline = rss_bytes()
+    times = []
+    for i in range(args.warmup + args.steps):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = forward()
+        loss.backward()
+        del loss
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    extra = {}
+    if engine is not None:
+        s = engine.stats()
+        extra = {"written_per_step": s.bytes_written / (args.warmup + args.steps), "files_left": s.files_on_disk}
+        engine.close()
+    if docs_dir is not None:
+        extra = {"files_left": len(os.listdir(docs_dir))}
+        os.rmdir(docs_dir)
+    print(json.dumps({"variant": variant, "times": times, "peak_over_baseline": peak - baseline, **extra}))
+
+
+def activation_bytes(args: argparse.Namespace) -> int:
+    """Bytes of distinct non-parameter storages saved for backward that reach the threshold."""
+    model, x = make_model(args)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad) and (t._base is None or not t._base.requires_grad):
+            n = t.untyped_storage().nbytes()
+            if n >= THRESHOLD:
+                seen[t.untyped_storage().data_ptr()] = n
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return sum(seen.values()) - x.numel() * x.element_size()  # the input is resident anyway
+
+
+# ----------------------------------------------------------------------------- bandwidth
+
+
+def raw_bandwidth(folder: str, total: int, block: int = 64 * MiB) -> dict[str, tuple[float, str]]:
+    """Sequential write and read of ``total`` bytes in ``block``-sized requests, MB/s."""
+    path = os.path.join(folder, f"raw-{os.getpid()}.bin")
+    buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    direct_flag = getattr(os, "O_DIRECT", 0)
+
+    def timed(flags: int, write: bool, sync: bool = False, fresh: bool = False) -> float:
+        fd = os.open(path, flags, 0o600)
+        try:
+            t0 = time.perf_counter()
+            for i in range(total // block):
+                if write:
+                    os.pwrite(fd, buf, i * block)
+                else:
+                    target = mmap.mmap(-1, block) if fresh else buf
+                    if fresh:
+                        target.madvise(mmap.MADV_HUGEPAGE)
+                    os.preadv(fd, [target], i * block)
+            if sync:
+                os.fsync(fd)
+            return total / (time.perf_counter() - t0) / 1e6
+        finally:
+            os.close(fd)
+
+    out: dict[str, tuple[float, str]] = {}
+    try:
+        create = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        out["write_cached"] = (timed(create, True), "buffered into the page cache, no fsync")
+        try:
+            out["write_device"] = (timed(create | direct_flag, True, sync=True), "O_DIRECT + fsync")
+        except OSError:
+            out["write_device"] = (timed(create, True, sync=True), "buffered + fsync (no O_DIRECT here)")
+        out["read_cached"] = (timed(os.O_RDONLY, False), "buffered, from the page cache, reused buffer")
+        out["read_cached_fresh"] = (timed(os.O_RDONLY, False, fresh=True),
+                                    "buffered, page cache, a new buffer per block")
+        try:
+            out["read_device"] = (timed(os.O_RDONLY | direct_flag, False), "O_DIRECT, reused buffer")
+            out["read_device_fresh"] = (timed(os.O_RDONLY | direct_flag, False, fresh=True),
+                                        "O_DIRECT, a new buffer per block")
+        except OSError:
+            out["read_device"] = out["read_device_fresh"] = (timed(os.O_RDONLY, False, fresh=True),
+                                                             "buffered (no O_DIRECT here): may hit the page cache")
+    finally:
+        os.unlink(path)
+    return out
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {k: (statistics.median(r[k][0] for r in runs), runs[0][k][1]) for k in runs[0]}
+
+
+class _Keep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(t)
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        ctx.saved_tensors  # noqa: B018 - unpack
+        return grad, None
+
+
+def engine_bandwidth(folder: str, total: int, drop: bool, block: int = 64 * MiB) -> tuple[float, float]:
+    """MB/s of the engine alone: pack ``total`` bytes then wait for the writer; unpack all."""
+    tensors = [torch.randn(block // 4) for _ in range(total // block)]
+    engine = save_on_disk(THRESHOLD, folder, drop_page_cache=drop, max_bytes_in_flight=total)
+    anchor = torch.zeros(1, requires_grad=True)
+    t0 = time.perf_counter()
+    with engine:
+        h = anchor
+        for t in tensors:
+            h = _Keep.apply(h, t)
+    engine.flush()
+    write = engine.stats().bytes_written / (time.perf_counter() - t0) / 1e6
+    t0 = time.perf_counter()
+    h.sum().backward()
+    read = engine.stats().bytes_read / (time.perf_counter() - t0) / 1e6
+    engine.close()
+    return write, read
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def filesystem(folder: str) -> str:
+    try:
+        lines = subprocess.run(["df", "-T", folder], capture_output=True, text=True, check=True).stdout.splitlines()
+        fields = lines[-1].split()
+        return f"{fields[1]} on {fields[0]} (mounted at {fields[-1]})"
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default=None, help="folder to offload to (default: the temp folder)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all variants")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--io-mib", type=int, default=1024, help="MiB moved by each bandwidth test")
+    parser.add_argument("--io-repeats", type=int, default=3, help="repetitions of each bandwidth test")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    folder = args.dir or tempfile.gettempdir()
+    os.makedirs(folder, exist_ok=True)
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"machine: {os.cpu_count()} cores, {cpu_model()}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; folder {folder}: {filesystem(folder)}")
+    acts = activation_bytes(args)
+    print(f"workload: {args.depth} x (Linear({args.width}, {args.width}) + GELU), batch {args.batch}, fp32; "
+          f"activations above 1 MiB (excluding the input): {acts / MiB:.0f} MiB")
+
+    results: dict[str, list[dict]] = {v: [] for v in args.variants}
+    forwarded = ["--batch", str(args.batch), "--width", str(args.width), "--depth", str(args.depth),
+                 "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--dir", args.dir] if args.dir else [])
+    for r in range(args.rounds):
+        for v in args.variants:
+            proc = subprocess.run([sys.executable, __file__, "--worker", v, *forwarded], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"variant {v} failed:\n{proc.stderr}")
+            results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"  round {r + 1}/{args.rounds} {v:<18} " + " ".join(f"{t:.2f}s" for t in results[v][-1]["times"]),
+                  flush=True)
+
+    med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in args.variants}
+    rss = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
+    ref_t, ref_rss = med.get("none"), rss.get("none")
+    print()
+    print(f"{'variant':<20}{'median step':>12}{'vs none':>9}{'peak RSS':>12}{'RSS saved':>11}{'of acts':>9}")
+    for v in args.variants:
+        ratio = f"{med[v] / ref_t:.3f}x" if ref_t else "-"
+        saved = (ref_rss - rss[v]) if ref_rss is not None else None
+        print(f"{v:<20}{med[v]:>11.2f}s{ratio:>9}{rss[v] / MiB:>8.0f} MiB"
+              + (f"{saved / MiB:>7.0f} MiB{saved / acts:>9.0%}" if saved is not None else ""))
+        if "files_left" in results[v][-1] and results[v][-1]["files_left"]:
+            print(f"  warning: {v} left {results[v][-1]['files_left']} files")
+
+    total = args.io_mib * MiB
+    raw = median_of([raw_bandwidth(folder, total) for _ in range(args.io_repeats)])
+    eng = {drop: tuple(statistics.median(x) for x in zip(*[engine_bandwidth(folder, total, drop)
+                                                         for _ in range(args.io_repeats)]))
+           for drop in (False, True)}
+    print()
+    print(f"bandwidth: {args.io_mib} MiB in 64 MiB blocks, median of {args.io_repeats}, folder {folder} "
+          "(the page cache cannot be dropped here: cached reads are memory copies)")
+    for key, label in (("write_cached", "raw write"), ("write_device", "raw write"), ("read_cached", "raw read"),
+                       ("read_cached_fresh", "raw read"), ("read_device", "raw read"),
+                       ("read_device_fresh", "raw read")):
+        print(f"  {label:<34}{raw[key][0]:>8.0f} MB/s  ({raw[key][1]})")
+    rows = (("engine write (default)", eng[False][0], "write_cached"),
+            ("engine read (default)", eng[False][1], "read_cached_fresh"),
+            ("engine write (drop_page_cache)", eng[True][0], "write_device"),
+            ("engine read (drop_page_cache)", eng[True][1], "read_device_fresh"))
+    for label, value, key in rows:
+        print(f"  {label:<34}{value:>8.0f} MB/s  = {value / raw[key][0]:.0%} of raw {raw[key][1]}")
+
+    if {"none", "save_on_disk"} <= set(args.variants):
+        print()
+        print("targets (save_on_disk, default knobs):")
+
+        def verdict(ok: bool) -> str:
+            return "met " if ok else "MISS"
+
+        r = med["save_on_disk"] / ref_t
+        print(f"  [{verdict(r <= 1.05)}] step time <= 1.05x no offload: {r:.3f}x")
+        frac = (ref_rss - rss["save_on_disk"]) / acts
+        print(f"  [{verdict(frac >= 0.9)}] peak RSS reduced by >= 90% of activation bytes: {frac:.0%}")
+        if "torch_save" in med:
+            r = med["torch_save"] / med["save_on_disk"]
+            print(f"  [{verdict(r >= 1.5)}] >= 1.5x faster than per-tensor torch.save: {r:.2f}x")
+        if "checkpoint" in med:
+            ok = med["save_on_disk"] < med["checkpoint"] and rss["save_on_disk"] < rss["checkpoint"]
+            print(f"  [{verdict(ok)}] faster than checkpoint with less memory: {med['save_on_disk']:.2f}s vs "
+                  f"{med['checkpoint']:.2f}s, {rss['save_on_disk'] / MiB:.0f} vs {rss['checkpoint'] / MiB:.0f} MiB")
+        for label, value, key in rows:
+            w = value / raw[key][0]
+            print(f"  [{verdict(w >= 0.7)}] {label} >= 70% of raw: {w:.0%}")
+
+
+if __name__ == "__main__":
+    main()
