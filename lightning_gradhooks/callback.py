@@ -21,6 +21,14 @@ def _tensorboard_loggers(trainer: pl.Trainer) -> list[TensorBoardLogger]:
     return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
 
 
+def _loss_scale(trainer: pl.Trainer) -> float | None:
+    """The gradient scaler's current scale under ``precision="16-mixed"``, else None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
+
+
 def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -218,11 +226,18 @@ class GradHooks(Callback):
         if self._monitor is None or not self._monitor.armed:
             return
         record = self._monitor.collect()
-        if record.entries:
-            self._log(trainer, record)
+        if not record.entries:
+            return
+        # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
+        # changed since that backward (it is updated after the optimizer step). Parameter
+        # gradients are already unscaled by the time `on_before_optimizer_step` runs.
+        scale = _loss_scale(trainer)
+        if scale is not None:
+            record = record.unscaled(scale)
+        self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
 
-    def _log(self, trainer: pl.Trainer, record: GradientRecord) -> None:
-        metrics = scalar_metrics(record, self.statistics)
+    def _log(self, trainer: pl.Trainer, record: GradientRecord, extra: dict[str, float]) -> None:
+        metrics = {**scalar_metrics(record, self.statistics), **extra}
         tensorboards = _tensorboard_loggers(trainer)
         for logger in trainer.loggers:
             if logger not in tensorboards:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,21 @@ class GradientRecord:
     """Everything the monitor collected for one step, in backward order, parameters last."""
 
     entries: list[GradientEntry] = field(default_factory=list)
+
+    def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
+        """A copy with the gradients of ``kinds`` divided by a mixed-precision loss scale.
+
+        ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
+        gradient; ``nonfinite`` and the bin counts do not.
+        """
+        entries = []
+        for e in self.entries:
+            if e.kind in kinds:
+                stats = {k: v if k == "nonfinite" else v / scale for k, v in e.stats.items()}
+                hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
+                e = replace(e, stats=stats, histogram=hist)
+            entries.append(e)
+        return GradientRecord(entries)
 
     @property
     def first_nonfinite(self) -> GradientEntry | None:

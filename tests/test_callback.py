@@ -180,3 +180,27 @@ def test_validation_test_and_predict_do_no_hook_work_and_warn_nothing(tmp_path):
 def test_invalid_arguments_rejected_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GradHooks(**kwargs)
+
+
+def test_mixed_precision_statistics_are_unscaled_and_the_scale_is_logged(tmp_path):
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    norms = {}
+    for init_scale in (1.0, 1024.0):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+        trainer, _ = fit(
+            tmp_path / str(init_scale), GradHooks(every_n_steps=1), max_steps=2,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        )
+        events = read_events(trainer.logger.log_dir)
+        assert [e.value for e in events.Scalars("loss_scale")] == [init_scale, init_scale]
+        norms[init_scale] = {
+            tag: events.Scalars(tag)[0].value
+            for tag in ("grad_output_norm/net.4", "grad_input_absmax/net.2", "param_grad_norm/net.0.weight")
+        }
+        hist = events.Histograms("grad_output_hist/net.4")[0].histogram_value
+        absmax = events.Scalars("grad_output_absmax/net.4")[0].value
+        assert max(abs(hist.min), abs(hist.max)) == pytest.approx(absmax, rel=1e-6)
+        norms[init_scale]["hist.max"] = hist.max
+    for tag, value in norms[1.0].items():
+        assert norms[1024.0][tag] == pytest.approx(value, rel=1e-2), tag
