@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities import rank_zero_warn
+import pytorch_lightning
+from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 from typing_extensions import override
 
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
@@ -17,8 +15,18 @@ from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.stats import STATISTICS
 
 
-def _tensorboard_loggers(trainer: pl.Trainer) -> list[TensorBoardLogger]:
-    return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+def _tensorboard_loggers(trainer: pl.Trainer) -> list[Any]:
+    """The TensorBoardLoggers of the trainer, from whichever Lightning namespace is in use."""
+    classes = tuple(
+        sys.modules[f"{namespace}.loggers"].TensorBoardLogger
+        for namespace in ("pytorch_lightning", "lightning.pytorch")
+        if f"{namespace}.loggers" in sys.modules
+    )
+    return [lg for lg in trainer.loggers if isinstance(lg, classes)]
 
 
 def _loss_scale(trainer: pl.Trainer) -> float | None:
@@ -37,7 +45,7 @@ def _check_positive_int(argument: str, value: object, allow_none: bool = False) 
         raise ValueError(f"`{argument}` expected {accepted}, got {value!r}")
 
 
-class GradHooks(Callback):
+class GradHooksLogic:
     r"""Log per-module gradient statistics and histograms to TensorBoard.
 
     At fit start, a full backward hook (``register_full_backward_hook``) is attached to every
@@ -79,6 +87,10 @@ class GradHooks(Callback):
             or ``exclude`` pattern that matches no module.
         DiskOffloadError: at fit start, for an offload folder that cannot be created or
             written; during a step, when a write fails (full disk), naming folder and bytes.
+
+    ``GradHooks`` exists once per Lightning namespace, with this same behaviour:
+    ``from lightning_gradhooks import GradHooks`` for ``pytorch_lightning``, and
+    ``from lightning_gradhooks.lightning import GradHooks`` for ``lightning.pytorch``.
 
     Example::
 
@@ -252,3 +264,7 @@ class GradHooks(Callback):
                 "NaN/Inf elements)."
             )
         self._in_nonfinite_episode = first is not None
+
+
+class GradHooks(GradHooksLogic, pytorch_lightning.Callback):
+    __doc__ = GradHooksLogic.__doc__
