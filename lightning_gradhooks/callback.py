@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.stats import STATISTICS
+from lightning_gradhooks.stats import STATISTICS, Statistic
 
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class GradHooksLogic:
         every_n_steps: int | None = None,
         include: list[str] | None = None,
         exclude: list[str] | None = None,
-        statistics: list[str] | None = None,
+        statistics: list[Statistic] | None = None,
         histograms: bool = True,
         histogram_bins: int = DEFAULT_BINS,
         offload_threshold_bytes: int | None = None,

@@ -9,6 +9,7 @@ does not hide the shape of the rest of the gradient.
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -16,7 +17,8 @@ from torch import Tensor
 #: Names of the statistics, in the order of :func:`tensor_stats`'s result.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
 #: ``absmax``, ``nonfinite`` (count of NaN/Inf elements).
-STATISTICS: tuple[str, ...] = ("norm", "mean", "std", "absmax", "nonfinite")
+Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite"]
+STATISTICS: tuple[str, ...] = get_args(Statistic)
 
 # Position of the finite-element count and of the histogram range in the vector that
 # :func:`tensor_stats` returns behind the public statistics (used to build histograms).
