@@ -10,6 +10,7 @@ host in one transfer per device.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, tensor_histogram, tensor_stats
 
@@ -88,11 +90,22 @@ _NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are comput
 class MonitorHandle:
     """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager."""
 
-    def __init__(self, handles: list[Any], flags: list[tuple[nn.Module, bool | None]]) -> None:
-        self._handles = handles
-        self._flags = flags
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._flags: list[tuple[nn.Module, bool | None]] = []
         warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
         self._filter: tuple | None = warnings.filters[0]
+
+    @property
+    def active(self) -> bool:
+        return self._filter is not None
+
+    def add(self, handle: Any) -> None:
+        self._handles.append(handle)
+
+    def add_full_backward_hook(self, module: nn.Module, hook: Any) -> None:
+        self._flags.append((module, module._is_full_backward_hook))
+        self._handles.append(module.register_full_backward_hook(hook))
 
     def remove(self) -> None:
         if self._filter in warnings.filters:
@@ -113,6 +126,25 @@ class MonitorHandle:
 
     def __exit__(self, *args: object) -> None:
         self.remove()
+
+
+@dataclass
+class _Probe:
+    """What the first forward after :meth:`GradientMonitor.attach` saw of in-place use."""
+
+    handles: list[Any] = field(default_factory=list)
+    inputs: dict[str, list[list[tuple[Tensor, int]]]] = field(default_factory=dict)
+    outputs: list[tuple[str, list[tuple[Tensor, int]]]] = field(default_factory=list)
+    unsafe: set[str] = field(default_factory=set)
+
+    def modified_in_place(self) -> set[str]:
+        later = {name for name, outs in self.outputs if any(t._version != v for t, v in outs)}
+        return self.unsafe | later
+
+
+def _grad_tensors(value: Any) -> list[Tensor]:
+    """The tensors requiring grad in a module's output or inputs, however nested."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.requires_grad]
 
 
 def _check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
@@ -223,31 +255,81 @@ class GradientMonitor:
         self._armed = False
         self._pending: list[tuple[str, str, Tensor, Tensor | None]] = []
         self._handle: MonitorHandle | None = None
+        self._probe: _Probe | None = None
+        #: Modules whose grad_output is read through tensor hooks (found modified in place).
+        self.fallback: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
-        """Register the hooks (once) and return the handle that removes all of them."""
-        if self._handle is not None and self._handle._handles:
+        """Register the hooks (once) and return the handle that removes all of them.
+
+        Full backward hooks break on modules whose output (or input) is modified in place, as
+        ``ReLU(inplace=True)`` after a norm layer or ``out += identity`` do. So the first
+        forward after ``attach`` runs with forward hooks only, which watch tensor version
+        counters and read ``grad_output`` through tensor hooks on the outputs. When its
+        backward starts, modules seen modified in place keep that mechanism (``grad_output``
+        only; reported once in a warning) and every other module gets its full backward hook.
+        """
+        if self._handle is not None and self._handle.active:
             return self._handle
-        handles, flags, skipped = [], [], []
+        self._handle = MonitorHandle()
+        self._probe = _Probe()
         for name, module in self.modules.items():
-            if module._is_full_backward_hook is False:
-                skipped.append(_label(name))
-                continue
-            flags.append((module, module._is_full_backward_hook))
-            handles.append(module.register_full_backward_hook(self._make_hook(_label(name))))
+            label = _label(name)
+            self._probe.handles += [
+                module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
+                module.register_forward_hook(functools.partial(self._probe_outputs, label)),
+            ]
+        for handle in self._probe.handles:
+            self._handle.add(handle)
+        return self._handle
+
+    def _probe_inputs(self, name: str, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            self._probe.inputs.setdefault(name, []).append([(t, t._version) for t in _grad_tensors(args)])
+
+    def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled() or self._probe is None:
+            return
+        calls = self._probe.inputs.get(name)
+        if calls and any(t._version != v for t, v in calls.pop()):
+            self._probe.unsafe.add(name)  # the module modified its own input in place
+        outputs = _grad_tensors(output)
+        self._probe.outputs.append((name, [(t, t._version) for t in outputs]))
+        self._watch_outputs(name, outputs)
+
+    def _finish_probe(self) -> None:
+        """Give each module its lasting hook, once the first backward has started."""
+        probe, self._probe = self._probe, None
+        for handle in probe.handles:
+            handle.remove()
+        fallback, skipped = probe.modified_in_place(), []
+        for name, module in self.modules.items():
+            label = _label(name)
+            if label in fallback:
+                self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
+            elif module._is_full_backward_hook is False:
+                skipped.append(label)
+            else:
+                self._handle.add_full_backward_hook(module, functools.partial(self._full_hook, label))
+        self.fallback = sorted(fallback)
+        if self.fallback:
+            warnings.warn(
+                "in-place operations touch these modules' outputs or inputs, so their grad_output is "
+                f"read with tensor hooks and grad_input is not logged: {', '.join(self.fallback)}",
+                stacklevel=2,
+            )
         if skipped:
             warnings.warn(
                 "these modules already carry legacy `register_backward_hook` hooks and are not "
                 f"monitored: {', '.join(skipped)}",
                 stacklevel=2,
             )
-        self._handle = MonitorHandle(handles, flags)
-        return self._handle
 
     def remove(self) -> None:
         """Remove every hook and drop pending statistics; safe to call any number of times."""
         self._armed = False
+        self._probe = None
         self._pending.clear()
         if self._handle is not None:
             self._handle.remove()
@@ -266,14 +348,27 @@ class GradientMonitor:
         self._pending.clear()
 
     # -- hot path --------------------------------------------------------------------------
-    def _make_hook(self, name: str):  # noqa: ANN202
-        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            if not self._armed:
-                return
-            self._reduce("grad_output", name, grad_output, self.histograms)
-            self._reduce("grad_input", name, grad_input, False)
+    def _full_hook(self, name: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        if not self._armed:
+            return
+        self._reduce("grad_output", name, grad_output, self.histograms)
+        self._reduce("grad_input", name, grad_input, False)
 
-        return hook
+    def _fallback_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._armed and torch.is_grad_enabled():
+            self._watch_outputs(name, _grad_tensors(output))
+
+    def _watch_outputs(self, name: str, outputs: list[Tensor]) -> None:
+        # A tensor hook registered now fires with the gradient of this version of the tensor,
+        # even if it is modified in place later.
+        for i, t in enumerate(outputs):
+            t.register_hook(functools.partial(self._output_grad, name if len(outputs) == 1 else f"{name}/{i}"))
+
+    def _output_grad(self, label: str, grad: Tensor) -> None:
+        if self._probe is not None:
+            self._finish_probe()
+        if self._armed:
+            self._reduce("grad_output", label, (grad,), self.histograms)
 
     def _reduce(self, kind: str, name: str, grads: Iterable[Tensor | None], hist: bool) -> None:
         grads = tuple(grads)

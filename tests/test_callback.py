@@ -87,7 +87,8 @@ class HookCounter(pl.Callback):
         self.counts = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
-        self.counts.append(len(pl_module.net[0]._backward_hooks))
+        layer = pl_module.net[0]
+        self.counts.append(len(layer._backward_hooks) + len(layer._forward_hooks) + len(layer._forward_pre_hooks))
 
 
 def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
@@ -99,7 +100,8 @@ def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
         trainer = make_trainer(tmp_path, [callback, counter], max_steps=max_steps)
         trainer.fit(model, loader())
         assert hook_snapshot(model) == before
-    assert counter.counts == [1] * 6  # each fit has its own trainer, from step 0
+    # Each fit has its own trainer, from step 0: forward probes in step 0, then one hook.
+    assert counter.counts == [2, 1] + [2, 1, 1, 1]
     callback.teardown(trainer, model, "fit")  # cleanup is safe to run again
 
 

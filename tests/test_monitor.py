@@ -39,6 +39,8 @@ def test_statistics_equal_autograd_reference():
     names = ["0", "1", "2", "3", "4"]
     monitor = GradientMonitor(net, include=names)
     with monitor.attach():
+        (net(x) ** 2).sum().backward()  # the first backward settles which hooks to use
+        net.zero_grad()
         monitor.arm()
         (net(x) ** 2).sum().backward()
         record = monitor.collect()
@@ -96,8 +98,10 @@ def test_handle_restores_every_hook_and_flag():
     before = hook_snapshot(net)
     monitor = GradientMonitor(net)
     handle = monitor.attach()
+    net(torch.randn(2, 6)).sum().backward()
     assert monitor.attach() is handle  # attaching twice does not double the hooks
     assert all(len(net[i]._backward_hooks) == 1 for i in (0, 2, 3, 4))
+    assert len(net[2]._forward_hooks) == 1 and not net[0]._forward_hooks  # the probe is gone
     handle.remove()
     handle.remove()
     assert hook_snapshot(net) == before
@@ -108,8 +112,9 @@ def test_modules_with_legacy_hooks_are_skipped_with_a_warning():
     net = model()
     net[0].register_backward_hook(lambda *a: None)
     monitor = GradientMonitor(net)
-    with pytest.warns(UserWarning, match="legacy"):
-        handle = monitor.attach()
+    handle = monitor.attach()
+    with pytest.warns(UserWarning, match="legacy.*: 0$"):
+        net(torch.randn(2, 6)).sum().backward()
     assert len(net[0]._backward_hooks) == 1
     handle.remove()
 
