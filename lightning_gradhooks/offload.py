@@ -224,7 +224,7 @@ def _buffer(address: int, nbytes: int) -> memoryview:
 def _empty_host(nbytes: int, capacity: int) -> torch.Tensor:
     """A CPU byte buffer for reading back: its own anonymous mapping (page aligned, huge pages
     where Linux allows), unmapped as soon as the tensor dies, so reads do not fragment the heap."""
-    mapping = mmap.mmap(-1, capacity)
+    mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)  # private: shared would be shmem, no THP
     with contextlib.suppress(AttributeError, OSError):  # MADV_HUGEPAGE is Linux only
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
@@ -397,6 +397,7 @@ class _Engine:
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = _make_private_folder(directory)
         self.closed = False
+        self._pid = os.getpid()  # a forked child must not delete its parent's files
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._dead: collections.deque[_Record] = collections.deque()  # handles died, not yet counted
@@ -414,7 +415,7 @@ class _Engine:
         self._pool: _PinnedPool | None = None
         self._streams: dict[tuple[str, torch.device], Any] = {}
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.folder, self._segments, (self._writer, self._reader), os.getpid()
+            self, _cleanup, self.folder, self._segments, (self._writer, self._reader), self._pid
         )
 
     # -- locking: handles die in any thread (even inside our own critical sections, via the
@@ -464,7 +465,7 @@ class _Engine:
         self._prefetched -= rec.nbytes
 
     def _maybe_release(self, seg: _Segment) -> None:
-        if seg.sealed and seg.live == 0 and seg.io == 0 and seg.fd >= 0:
+        if seg.sealed and seg.live == 0 and seg.io == 0 and seg.fd >= 0 and os.getpid() == self._pid:
             seg.close()
             self._segments.pop(seg.index, None)
 
@@ -547,9 +548,17 @@ class _Engine:
             rec.handles += 1
             handle = _Handle(self, rec, t)
         if new:
-            if rec.device.type == "cuda":
-                self._copy_to_host(rec, storage)
-            rec.write_future = self._writer.submit(self._write, rec)
+            try:
+                if rec.device.type == "cuda":
+                    self._copy_to_host(rec, storage)
+                rec.write_future = self._writer.submit(self._write, rec)
+            except BaseException:
+                with self._guard():  # the write will never run: give back what it reserved
+                    rec.src = None
+                    self._in_flight -= rec.nbytes
+                    rec.segment.io -= 1
+                    self._cond.notify_all()
+                raise
         return handle
 
     def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int) -> _Record | None:
@@ -649,7 +658,7 @@ class _Engine:
                 if pinned is not None:
                     rec.pinned = rec.event = None
                     assert self._pool is not None
-                    self._pool.put(pinned)
+                    self._pool.put(pinned, event)  # a skipped write may leave its copy running
                 self._in_flight -= rec.nbytes
                 if error is not None:
                     self._fail(seg, error)

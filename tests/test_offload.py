@@ -393,6 +393,37 @@ def test_close_removes_everything(tmp_path: Path) -> None:
         e.__enter__()
 
 
+def test_forked_child_does_not_delete_parent_files(engine: save_on_disk) -> None:
+    model, x = mlp(), batch()
+    with engine:
+        loss = model(x).sum()
+    engine.flush()
+    pid = os.fork()
+    if pid == 0:  # the child drops the graph it inherited, then leaves without cleanup
+        try:
+            del loss
+            gc.collect()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert len(files(engine)) == 1
+    loss.backward()
+    assert files(engine) == []
+
+
+def test_failed_submit_gives_back_its_reservation(engine: save_on_disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: object) -> None:
+        raise RuntimeError("cannot schedule")
+
+    monkeypatch.setattr(engine._engine._writer, "submit", broken)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        with engine:
+            mlp()(batch())
+    gc.collect()
+    s = engine.stats()
+    assert s.bytes_pending_write == 0 and s.files_on_disk == 0 and files(engine) == []
+
+
 def test_atexit_cleanup_in_subprocess(tmp_path: Path) -> None:
     proc = run_python(f"""
         import torch
