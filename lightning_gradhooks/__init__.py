@@ -4,6 +4,7 @@
 plain-PyTorch core it builds on, which works in any training loop and never imports Lightning.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_gradhooks.monitor import GradientEntry, GradientMonitor, GradientRecord
@@ -11,6 +12,7 @@ from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 from lightning_gradhooks.stats import STATISTICS
 
 if TYPE_CHECKING:
+    from lightning_gradhooks._tensorboard import write_record
     from lightning_gradhooks.callback import GradHooks
 
 __all__ = [
@@ -21,15 +23,17 @@ __all__ = [
     "GradientMonitor",
     "GradientRecord",
     "save_on_disk",
+    "write_record",
 ]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    # The callback (and with it Lightning) is imported only when asked for, so that plain
-    # PyTorch and Fabric users of the core never pay for importing Lightning.
-    if name == "GradHooks":
-        from lightning_gradhooks.callback import GradHooks
+_LAZY = {"GradHooks": "lightning_gradhooks.callback", "write_record": "lightning_gradhooks._tensorboard"}
 
-        return GradHooks
+
+def __getattr__(name: str) -> Any:
+    # The callback (and with it Lightning) and the TensorBoard writer are imported only when
+    # asked for, so that users of the plain-PyTorch core never pay for importing Lightning.
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

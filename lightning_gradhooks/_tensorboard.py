@@ -16,7 +16,7 @@ from typing import Any
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
 from lightning_gradhooks.monitor import GradientRecord
-from lightning_gradhooks.stats import histogram_edges
+from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
 def scalar_metrics(record: GradientRecord, statistics: Collection[str]) -> dict[str, float]:
@@ -61,3 +61,16 @@ def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | 
         values += histogram_values(record)
     # The file writer that SummaryWriter.add_scalar and add_histogram_raw write through.
     writer._get_file_writer().add_summary(Summary(value=values), step)
+
+
+def write_record(
+    writer: Any, record: GradientRecord, step: int, statistics: Collection[str] = STATISTICS, histograms: bool = True
+) -> None:
+    """Write a :class:`GradientRecord` to a ``SummaryWriter`` under the GradHooks tag scheme.
+
+    For loops without the callback (Lightning Fabric, plain PyTorch)::
+
+        writer = torch.utils.tensorboard.SummaryWriter("runs/exp")
+        write_record(writer, monitor.collect(), step)
+    """
+    write_step(writer, scalar_metrics(record, statistics), record if histograms else None, step)

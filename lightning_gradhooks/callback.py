@@ -149,12 +149,33 @@ class GradHooksLogic:
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False
 
+    # -- checkpoints -----------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        # Distinct per configuration, so differently configured instances can share a Trainer.
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps,
+            include=self.include,
+            exclude=self.exclude,
+            offload_threshold_bytes=self.offload_threshold_bytes,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        # The logging schedule follows `trainer.global_step`, which Lightning restores; what is
+        # ours is whether the last logged step already warned about non-finite gradients.
+        return {"in_nonfinite_episode": self._in_nonfinite_episode}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callback states after `setup`, so this survives `_cleanup`.
+        self._in_nonfinite_episode = bool(state_dict.get("in_nonfinite_episode", False))
+
     # -- lifecycle -------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._cleanup()
+        self._in_nonfinite_episode = False
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -198,7 +219,6 @@ class GradHooksLogic:
             self._leave_offload(exc_type=RuntimeError)
             self._offload.close()
             self._offload = None
-        self._in_nonfinite_episode = False
 
     def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
         if self._offload_active:

@@ -206,3 +206,27 @@ def test_mixed_precision_statistics_are_unscaled_and_the_scale_is_logged(tmp_pat
         norms[init_scale]["hist.max"] = hist.max
     for tag, value in norms[1.0].items():
         assert norms[1024.0][tag] == pytest.approx(value, rel=1e-2), tag
+
+
+def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = MLP(nan_at=1)  # step 1 is non-finite (and everything after it)
+    first = GradHooks(every_n_steps=2, include=["net.4"])
+    other = GradHooks(every_n_steps=3)  # a second, differently configured instance
+    trainer = make_trainer(tmp_path / "a", [first, other], max_steps=3)
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(model, loader())
+    path = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(path)
+    states = torch.load(path, weights_only=False)["callbacks"]
+    assert len([k for k in states if k.startswith("GradHooks")]) == 2
+    assert states[first.state_key] == {"in_nonfinite_episode": True}
+
+    resumed = GradHooks(every_n_steps=2, include=["net.4"])
+    trainer = make_trainer(tmp_path / "b", [resumed], max_steps=6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        trainer.fit(MLP(nan_at=1), loader(), ckpt_path=path)
+    assert not [w for w in rec if "non-finite" in str(w.message)]  # still the same episode
+    events = read_events(trainer.logger.log_dir)
+    assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [4]
