@@ -48,8 +48,10 @@ def _check_positive_int(argument: str, value: object, allow_none: bool = False) 
 class GradHooksLogic:
     r"""Log per-module gradient statistics and histograms to TensorBoard.
 
-    At fit start, a full backward hook (``register_full_backward_hook``) is attached to every
-    selected module. On logging steps the hooks reduce each module's ``grad_output`` and
+    At fit start, hooks are attached to every selected module: a full backward hook
+    (``register_full_backward_hook``) wherever it is safe, and tensor hooks on the outputs of
+    modules that the first training step shows to be modified in place (see docs/usage.md).
+    On logging steps the hooks reduce each module's ``grad_output`` and
     ``grad_input`` to statistics on the device, and before the optimizer step the selected
     modules' parameter gradients are reduced too; the numbers reach the host once per logged
     step. Scalars go to every logger, histograms to every ``TensorBoardLogger``. Every hook is

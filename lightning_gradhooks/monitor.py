@@ -223,11 +223,12 @@ class GradientMonitor:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         >>> monitor = GradientMonitor(model)
         >>> with monitor.attach():
-        ...     monitor.arm()
-        ...     model(torch.randn(16, 4)).sum().backward()
-        ...     record = monitor.collect()
-        >>> sorted({(e.kind, e.name) for e in record.entries})[:3]
-        [('grad_input', '0'), ('grad_input', '2'), ('grad_output', '0')]
+        ...     for step in range(2):
+        ...         monitor.arm()
+        ...         model(torch.randn(16, 4)).sum().backward()
+        ...         record = monitor.collect()
+        >>> [(e.kind, e.name) for e in record.entries][:4]
+        [('grad_output', '2'), ('grad_input', '2'), ('grad_output', '0'), ('param_grad', '0.weight')]
     """
 
     def __init__(
