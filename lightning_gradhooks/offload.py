@@ -221,13 +221,15 @@ def _buffer(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _empty_host(nbytes: int, capacity: int) -> torch.Tensor:
-    """A CPU byte buffer for reading back: its own anonymous mapping (page aligned, huge pages
-    where Linux allows), unmapped as soon as the tensor dies, so reads do not fragment the heap."""
-    mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)  # private: shared would be shmem, no THP
+def _host_buffer(nbytes: int, skip: int = 0) -> tuple[torch.Tensor, int]:
+    """A CPU byte tensor of ``nbytes`` at ``skip`` bytes into a fresh anonymous mapping, and the
+    mapping's address. The mapping is page aligned (as O_DIRECT needs), uses huge pages where
+    Linux allows, and is unmapped as soon as the tensor dies, so reads do not fragment the heap."""
+    mapping = mmap.mmap(-1, _round_up(skip + nbytes, _ALIGN), flags=mmap.MAP_PRIVATE)  # shared = shmem, no THP
     with contextlib.suppress(AttributeError, OSError):  # MADV_HUGEPAGE is Linux only
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=skip), address
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -282,12 +284,12 @@ class _Segment:
 
     def __init__(self, index: int, path: str, fd: int) -> None:
         self.index, self.path, self.fd = index, path, fd
-        self.direct_fd = -1  # O_DIRECT reader, with drop_page_cache where the filesystem allows
+        self.direct_fd = -1  # O_DIRECT, with drop_page_cache where the filesystem allows
         self.size = 0  # next free offset
         self.records: list[_Record] = []  # in order of saving, for prefetch
         self.live = 0  # records with a live handle
         self.io = 0  # reads and writes queued or running on fd
-        self.sealed = False  # no more appends; deleted once live == io == 0
+        self.sealed = False  # no more appends; unlinked once live == 0, closed once io == 0 too
         self.failed: BaseException | None = None
         self.linked = True
         self.cursor = -1  # next record to consider for prefetch
@@ -310,7 +312,7 @@ class _Segment:
 class _Record:
     """One storage region written to a segment, shared by the handles of its views."""
 
-    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
+    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version", "direct",
                  "src", "pinned", "event", "write_future", "written", "error", "handles",
                  "loaded", "load_event", "loading", "read_error", "served")
 
@@ -324,6 +326,7 @@ class _Record:
         self.event: Any = None  # CUDA: device-to-host copy done
         self.write_future: cf.Future[None] | None = None
         self.written = False
+        self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.error: BaseException | None = None  # modified in place before being written
         self.handles = 0
         self.loaded: torch.Tensor | None = None  # bytes read back, held until served
@@ -451,6 +454,13 @@ class _Engine:
     def _drop(self, rec: _Record) -> None:
         seg = rec.segment
         rec.src = None  # a running write keeps its own reference until done
+        if not rec.written and rec.write_future is not None and rec.write_future.cancel():
+            self._in_flight -= rec.nbytes  # the queued write will not run
+            seg.io -= 1
+            self._cond.notify_all()
+            if rec.pinned is not None and self._pool is not None:
+                self._pool.put(rec.pinned, rec.event)
+                rec.pinned = rec.event = None
         if rec.loaded is not None:
             self._unhold(rec)
         if rec.loading is not None and rec.loading.cancel():
@@ -465,9 +475,12 @@ class _Engine:
         self._prefetched -= rec.nbytes
 
     def _maybe_release(self, seg: _Segment) -> None:
-        if seg.sealed and seg.live == 0 and seg.io == 0 and seg.fd >= 0 and os.getpid() == self._pid:
-            seg.close()
-            self._segments.pop(seg.index, None)
+        """Delete a sealed segment's file once no handle needs it; close it once its I/O is done."""
+        if seg.sealed and seg.live == 0 and os.getpid() == self._pid:
+            seg.unlink()  # a write still running goes to the nameless file
+            if seg.io == 0 and seg.fd >= 0:
+                seg.close()
+                self._segments.pop(seg.index, None)
 
     def _raise_error(self) -> None:
         if self.closed:
@@ -590,10 +603,17 @@ class _Engine:
             seg = self._current = self._segments[index] = _Segment(index, path, fd)
             if self.drop_page_cache and hasattr(os, "O_DIRECT"):
                 with contextlib.suppress(OSError):  # e.g. tmpfs: buffered reads instead
-                    seg.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        rec = _Record(seg, seg.size, nbytes, start, t, storage)
+                    seg.direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        # O_DIRECT moves whole aligned blocks between aligned memory and aligned file offsets:
+        # place the record at a file offset congruent to its address, so that all but a head and
+        # a tail (written through the page cache) can go straight to the device.
+        address = storage.data_ptr() + start
+        direct = seg.direct_fd >= 0 and t.device.type == "cpu" and address % 64 == 0
+        rec = _Record(seg, _round_up(seg.size, _ALIGN) + (address % _ALIGN if direct else 0), nbytes, start, t,
+                      storage)
+        rec.direct = direct
         seg.records.append(rec)
-        seg.size = _round_up(seg.size + nbytes, _ALIGN)
+        seg.size = rec.offset + nbytes
         seg.live += 1
         seg.io += 1  # the write
         self._in_flight += nbytes
@@ -635,8 +655,13 @@ class _Engine:
                 if event is not None:
                     event.synchronize()
                 address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
-                _pwrite_all(seg.fd, _buffer(address, rec.nbytes), rec.offset)
-                if self.drop_page_cache:
+                n, head = rec.nbytes, min(rec.nbytes, -rec.offset % _ALIGN) if rec.direct else rec.nbytes
+                body = (n - head) // _ALIGN * _ALIGN
+                for fd, at, length in ((seg.fd, 0, head), (seg.direct_fd, head, body), (seg.fd, head + body,
+                                                                                        n - head - body)):
+                    if length:
+                        _pwrite_all(fd, _buffer(address + at, length), rec.offset + at)
+                if self.drop_page_cache and not rec.direct:
                     os.fdatasync(seg.fd)
                     os.posix_fadvise(seg.fd, rec.offset, rec.nbytes, os.POSIX_FADV_DONTNEED)
                 if src is not None and src._version != rec.version:
@@ -768,12 +793,13 @@ class _Engine:
     def _read_back(self, rec: _Record) -> tuple[torch.Tensor, Any]:
         fd, n = rec.segment.fd, rec.nbytes
         if rec.device.type == "cpu":
-            span = _round_up(n, _ALIGN)  # O_DIRECT reads whole aligned blocks into aligned memory
-            buf = _empty_host(n, span)
-            if rec.segment.direct_fd >= 0:
-                with contextlib.suppress(OSError):
-                    _pread_all(rec.segment.direct_fd, _buffer(buf.data_ptr(), span), rec.offset, n)
-                    return buf, None
+            if rec.direct:  # whole aligned blocks, the record at its offset within the first one
+                skip = rec.offset % _ALIGN
+                buf, address = _host_buffer(n, skip)
+                span = _round_up(skip + n, _ALIGN)
+                _pread_all(rec.segment.direct_fd, _buffer(address, span), rec.offset - skip, skip + n)
+                return buf, None
+            buf, _ = _host_buffer(n)
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
             self._after_read(fd, rec)
             return buf, None
