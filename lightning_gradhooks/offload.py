@@ -294,6 +294,7 @@ class _Segment:
         self.linked = True
         self.cursor = -1  # next record to consider for prefetch
         self.last_unpacked = -1
+        self.previous: _Segment | None = None  # the same step's earlier file, for prefetch
 
     def unlink(self) -> None:
         if self.linked:
@@ -509,6 +510,7 @@ class _Engine:
     def _seal(self) -> None:
         if self._current is not None:
             self._current.sealed = True
+            self._current.cursor = len(self._current.records) - 1  # prefetch may come from a later file
             self._maybe_release(self._current)
             self._current = None
 
@@ -588,7 +590,7 @@ class _Engine:
         while self._in_flight and self._in_flight + nbytes > self.max_in_flight:  # backpressure
             self._cond.wait()
             self._raise_error()
-        seg = self._current
+        seg = previous = self._current
         if seg is not None and seg.records and seg.size + nbytes > self.segment_bytes:
             self._seal()
             seg = None
@@ -601,6 +603,7 @@ class _Engine:
                 raise DiskOffloadError(exc.errno, f"save_on_disk: could not create a file for {nbytes} bytes in "
                                                   f"folder {self.folder!r}: {exc.strerror or exc}") from exc
             seg = self._current = self._segments[index] = _Segment(index, path, fd)
+            seg.previous = previous
             if self.drop_page_cache and hasattr(os, "O_DIRECT"):
                 with contextlib.suppress(OSError):  # e.g. tmpfs: buffered reads instead
                     seg.direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
@@ -734,8 +737,8 @@ class _Engine:
                     wait = rec.loading
                 elif not rec.written:  # CUDA: its host copy is being written
                     wait = rec.write_future
-                    if wait is None:
-                        raise RuntimeError("save_on_disk: internal error: saved tensor neither written nor queued")
+                    if wait is None or wait.done():
+                        raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
                 else:
                     wait = read_here = rec.loading = cf.Future()
                     wait.set_running_or_notify_cancel()
@@ -756,15 +759,17 @@ class _Engine:
         seg = rec.segment
         seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
         seg.last_unpacked = rec.index
-        while seg.cursor >= 0 and seg.failed is None and self.prefetch_bytes:
-            r = seg.records[seg.cursor]
-            if r.handles > 0 and r.written and r.loaded is None and r.loading is None:
-                if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
-                    return
-                self._prefetched += r.nbytes
-                seg.io += 1
-                r.loading = self._reader.submit(self._load, r)
-            seg.cursor -= 1
+        while seg is not None and seg.fd >= 0 and seg.failed is None and self.prefetch_bytes:
+            while seg.cursor >= 0:
+                r = seg.records[seg.cursor]
+                if r.handles > 0 and r.written and r.loaded is None and r.loading is None:
+                    if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
+                        return
+                    self._prefetched += r.nbytes
+                    seg.io += 1
+                    r.loading = self._reader.submit(self._load, r)
+                seg.cursor -= 1
+            seg = seg.previous
 
     def _load(self, rec: _Record, future: cf.Future[Any] | None = None) -> None:
         """Read ``rec`` back (reader thread, or the caller when not prefetched)."""

@@ -270,6 +270,11 @@ def test_parameters_and_small_tensors_not_written(engine: save_on_disk) -> None:
     assert s.tensors_kept >= 1  # weight.t() of the second layer, a view of a parameter
     roundtrip(engine, torch.randn(8, 8))  # below the threshold
     assert engine.stats().bytes_written == 2 * x.numel() * 4
+    leaf = torch.randn(512, 512, requires_grad=True)  # 1 MiB leaves: saved directly by mul
+    with engine:
+        (leaf * leaf.exp()).sum().backward()
+    engine.flush()
+    assert engine.stats().bytes_written == 2 * x.numel() * 4 + leaf.numel() * 4  # only leaf.exp()
 
 
 def test_keep_in_memory_buffers(engine: save_on_disk) -> None:
@@ -544,13 +549,16 @@ def test_file_size_limit_in_subprocess(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- prefetch, threads, imports
 
 
-def test_prefetch_reads_in_reverse_order_on_reader_thread(engine: save_on_disk,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    reads: list[tuple[int, str]] = []
+@pytest.mark.parametrize("segment_bytes", [1 << 30, 1])  # one file per step, or one per tensor
+def test_prefetch_reads_in_reverse_order_on_reader_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         segment_bytes: int) -> None:
+    engine = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, segment_bytes=segment_bytes)
+    reads: list[tuple[int, int, str]] = []
     real = offload._pread_all
 
     def spy(fd: int, data: memoryview, off: int) -> None:
-        reads.append((off, threading.current_thread().name))
+        reads.append((int(os.readlink(f"/proc/self/fd/{fd}").split("/")[-1][:6]), off,
+                      threading.current_thread().name))
         real(fd, data, off)
 
     monkeypatch.setattr(offload, "_pread_all", spy)
@@ -558,10 +566,12 @@ def test_prefetch_reads_in_reverse_order_on_reader_thread(engine: save_on_disk,
     with engine:
         loss = model(x).sum()
     engine.flush()
+    assert engine.stats().files_on_disk == (1 if segment_bytes > 1 else 12)
     loss.backward()
-    offsets = [off for off, _ in reads]
-    assert len(reads) >= 12 and offsets == sorted(offsets, reverse=True)
-    assert sum(name.startswith("save_on_disk-reader") for _, name in reads) >= len(reads) - 2
+    places = [(file, off) for file, off, _ in reads]
+    assert len(reads) == 12 and places == sorted(places, reverse=True)  # newest first
+    assert sum(name.startswith("save_on_disk-reader") for *_, name in reads) == 11  # all but the first
+    engine.close()
 
 
 def test_core_does_not_import_lightning() -> None:
