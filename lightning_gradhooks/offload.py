@@ -68,7 +68,8 @@ class OffloadStats:
     bytes_in_memory: int  #: held by the engine: pending writes plus buffers read ahead
     bytes_pending_write: int  #: handed to the writer, not yet on disk
     bytes_prefetched: int  #: read back (or being read) ahead of the backward pass
-    bytes_written: int  #: total written since construction
+    bytes_offloaded: int  #: handed to the writer since construction (after deduplication)
+    bytes_written: int  #: written since construction (a tensor used up before its turn is not)
     bytes_read: int  #: total read back since construction
     bytes_on_disk: int  #: size of the files that exist now
     files_on_disk: int  #: number of files that exist now
@@ -105,10 +106,10 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             0 disables prefetching.
         segment_bytes: a step's file is closed and a new one started past this size, so
             space is returned sooner when a context spans many steps.
-        drop_page_cache: after each write, flush the bytes to the device and drop them from
-            the operating system's page cache (and again after each read), so offloaded
-            bytes stop occupying RAM at all; costs device bandwidth. By default the kernel
-            decides when to write the (usually short-lived) pages back.
+        drop_page_cache: make offloaded bytes leave RAM: write and read them with O_DIRECT
+            where the filesystem allows (else flush them with ``fdatasync`` and drop them
+            from the page cache). Costs device bandwidth. By default writes land in the
+            kernel's page cache, which writes them back when it needs the memory.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -414,7 +415,7 @@ class _Engine:
         self._resident_modules: list[weakref.ref[nn.Module]] = []
         self._resident_ptrs: set[int] = set()
         self._error: BaseException | None = None
-        self._in_flight = self._prefetched = self._bytes_written = self._bytes_read = 0
+        self._in_flight = self._prefetched = self._bytes_offloaded = self._bytes_written = self._bytes_read = 0
         self._offloaded = self._deduplicated = self._kept = 0
         self._pool: _PinnedPool | None = None
         self._streams: dict[tuple[str, torch.device], Any] = {}
@@ -620,6 +621,7 @@ class _Engine:
         seg.live += 1
         seg.io += 1  # the write
         self._in_flight += nbytes
+        self._bytes_offloaded += nbytes
         self._offloaded += 1
         self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
         return rec
@@ -836,6 +838,7 @@ class _Engine:
                 bytes_in_memory=self._in_flight + self._prefetched,
                 bytes_pending_write=self._in_flight,
                 bytes_prefetched=self._prefetched,
+                bytes_offloaded=self._bytes_offloaded,
                 bytes_written=self._bytes_written,
                 bytes_read=self._bytes_read,
                 bytes_on_disk=sum(os.fstat(s.fd).st_size for s in linked if s.fd >= 0),
