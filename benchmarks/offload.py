@@ -327,7 +327,7 @@ def main() -> None:
     for drop in (False, True):  # warm up: the first huge-page faults may compact memory
         engine_bandwidth(folder, total, drop)
     eng = {drop: tuple(statistics.median(x) for x in zip(*[engine_bandwidth(folder, total, drop)
-                                                         for _ in range(args.io_repeats)]))
+                                                         for _ in range(args.io_repeats)], strict=True))
            for drop in (False, True)}
     print()
     print(f"bandwidth: {args.io_mib} MiB in 64 MiB blocks, median of {args.io_repeats}, folder {folder} "

@@ -539,7 +539,7 @@ class _Engine:
         except (RuntimeError, NotImplementedError):  # e.g. functorch wrappers
             return None
         elsize = t.element_size()
-        nbytes = elsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        nbytes = elsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
         if nbytes < self.threshold or storage.data_ptr() in self._resident_ptrs:
             return None
         start, total = t.storage_offset() * elsize, storage.nbytes()
@@ -577,7 +577,9 @@ class _Engine:
                 raise
         return handle
 
-    def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int) -> _Record | None:
+    def _find_duplicate(
+        self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int
+    ) -> _Record | None:
         elsize = t.element_size()
         for rec in self._dedupe.get((t.device, storage.data_ptr()), ()):
             if (rec.handles > 0 and rec.segment.failed is None and not rec.storage_ref.expired()

@@ -62,7 +62,7 @@ def roundtrip(engine: save_on_disk, *xs: torch.Tensor) -> tuple[torch.Tensor, ..
     engine.flush()
     out.sum().backward()
     first, second = Keep.unpacked
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     return first
 
@@ -169,7 +169,7 @@ def test_bitwise_identical_and_retain_graph(engine: save_on_disk) -> None:
     ref = train_step(model, x, None)
     for _ in range(3):  # one engine, several steps
         got = train_step(model, x, engine)
-        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
         assert engine.stats().files_on_disk == 0
     engine.flush()
     s = engine.stats()
@@ -192,7 +192,7 @@ def test_drop_page_cache_mode_is_identical(tmp_path: Path, monkeypatch: pytest.M
     model, x = mlp(), batch()
     ref = train_step(model, x, None)
     got = train_step(model, x, e)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     e.flush()
     assert e.stats().bytes_read > 0 and e.stats().bytes_written > 0 and files(e) == []
     for v in (torch.randn(300, 301).t()[1:], torch.randint(0, 9, (70001,), dtype=torch.int8)):  # odd sizes
@@ -218,7 +218,7 @@ def test_double_backward(engine: save_on_disk) -> None:
     ref = penalty(None)
     got = penalty(engine)
     assert engine.stats().bytes_read > 0
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -238,7 +238,7 @@ def test_dtype_shape_stride_roundtrip(engine: save_on_disk, dtype: torch.dtype) 
         (back,) = roundtrip(engine, v)
         assert back.dtype == v.dtype and back.shape == v.shape and back.stride() == v.stride()
         assert back.storage_offset() >= 0 and torch.equal(back, v)
-        assert not back.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # read from disk
+        assert back.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()  # read from disk
 
 
 def test_views_of_one_storage_written_once(engine: save_on_disk) -> None:
@@ -467,7 +467,7 @@ def test_atexit_cleanup_in_subprocess(tmp_path: Path) -> None:
 
 def test_unwritable_folder_fails_at_construction(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("not a folder")
-    with pytest.raises(DiskOffloadError, match="expected a writable folder, got .*afile"):
+    with pytest.raises(DiskOffloadError, match=r"expected a writable folder, got .*afile"):
         save_on_disk(threshold_bytes=MiB, directory=tmp_path / "afile" / "sub")
 
 
@@ -501,7 +501,7 @@ def test_write_failure_is_clear_and_leaves_nothing(engine: save_on_disk, monkeyp
     assert files(engine) == []
     monkeypatch.undo()  # the disk has room again: the engine is still usable
     ref = train_step(model, x, None)
-    assert all(torch.equal(a, b) for a, b in zip(ref, train_step(model, x, engine)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, train_step(model, x, engine), strict=True))
 
 
 def test_late_write_failure_surfaces_at_exit_or_backward(engine: save_on_disk,
@@ -582,7 +582,8 @@ def test_core_does_not_import_lightning() -> None:
         spec = importlib.util.spec_from_file_location("offload", {str(REPO / "lightning_gradhooks" / "offload.py")!r})
         module = sys.modules["offload"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_gradhooks")))
+        roots = ("lightning", "pytorch_lightning", "lightning_gradhooks")
+        print(sorted(m for m in sys.modules if m.split(".")[0] in roots))
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -594,7 +595,7 @@ def test_cuda_roundtrip_and_grads(engine: save_on_disk) -> None:
     model, x = mlp().cuda(), batch().cuda()
     ref = train_step(model, x, None)
     got = train_step(model, x, engine)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
         v = torch.randn(300, 200, device="cuda").to(dtype).t()[3:]
         (back,) = roundtrip(engine, v)
