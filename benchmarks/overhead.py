@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--steps 50] [--rounds 3] [--no-wandb]
 
 One process, variants interleaved: each round fits every variant for ``--steps`` optimizer steps
-with a fresh Trainer and the same initial weights, in turn. A step's time runs from
+with a fresh Trainer and the same initial weights, in turn, the order rotated every round. A step's time runs from
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, our logging, optimizer
 step). For each round we take each variant's mean step time and its ratio to the plain variant
 of the same round; the table shows medians over rounds.
@@ -142,9 +142,12 @@ def main() -> None:
         for make in variants.values():  # warm-up
             fit_once(make(), 3, logdir, state)
         means: dict[str, list[float]] = {name: [] for name in variants}
+        names = list(variants)
         for round_ in range(args.rounds):
-            for name, make in variants.items():
-                means[name].append(fit_once(make(), args.steps, logdir, state))
+            # Rotate the order each round, so no variant always runs first (or last).
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                means[name].append(fit_once(variants[name](), args.steps, logdir, state))
             print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {m[-1] * 1e3:.0f} ms" for n, m in means.items()))
         if wandb is not None:
             wandb.finish()

@@ -59,6 +59,18 @@ def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
+class FailingBackward(torch.autograd.Function):
+    """Identity in forward; raises in backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        raise RuntimeError("boom in backward")
+
+
 class GradRecorder(pl.Callback):
     """Keeps a copy of every parameter gradient at each optimizer step."""
 

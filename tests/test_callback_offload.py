@@ -10,7 +10,7 @@ from torch import nn
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.offload import DiskOffloadError
 
-from conftest import MLP, GradRecorder, hook_snapshot, loader, make_trainer
+from conftest import MLP, FailingBackward, GradRecorder, hook_snapshot, loader, make_trainer
 
 THRESHOLD = 256  # bytes: the MLP's activations (8 x 16 floats = 512 bytes) go to disk
 
@@ -73,16 +73,6 @@ def test_exception_in_training_step_leaves_no_files_and_no_hooks(tmp_path):
     assert files_under(tmp_path / "off") == []
     assert not saved_tensors_hooks_active()
     assert hook_snapshot(model) == before
-
-
-class FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        raise RuntimeError("boom in backward")
 
 
 class FailsInBackward(MLP):

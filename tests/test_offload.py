@@ -23,6 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_gradhooks import offload
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 
+from conftest import FailingBackward
+
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
 
@@ -370,21 +372,12 @@ def test_no_files_after_exception_in_forward(engine: save_on_disk) -> None:
 
 
 def test_no_files_after_exception_in_backward(engine: save_on_disk) -> None:
-    class Fail(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):  # noqa: ANN001, ANN205
-            raise ValueError("boom in backward")
-
     model, x = mlp(), batch()
     with engine:
-        loss = model[4:](Fail.apply(model[:4](x))).sum()  # fails halfway through backward
+        loss = model[4:](FailingBackward.apply(model[:4](x))).sum()  # fails halfway through backward
     engine.flush()
     assert len(files(engine)) == 1
-    with pytest.raises(ValueError, match="boom in backward"):
+    with pytest.raises(RuntimeError, match="boom in backward"):
         loss.backward()
     del loss
     gc.collect()
