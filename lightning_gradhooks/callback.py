@@ -10,7 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both 
 from typing_extensions import override
 
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
-from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord
+from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.stats import STATISTICS, Statistic
 
@@ -125,11 +125,8 @@ class GradHooksLogic:
                 "with offload_threshold_bytes=None (offload off)"
             )
         _check_positive_int("histogram_bins", histogram_bins)
-        for argument, patterns in (("include", include), ("exclude", exclude)):
-            if patterns is not None and (
-                isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)
-            ):
-                raise ValueError(f"`{argument}` expected a list of glob patterns, got {patterns!r}")
+        check_patterns("include", include)
+        check_patterns("exclude", exclude)
         if statistics is None:
             statistics = list(STATISTICS)
         if isinstance(statistics, str) or not all(s in STATISTICS for s in statistics):

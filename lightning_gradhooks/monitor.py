@@ -147,11 +147,12 @@ def _grad_tensors(value: Any) -> list[Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.requires_grad]
 
 
-def _check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
+def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
+    """``patterns`` as a list, or a ValueError saying what is accepted."""
     if patterns is None:
         return []
     if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
-        raise ValueError(f"`{argument}` expected a list of glob patterns (str), got {patterns!r}")
+        raise ValueError(f"`{argument}` expected a list of glob patterns, got {patterns!r}")
     return list(patterns)
 
 
@@ -172,7 +173,7 @@ def select_modules(
         ValueError: a pattern matches no module (the message shows names that exist), or the
             selection is empty.
     """
-    include, exclude = _check_patterns("include", include), _check_patterns("exclude", exclude)
+    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
     names = {name: module for name, module in model.named_modules()}
     for argument, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns:
