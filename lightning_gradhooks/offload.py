@@ -126,7 +126,7 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         >>> with offload:
         ...     loss = model(torch.randn(512, 256)).square().sum()
         >>> loss.backward()
-        >>> offload.stats().bytes_written > 0
+        >>> offload.stats().bytes_offloaded > 0
         True
         >>> offload.close()
     """
