@@ -274,7 +274,7 @@ class GradHooksLogic:
             if logger not in tensorboards:
                 logger.log_metrics(metrics, step=self._step)
         for logger in tensorboards:
-            write_step(logger.experiment, metrics, record if self.histograms else None, self._step)
+            write_step(logger.experiment, metrics, record, self._step)  # histograms only if collected
         first = record.first_nonfinite
         if first is not None and not self._in_nonfinite_episode:
             rank_zero_warn(

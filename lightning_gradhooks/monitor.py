@@ -287,7 +287,7 @@ class GradientMonitor:
         return self._handle
 
     def _probe_inputs(self, name: str, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._probe is not None:
             self._probe.inputs.setdefault(name, []).append([(t, t._version) for t in _grad_tensors(args)])
 
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:

@@ -22,7 +22,7 @@ STATISTICS: tuple[str, ...] = get_args(Statistic)
 
 # Position of the finite-element count and of the histogram range in the vector that
 # :func:`tensor_stats` returns behind the public statistics (used to build histograms).
-_NONFINITE, _LOW, _HIGH = 4, len(STATISTICS) + 1, len(STATISTICS) + 2
+_NONFINITE, _LOW, _HIGH = STATISTICS.index("nonfinite"), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
 
