@@ -1,7 +1,8 @@
 """Turning a :class:`GradientRecord` into TensorBoard tags, scalars and raw histograms.
 
 Tag scheme: ``<kind>_<statistic>/<name>`` for scalars (``grad_output_norm/encoder.0.linear1``)
-and ``<kind>_hist/<name>`` for histograms, so TensorBoard groups one section per statistic.
+and ``<kind>_hist/<name>`` for histograms, so TensorBoard groups one section per statistic;
+``grad_output_calls/<name>`` counts the gradients pooled into an entry when there are several.
 
 A logged step is written as a single event holding every scalar and histogram of the step: the
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
@@ -20,13 +21,16 @@ from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
 def scalar_metrics(record: GradientRecord, statistics: Collection[str]) -> dict[str, float]:
-    """The scalars of ``record`` under their tags, for the chosen statistics only."""
-    return {
-        f"{entry.kind}_{stat}/{entry.name}": value
-        for entry in record.entries
-        for stat, value in entry.stats.items()
-        if stat in statistics
-    }
+    """The scalars of ``record`` under their tags, for the chosen statistics only, and the call
+    count (``grad_output_calls/<name>``) of modules whose entry pools more than one gradient."""
+    metrics = {}
+    for entry in record.entries:
+        for stat, value in entry.stats.items():
+            if stat in statistics:
+                metrics[f"{entry.kind}_{stat}/{entry.name}"] = value
+        if entry.calls > 1 and entry.kind == "grad_output":
+            metrics[f"grad_output_calls/{entry.name}"] = float(entry.calls)
+    return metrics
 
 
 def histogram_values(record: GradientRecord) -> list[Summary.Value]:

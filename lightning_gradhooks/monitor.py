@@ -9,18 +9,25 @@ host in one transfer per device.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import warnings
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
-from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, tensor_histogram, tensor_stats
+from lightning_gradhooks.stats import (
+    STATISTICS,
+    STATS_WIDTH,
+    merge_histograms,
+    pool_stats,
+    tensor_histogram,
+    tensor_stats,
+)
 
 #: Label used for the root module, whose qualified name is the empty string.
 ROOT_NAME = "(model)"
@@ -42,16 +49,22 @@ class GradientEntry:
 
     Attributes:
         kind: ``"grad_output"``, ``"grad_input"`` or ``"param_grad"``.
-        name: the module's qualified name (``"/i"`` appended for the i-th of several tensors,
-            ``"#k"`` for the k-th call of a module called more than once), or the parameter's.
+        name: the module's qualified name, or the parameter's. A module with several output
+            (or input) tensors gives one entry per tensor, named by its position or key in the
+            structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
         stats: statistic name to value, for every name in :data:`STATISTICS`.
         histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
+        calls: how many gradients were pooled into this entry. A module called several times
+            in one step (weight sharing, a cell in a loop), or in each micro-batch of an
+            accumulated step, gives one entry whose statistics and histogram are those of
+            all its gradients taken together, as if concatenated into one tensor.
     """
 
     kind: str
     name: str
     stats: dict[str, float]
     histogram: Histogram | None = None
+    calls: int = 1
 
 
 @dataclass
@@ -136,15 +149,42 @@ class _Probe:
     inputs: dict[str, list[list[tuple[Tensor, int]]]] = field(default_factory=dict)
     outputs: list[tuple[str, list[tuple[Tensor, int]]]] = field(default_factory=list)
     unsafe: set[str] = field(default_factory=set)
+    #: Modules whose output is a dict, list, nested tuple or object: full hooks miss it.
+    structured: set[str] = field(default_factory=set)
 
     def modified_in_place(self) -> set[str]:
         later = {name for name, outs in self.outputs if any(t._version != v for t, v in outs)}
         return self.unsafe | later
 
 
-def _grad_tensors(value: Any) -> list[Tensor]:
-    """The tensors requiring grad in a module's output or inputs, however nested."""
-    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.requires_grad]
+def _tensor_leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Tensor]]:
+    """The tensors in a module's output or inputs, with their key paths, however nested.
+
+    Walks tensors, mappings (``ModelOutput`` is one), lists and tuples (named tuples by field
+    name) and dataclasses; other objects are opaque.
+    """
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensor_leaves(item, (*path, str(key)))
+    elif isinstance(value, (list, tuple)):
+        names = getattr(value, "_fields", None)
+        for i, item in enumerate(value):
+            yield from _tensor_leaves(item, (*path, names[i] if names else str(i)))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _tensor_leaves(getattr(value, f.name), (*path, f.name))
+
+
+def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
+    """The tensors requiring grad in ``value``, with their key paths."""
+    return [(path, t) for path, t in _tensor_leaves(value) if t.requires_grad]
+
+
+def _full_hook_sees(output: Any) -> bool:
+    """Whether a full backward hook sees every tensor of ``output``: a tensor or a flat tuple."""
+    return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
 
 
 def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
@@ -288,7 +328,7 @@ class GradientMonitor:
 
     def _probe_inputs(self, name: str, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled() and self._probe is not None:
-            self._probe.inputs.setdefault(name, []).append([(t, t._version) for t in _grad_tensors(args)])
+            self._probe.inputs.setdefault(name, []).append([(t, t._version) for _, t in _grad_tensors(args)])
 
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled() or self._probe is None:
@@ -297,7 +337,9 @@ class GradientMonitor:
         if calls and any(t._version != v for t, v in calls.pop()):
             self._probe.unsafe.add(name)  # the module modified its own input in place
         outputs = _grad_tensors(output)
-        self._probe.outputs.append((name, [(t, t._version) for t in outputs]))
+        if outputs and not _full_hook_sees(output):
+            self._probe.structured.add(name)
+        self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
         self._watch_outputs(name, outputs)
 
     def _finish_probe(self) -> None:
@@ -305,7 +347,8 @@ class GradientMonitor:
         probe, self._probe = self._probe, None
         for handle in probe.handles:
             handle.remove()
-        fallback, skipped = probe.modified_in_place(), []
+        in_place, skipped = probe.modified_in_place(), []
+        fallback = in_place | probe.structured
         for name, module in self.modules.items():
             label = _label(name)
             if label in fallback:
@@ -315,10 +358,10 @@ class GradientMonitor:
             else:
                 self._handle.add_full_backward_hook(module, functools.partial(self._full_hook, label))
         self.fallback = sorted(fallback)
-        if self.fallback:
+        if in_place:
             warnings.warn(
                 "in-place operations touch these modules' outputs or inputs, so their grad_output is "
-                f"read with tensor hooks and grad_input is not logged: {', '.join(self.fallback)}",
+                f"read with tensor hooks and grad_input is not logged: {', '.join(sorted(in_place))}",
                 stacklevel=2,
             )
         if skipped:
@@ -360,11 +403,11 @@ class GradientMonitor:
         if self._armed and torch.is_grad_enabled():
             self._watch_outputs(name, _grad_tensors(output))
 
-    def _watch_outputs(self, name: str, outputs: list[Tensor]) -> None:
+    def _watch_outputs(self, name: str, outputs: list[tuple[tuple[str, ...], Tensor]]) -> None:
         # A tensor hook registered now fires with the gradient of this version of the tensor,
         # even if it is modified in place later.
-        for i, t in enumerate(outputs):
-            t.register_hook(functools.partial(self._output_grad, name if len(outputs) == 1 else f"{name}/{i}"))
+        for path, t in outputs:
+            t.register_hook(functools.partial(self._output_grad, "/".join((name, *path))))
 
     def _output_grad(self, label: str, grad: Tensor) -> None:
         if self._probe is not None:
@@ -395,11 +438,12 @@ class GradientMonitor:
             if param.grad is not None:
                 self._reduce("param_grad", name, (param.grad,), self.histograms)
         pending, self._pending, self._armed = self._pending, [], False
-        return GradientRecord(_to_host(pending))
+        return GradientRecord(_to_host(pending, self.bins))
 
 
-def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]]) -> list[GradientEntry]:
-    """Bring all statistics and histograms to the host with one transfer per device."""
+def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]], bins: int) -> list[GradientEntry]:
+    """Bring all statistics and histograms to the host with one transfer per device, and pool
+    the rows of each name (see :attr:`GradientEntry.calls`)."""
     by_device: dict[torch.device, list[Tensor]] = {}
     for _, _, stats, counts in pending:
         parts = by_device.setdefault(stats.device, [])
@@ -408,20 +452,23 @@ def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]]) -> list[Grad
             parts.append(counts)
     host = {dev: iter(torch.cat(parts).tolist()) for dev, parts in by_device.items()}
 
-    entries, seen = [], {}
+    groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
     for kind, label, stats, counts in pending:
         values = host[stats.device]
         row = [next(values) for _ in range(STATS_WIDTH)]
-        histogram = None
-        if counts is not None:
-            histogram = Histogram(row[-2], row[-1], [next(values) for _ in range(counts.numel())])
-        calls = seen[kind, label] = seen.get((kind, label), 0) + 1
-        entries.append(
-            GradientEntry(
-                kind=kind,
-                name=label if calls == 1 else f"{label}#{calls}",
-                stats=dict(zip(STATISTICS, row)),
-                histogram=histogram,
-            )
-        )
-    return entries
+        hist = None if counts is None else [next(values) for _ in range(counts.numel())]
+        groups.setdefault((kind, label), []).append((row, hist))
+    return [pool_entries(kind, label, parts, bins) for (kind, label), parts in groups.items()]
+
+
+def pool_entries(
+    kind: str, name: str, parts: Sequence[tuple[list[float], list[float] | None]], bins: int
+) -> GradientEntry:
+    """One entry from rows of :func:`~lightning_gradhooks.stats.tensor_stats` (with their
+    histogram counts, or None), pooled as if the gradients were one tensor."""
+    row = pool_stats([r for r, _ in parts])
+    histogram = None
+    if all(h is not None for _, h in parts):
+        low, high, counts = merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins)
+        histogram = Histogram(low, high, counts)
+    return GradientEntry(kind, name, dict(zip(STATISTICS, row)), histogram, calls=len(parts))

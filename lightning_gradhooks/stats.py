@@ -9,6 +9,7 @@ does not hide the shape of the rest of the gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
@@ -22,7 +23,8 @@ STATISTICS: tuple[str, ...] = get_args(Statistic)
 
 # Position of the finite-element count and of the histogram range in the vector that
 # :func:`tensor_stats` returns behind the public statistics (used to build histograms).
-_NONFINITE, _LOW, _HIGH = STATISTICS.index("nonfinite"), len(STATISTICS) + 1, len(STATISTICS) + 2
+_NONFINITE = STATISTICS.index("nonfinite")
+_COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
 
@@ -147,3 +149,76 @@ def histogram_edges(low: float, high: float, bins: int) -> list[float]:
     """Right edges of the ``bins`` bins that :func:`tensor_histogram` counted into."""
     width = (high - low) if high > low else 1.0
     return [low + width * (i + 1) / bins for i in range(bins)]
+
+
+# -- pooling, on the host ------------------------------------------------------------------
+# A module called several times in one step, the micro-batches of one accumulated step and
+# the ranks of a data-parallel job each give several statistics rows for one name. They are
+# pooled as if the gradients had been concatenated into one tensor.
+
+
+def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
+    """Combine rows of :func:`tensor_stats` into the row of the concatenated tensors.
+
+    ``norm`` is the root of the summed squares, ``mean`` and ``std`` are over all finite
+    elements (the variances combine exactly, by Chan's formula), ``absmax`` and the range are
+    the extremes and ``nonfinite`` is summed.
+
+    Example:
+        >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
+        >>> pooled = pool_stats([tensor_stats(a).tolist(), tensor_stats(b).tolist()])
+        >>> torch.allclose(torch.tensor(pooled), tensor_stats(torch.cat([a, b])))
+        True
+    """
+    if len(rows) == 1:
+        return list(rows[0])
+    counts = [r[_COUNT] for r in rows]
+    count = sum(counts)
+    finite = [r for r in rows if r[_COUNT] > 0]
+    mean = sum(r[1] * r[_COUNT] for r in finite) / count if count else 0.0
+    spread = sum(r[2] ** 2 * (r[_COUNT] - 1) + r[_COUNT] * (r[1] - mean) ** 2 for r in finite)
+    std = math.sqrt(max(spread, 0.0) / (count - 1)) if count > 1 else 0.0
+    low = min((r[_LOW] for r in finite), default=0.0)
+    high = max((r[_HIGH] for r in finite), default=0.0)
+    return [
+        math.sqrt(sum(r[0] ** 2 for r in rows)),
+        mean,
+        std,
+        max(r[3] for r in rows),
+        sum(r[_NONFINITE] for r in rows),
+        count,
+        low,
+        high,
+    ]
+
+
+def merge_histograms(parts: Sequence[tuple[float, float, Sequence[float]]], bins: int) -> tuple[float, float, list[float]]:
+    """Merge histograms of the layout :func:`tensor_histogram` makes, each ``(low, high, counts)``.
+
+    The result has ``bins`` equal bins over the combined range. Where the ranges differ, a
+    part's counts are spread over the new bins in proportion to overlap (elements assumed
+    uniform within a bin); the total count is kept exactly, and identical ranges merge exactly.
+    """
+    parts = [p for p in parts if sum(p[2]) > 0]
+    if not parts:
+        return 0.0, 0.0, [0.0] * bins
+    if len(parts) == 1 and len(parts[0][2]) == bins:
+        return parts[0][0], parts[0][1], list(parts[0][2])
+    low, high = min(p[0] for p in parts), max(p[1] for p in parts)
+    total = sum(sum(p[2]) for p in parts)
+    if high <= low:
+        return low, high, [total] + [0.0] * (bins - 1)
+    edges = [low + (high - low) * k / bins for k in range(1, bins)]
+    below = [sum(_mass_below(p, e) for p in parts) for e in edges]
+    cumulative = [0.0, *below, total]
+    return low, high, [max(b - a, 0.0) for a, b in zip(cumulative, cumulative[1:])]
+
+
+def _mass_below(part: tuple[float, float, Sequence[float]], x: float) -> float:
+    low, high, counts = part
+    if high <= low:  # every element equals `low`
+        return sum(counts) if low < x else 0.0
+    position = min(max((x - low) / (high - low) * len(counts), 0.0), len(counts))
+    whole = int(position)
+    mass = sum(counts[:whole])
+    return mass + (position - whole) * counts[whole] if whole < len(counts) else mass

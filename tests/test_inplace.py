@@ -49,22 +49,28 @@ def test_resnet_block_falls_back_where_needed_and_matches_the_reference():
             block(batch()).sum().backward()
         monitor.arm()
         block(batch()).sum().backward()
-        got = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+        entries = monitor.collect().entries
+    got = {(e.kind, e.name): e.stats for e in entries}
+    calls = {(e.kind, e.name): e.calls for e in entries}
     assert monitor.fallback == ["bn1", "bn2", "relu"]
 
     captured = {}
-    for name in ("conv1", "bn1", "conv2", "bn2"):
-        getattr(twin, name).register_forward_hook(lambda m, i, o, n=name: captured.__setitem__(n, o))
+    for name in ("conv1", "bn1", "conv2", "bn2", "relu"):
+        getattr(twin, name).register_forward_hook(
+            lambda m, i, o, n=name: captured.setdefault(n, []).append(o)
+        )
     loss = twin(batch()).sum()
-    grads = dict(zip(captured, torch.autograd.grad(loss, list(captured.values()))))
-    for name, grad in grads.items():
-        want = grad.double()
+    outputs = [o for outs in captured.values() for o in outs]
+    grads = iter(torch.autograd.grad(loss, outputs))
+    for name, outs in captured.items():
+        # relu is called twice per forward: its entry pools both gradients.
+        want = torch.cat([next(grads).double().flatten() for _ in outs])
         stats = got[("grad_output", name)]
         assert stats["norm"] == pytest.approx(want.norm().item(), rel=1e-5)
         assert stats["absmax"] == pytest.approx(want.abs().max().item(), rel=1e-5)
         assert stats["std"] == pytest.approx(want.std().item(), rel=1e-5)
-    # relu is called twice per forward: both calls are kept.
-    assert ("grad_output", "relu") in got and ("grad_output", "relu#2") in got
+        assert stats["mean"] == pytest.approx(want.mean().item(), rel=1e-5, abs=1e-7)
+    assert calls["grad_output", "relu"] == 2 and calls["grad_output", "conv1"] == 1
     assert ("grad_input", "conv2") in got and ("grad_input", "bn1") not in got
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import pytest
@@ -163,15 +164,105 @@ def test_model_must_be_a_module():
         GradientMonitor(lambda x: x)
 
 
-def test_modules_called_twice_keep_every_call():
-    lin = nn.Linear(3, 3)
-    net = nn.Sequential(lin, nn.Tanh(), lin)
-    monitor = GradientMonitor(net)
+class Looped(nn.Module):
+    """A cell applied three times per forward, to inputs of different shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(3, 3)
+        self.outputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.outputs = []
+        for rows in (4, 2, 4):
+            self.outputs.append(self.cell(x[:rows]))
+            x = torch.tanh(self.outputs[-1])
+        return x
+
+
+def test_modules_called_several_times_give_one_pooled_entry_with_the_call_count():
+    net = Looped()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    monitor = GradientMonitor(net, histograms=True, bins=8)
     with monitor.attach():
-        monitor.arm()
-        net(torch.randn(2, 3)).sum().backward()
-        names = [e.name for e in monitor.collect().entries if e.kind == "grad_output"]
-    assert names == ["0", "0#2"]
+        for _ in range(2):  # the first step after attach logs grad_output only
+            monitor.arm()
+            net(x).square().sum().backward()
+            record = monitor.collect()
+    entries = {(e.kind, e.name): e for e in record.entries}
+    assert set(entries) == {("grad_output", "cell"), ("grad_input", "cell"), ("param_grad", "cell.weight"), ("param_grad", "cell.bias")}
+    out = entries["grad_output", "cell"]
+    assert out.calls == 3 and entries["param_grad", "cell.weight"].calls == 1
+    assert entries["grad_input", "cell"].calls == 2  # the first call's input needs no grad
+    # Reference: the gradients of the three outputs, concatenated.
+    loss = net(x).square().sum()
+    grads = torch.autograd.grad(loss, net.outputs)
+    assert_stats(out.stats, ref_stats(torch.cat([g.flatten() for g in grads])))
+    assert sum(out.histogram.counts) == pytest.approx(sum(g.numel() for g in grads))
+
+
+class Structured(nn.Module):
+    """Returns a dict holding a tensor, a nested tuple, a dataclass, a list and non-tensors."""
+
+    @dataclasses.dataclass
+    class Output:
+        hidden: torch.Tensor
+        note: str = "not a tensor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.proj = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        out, (h, c) = self.lstm(x)
+        logits = self.proj(out)
+        return {"logits": logits, "state": (h, [c, None]), "extra": self.Output(out * 2), "step": 3}
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Structured()
+        self.head = nn.Linear(2, 1)  # owns a parameter, so the root is selected too
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return self.body(x)
+
+
+def test_every_output_tensor_of_nested_outputs_is_labelled_by_key_or_position():
+    net = Wrapper()
+    x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(5))
+
+    def loss_of(out: dict) -> torch.Tensor:
+        h, (c, _) = out["state"]
+        return out["logits"].square().sum() + h.sum() + 2 * c.sum() + out["extra"].hidden.pow(3).sum()
+
+    monitor = GradientMonitor(net, include=["body", "body.lstm", "body.proj"])
+    with monitor.attach():
+        for _ in range(2):  # the first step chooses the mechanism, the second uses it
+            monitor.arm()
+            loss_of(net(x)).backward()
+            record = monitor.collect()
+    got = {e.name: e.stats for e in record.entries if e.kind == "grad_output"}
+    assert set(got) == {
+        "body/logits", "body/state/0", "body/state/1/0", "body/extra/hidden", "body.lstm/0", "body.lstm/1/0",
+        "body.lstm/1/1", "body.proj",
+    }
+    assert monitor.fallback == ["body", "body.lstm"]
+
+    captured = {}
+    net.body.register_forward_hook(lambda m, i, o: captured.update(body=o))
+    net.body.lstm.register_forward_hook(lambda m, i, o: captured.update(lstm=o))
+    out = net(x)
+    body, (lstm_out, (h, c)) = captured["body"], captured["lstm"]
+    tensors = {
+        "body/logits": body["logits"], "body/state/0": body["state"][0], "body/state/1/0": body["state"][1][0],
+        "body/extra/hidden": body["extra"].hidden, "body.lstm/0": lstm_out, "body.lstm/1/0": h, "body.lstm/1/1": c,
+    }
+    grads = torch.autograd.grad(loss_of(out), list(tensors.values()))
+    for name, grad in zip(tensors, grads):
+        assert_stats(got[name], ref_stats(grad))
 
 
 def test_core_modules_never_import_lightning():

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from lightning_gradhooks.stats import STATISTICS, histogram_edges, tensor_histogram, tensor_stats
+from lightning_gradhooks.stats import (
+    STATISTICS,
+    histogram_edges,
+    merge_histograms,
+    pool_stats,
+    tensor_histogram,
+    tensor_stats,
+)
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:
@@ -87,3 +94,33 @@ def test_branch_free_accelerator_path_agrees_with_cpu_path(poison):
     fast, masked = tensor_stats(t), _masked_stats(t)
     assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6)
     assert torch.equal(_histogram_host_range(t, fast, 32), _histogram_on_device(t, masked, 32))
+
+
+def test_pooled_rows_equal_the_statistics_of_the_concatenation():
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(50, generator=g) * 2 + 1, torch.randn(7, 3, generator=g) - 4, torch.tensor([5.0])]
+    parts.append(torch.tensor([float("nan"), 2.0, float("inf")]))
+    parts.append(torch.tensor([float("nan")]))  # no finite element at all
+    pooled = dict(zip(STATISTICS, pool_stats([tensor_stats(p).tolist() for p in parts])))
+    for name, value in reference(torch.cat([p.flatten() for p in parts])).items():
+        assert pooled[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(1000, generator=g), torch.randn(300, generator=g) * 3 + 2
+    whole = torch.cat([a, b])
+    parts = []
+    for t in (a, b):
+        s = tensor_stats(t)
+        parts.append((s[6].item(), s[7].item(), tensor_histogram(t, s, 16).tolist()))
+    low, high, counts = merge_histograms(parts, 16)
+    assert (low, high) == (whole.min().item(), whole.max().item())
+    assert sum(counts) == pytest.approx(1300)
+    reference_counts = tensor_histogram(whole, tensor_stats(whole), 16)
+    # Spreading counts across bins moves mass by at most a bin: the CDFs stay close.
+    assert (torch.tensor(counts).cumsum(0) - reference_counts.cumsum(0)).abs().max() < 1300 * 0.05
+    # The same range twice merges exactly.
+    assert merge_histograms([parts[0], parts[0]], 16)[2] == [2 * c for c in parts[0][2]]
+    assert merge_histograms([(2.0, 2.0, [3.0, 0.0]), (2.0, 2.0, [1.0, 0.0])], 2) == (2.0, 2.0, [4.0, 0.0])
+    assert merge_histograms([], 3) == (0.0, 0.0, [0.0, 0.0, 0.0])
