@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +149,11 @@ class GradHooksLogic:
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False
 
+    def _logger(self) -> logging.Logger:
+        """A logger under the Lightning namespace of this class, which prints at INFO level."""
+        lightning_pytorch = any(c.__module__.startswith("lightning.pytorch") for c in type(self).__mro__)
+        return logging.getLogger(f"{'lightning.pytorch' if lightning_pytorch else 'pytorch_lightning'}.callbacks.gradhooks")
+
     # -- checkpoints -----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
@@ -183,6 +189,10 @@ class GradHooksLogic:
             bins=self.histogram_bins,
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
+        frozen = self._monitor.frozen
+        if frozen and trainer.is_global_zero:
+            shown = ", ".join(frozen[:8]) + (f" and {len(frozen) - 8} more" if len(frozen) > 8 else "")
+            self._logger().info(f"GradHooks: {len(frozen)} frozen modules (no trainable parameter) are not monitored: {shown}")
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
             self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)

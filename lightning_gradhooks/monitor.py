@@ -286,13 +286,23 @@ class GradientMonitor:
         if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
             raise ValueError(f"`bins` expected a positive int, got {bins!r}")
         self.modules = select_modules(model, include, exclude)
+        #: Modules left out because they own parameters and none of them requires grad.
+        self.frozen = [
+            _label(name)
+            for name, module in model.named_modules()
+            if name not in self.modules
+            and list(module.parameters(recurse=False))
+            and not any(p.requires_grad for p in module.parameters(recurse=False))
+        ]
         self.histograms = bool(histograms)
         self.bins = bins
         self.parameters: dict[str, nn.Parameter] = {}
         if parameters:
+            seen: set[int] = set()  # a tied parameter is reduced once, under its first name
             for name, module in self.modules.items():
                 for pname, param in module.named_parameters(recurse=False):
-                    if param.requires_grad:
+                    if param.requires_grad and id(param) not in seen:
+                        seen.add(id(param))
                         self.parameters[f"{name}.{pname}" if name else pname] = param
         self._armed = False
         self._pending: list[tuple[str, str, Tensor, Tensor | None]] = []

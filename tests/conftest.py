@@ -78,7 +78,7 @@ class GradRecorder(pl.Callback):
         self.grads: list[list[torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
-        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+        self.grads.append([p.grad.clone() for p in pl_module.parameters() if p.requires_grad])
 
 
 def make_trainer(tmp_path, callbacks=(), **kwargs) -> pl.Trainer:  # noqa: ANN001
