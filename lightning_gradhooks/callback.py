@@ -251,22 +251,37 @@ class GradHooksLogic:
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        self._flush(trainer)
+        monitor = self._monitor
+        if monitor is None or not monitor.armed:
+            return
+        # One record per optimizer step: the hook statistics of every backward since the last
+        # one (micro-batches, several manual_backward calls) pooled, and the gradients of the
+        # parameters this optimizer is about to step.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        record = monitor.collect(params)
+        if len(trainer.optimizers) > 1:
+            index = next(i for i, o in enumerate(trainer.optimizers) if o is optimizer)
+            record = record.prefixed(f"optimizer_{index}")
+        if not pl_module.automatic_optimization:
+            monitor.arm()  # later backward passes of this training step are logged too
+        self._write(trainer, record)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._leave_offload()
-        # A batch whose step made no optimizer step (e.g. manual optimization that skipped it)
-        # still logs what its backward produced; accumulation keeps collecting.
-        if trainer.accumulate_grad_batches == 1:
-            self._flush(trainer)
+        # Hook statistics waiting for an optimizer step (accumulation) keep the monitor armed.
+        if self._monitor is not None and not self._monitor.pending:
+            self._monitor.disarm()
 
-    def _flush(self, trainer: pl.Trainer) -> None:
-        if self._monitor is None or not self._monitor.armed:
-            return
-        record = self._monitor.collect()
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A backward that no optimizer step followed (the end of an epoch cut short) is logged.
+        if self._monitor is not None and self._monitor.pending:
+            self._write(trainer, self._monitor.collect(parameters=()))
+
+    def _write(self, trainer: pl.Trainer, record: GradientRecord) -> None:
         if not record.entries:
             return
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not

@@ -88,6 +88,10 @@ class GradientRecord:
             entries.append(e)
         return GradientRecord(entries)
 
+    def prefixed(self, prefix: str) -> GradientRecord:
+        """A copy with every name prefixed, as ``f"{prefix}/{name}"``."""
+        return GradientRecord([replace(e, name=f"{prefix}/{e.name}") for e in self.entries])
+
     @property
     def first_nonfinite(self) -> GradientEntry | None:
         """The first entry, in backward order, whose gradient holds NaN or Inf values."""
@@ -393,6 +397,11 @@ class GradientMonitor:
     def armed(self) -> bool:
         return self._armed
 
+    @property
+    def pending(self) -> bool:
+        """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
+        return bool(self._pending)
+
     def arm(self) -> None:
         """Make the hooks collect until :meth:`collect` or :meth:`disarm`."""
         self._armed = True
@@ -436,16 +445,21 @@ class GradientMonitor:
             self._pending.append((kind, label, stats, counts))
 
     # -- host side -------------------------------------------------------------------------
-    def collect(self) -> GradientRecord:
+    def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """Reduce parameter gradients, move everything to the host at once, and disarm.
+
+        Args:
+            parameters: reduce the gradients of these of the monitored parameters only (the
+                parameters of the optimizer about to step); default: all of them.
 
         Returns:
             The :class:`GradientRecord` of the step; empty when the monitor was not armed.
         """
         if not self._armed:
             return GradientRecord()
+        wanted = None if parameters is None else {id(p) for p in parameters}
         for name, param in self.parameters.items():
-            if param.grad is not None:
+            if param.grad is not None and (wanted is None or id(param) in wanted):
                 self._reduce("param_grad", name, (param.grad,), self.histograms)
         pending, self._pending, self._armed = self._pending, [], False
         return GradientRecord(_to_host(pending, self.bins))

@@ -52,6 +52,35 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ManualGAN(pl.LightningModule):
+    """Two optimizers and two manual_backward calls per step."""
+
+    def __init__(self, probe=lambda: True) -> None:  # noqa: ANN001
+        super().__init__()
+        self.probe = probe  # called inside each training step, results in `saved_inside`
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.saved_inside: list[bool] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        opt_g, opt_d = self.optimizers()
+        self.saved_inside.append(self.probe())
+        x, _ = batch
+        fake = self.gen(torch.randn_like(x))
+        loss_d = self.disc(fake.detach()).mean() - self.disc(x).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = -self.disc(fake).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+
 def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.offload import DiskOffloadError
 
-from conftest import MLP, FailingBackward, GradRecorder, hook_snapshot, loader, make_trainer
+from conftest import MLP, FailingBackward, GradRecorder, ManualGAN, hook_snapshot, loader, make_trainer
 
 THRESHOLD = 256  # bytes: the MLP's activations (8 x 16 floats = 512 bytes) go to disk
 
@@ -88,36 +88,8 @@ def test_exception_in_backward_leaves_no_files(tmp_path):
     assert not saved_tensors_hooks_active()
 
 
-class ManualGAN(pl.LightningModule):
-    """Two optimizers and two manual_backward calls per step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.disc = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.saved_inside: list[bool] = []
-
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-        opt_g, opt_d = self.optimizers()
-        self.saved_inside.append(saved_tensors_hooks_active())
-        x, _ = batch
-        fake = self.gen(torch.randn_like(x))
-        loss_d = self.disc(fake.detach()).mean() - self.disc(x).mean()
-        opt_d.zero_grad()
-        self.manual_backward(loss_d)
-        opt_d.step()
-        loss_g = -self.disc(fake).mean()
-        opt_g.zero_grad()
-        self.manual_backward(loss_g)
-        opt_g.step()
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
-
-
 def test_manual_optimization_runs_offloaded(tmp_path):
-    model = ManualGAN()
+    model = ManualGAN(probe=saved_tensors_hooks_active)
     callback = GradHooks(offload_threshold_bytes=THRESHOLD, offload_dir=str(tmp_path / "off"))
     make_trainer(tmp_path, [callback], max_steps=6).fit(model, loader())
     assert model.saved_inside and all(model.saved_inside)

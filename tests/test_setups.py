@@ -1,0 +1,83 @@
+"""GradHooks in Lightning training set-ups: gradient accumulation, manual optimization."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_gradhooks import GradHooks
+from lightning_gradhooks.stats import STATISTICS, tensor_stats
+
+from conftest import MLP, ManualGAN, hook_snapshot, loader, make_trainer, read_events
+
+
+class OutputGrads(pl.Callback):
+    """An independent reference: the gradient of `net.4`'s output in every backward, captured
+    with a plain tensor hook, grouped by optimizer step; and the parameter gradient at each step."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = [[]]
+        self.weight_grads: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer, pl_module):  # noqa: ANN001
+        def forward_hook(module, args, output):  # noqa: ANN001, ANN202
+            if torch.is_grad_enabled():
+                output.register_hook(lambda grad: self.steps[-1].append(grad.clone()))
+
+        self.handle = pl_module.net[4].register_forward_hook(forward_hook)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        self.weight_grads.append(pl_module.net[4].weight.grad.clone())
+        self.steps.append([])
+
+    def on_fit_end(self, trainer, pl_module):  # noqa: ANN001
+        self.handle.remove()
+
+
+def test_accumulated_micro_batches_give_one_record_per_optimizer_step(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    reference = OutputGrads()
+    trainer = make_trainer(
+        tmp_path, [GradHooks(every_n_steps=1), reference], max_steps=3, accumulate_grad_batches=3
+    )
+    trainer.fit(MLP(), loader())
+    events = read_events(trainer.logger.log_dir)
+    assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [0, 1, 2]
+    # 8 batches per epoch: the epoch's last optimizer step accumulates the remaining two.
+    assert [e.value for e in events.Scalars("grad_output_calls/net.4")] == [3, 3, 2]
+    for step in range(3):
+        # Hook statistics pool the three micro-batches, as one batch three times as large.
+        want = tensor_stats(torch.cat([g.flatten() for g in reference.steps[step]]))
+        assert len(reference.steps[step]) == [3, 3, 2][step]
+        for i, stat in enumerate(STATISTICS):
+            got = events.Scalars(f"grad_output_{stat}/net.4")[step].value
+            assert got == pytest.approx(want[i].item(), rel=1e-5, abs=1e-8), stat
+        # Parameter gradients are read once accumulation is complete.
+        got = events.Scalars("param_grad_norm/net.4.weight")[step].value
+        assert got == pytest.approx(reference.weight_grads[step].norm().item(), rel=1e-5)
+    assert "grad_output_calls/net.4" in events.Tags()["scalars"]
+
+
+def test_manual_optimization_labels_each_optimizer_step(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = ManualGAN()
+    before = hook_snapshot(model)
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=4)  # 2 batches
+    trainer.fit(model, loader())
+    assert hook_snapshot(model) == before
+    events = read_events(trainer.logger.log_dir)
+    tags = set(events.Tags()["scalars"])
+    # The discriminator's backward (optimizer 1) and the generator's (optimizer 0) are apart;
+    # each record holds the parameter gradients of the optimizer that steps.
+    d_pass = {"grad_output_norm/optimizer_1/disc.0", "grad_output_norm/optimizer_1/disc.2",
+              "param_grad_norm/optimizer_1/disc.0.weight"}
+    g_pass = {"grad_output_norm/optimizer_0/disc.2", "grad_output_norm/optimizer_0/gen.2",
+              "param_grad_norm/optimizer_0/gen.0.weight"}
+    assert d_pass | g_pass <= tags
+    assert "grad_output_norm/optimizer_1/gen.2" not in tags  # fake.detach(): no gradient reaches gen
+    assert "param_grad_norm/optimizer_0/disc.0.weight" not in tags
+    assert "param_grad_norm/optimizer_1/gen.0.weight" not in tags
+    # The discriminator runs twice in its own pass (fake and real) and once in the generator's.
+    assert [e.value for e in events.Scalars("grad_output_calls/optimizer_1/disc.2")] == [2, 2]
+    assert "grad_output_calls/optimizer_0/disc.2" not in tags
+    # Each batch makes two optimizer steps: global steps 0 and 2 are logged.
+    assert [e.step for e in events.Scalars("grad_output_norm/optimizer_0/gen.2")] == [0, 2]
