@@ -11,6 +11,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both 
 from typing_extensions import override
 
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
+from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.stats import STATISTICS, Statistic
@@ -84,6 +85,11 @@ class GradHooksLogic:
             disk; ``None`` (default) turns offload off.
         offload_dir: folder in which the private offload folder is made; ``None``: a private
             temporary folder. Needs ``offload_threshold_bytes``.
+        sync_dist: under a data-parallel strategy, pool the hook statistics of all ranks into
+            those of the global batch (one ``all_gather`` per logged step, see
+            :class:`~lightning_gradhooks.distributed.RankReducer`); default: rank 0 logs the
+            statistics of its own shard and the other ranks' hooks do no work. Parameter
+            gradients are the same on every rank either way. Only rank 0 writes.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
@@ -115,6 +121,7 @@ class GradHooksLogic:
         histogram_bins: int = DEFAULT_BINS,
         offload_threshold_bytes: int | None = None,
         offload_dir: str | None = None,
+        sync_dist: bool = False,
     ) -> None:
         _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
         _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -132,8 +139,9 @@ class GradHooksLogic:
             statistics = list(STATISTICS)
         if isinstance(statistics, str) or not all(s in STATISTICS for s in statistics):
             raise ValueError(f"`statistics` expected a list drawn from {list(STATISTICS)}, got {statistics!r}")
-        if not isinstance(histograms, bool):
-            raise ValueError(f"`histograms` expected a bool, got {histograms!r}")
+        for argument, value in (("histograms", histograms), ("sync_dist", sync_dist)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{argument}` expected a bool, got {value!r}")
         self.every_n_steps = every_n_steps
         self.include = None if include is None else list(include)
         self.exclude = None if exclude is None else list(exclude)
@@ -142,6 +150,8 @@ class GradHooksLogic:
         self.histogram_bins = histogram_bins
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
+        self.sync_dist = sync_dist
+        self._reducer: RankReducer | None = None
         self._monitor: GradientMonitor | None = None
         self._offload: save_on_disk | None = None
         self._offload_active = False
@@ -163,6 +173,7 @@ class GradHooksLogic:
             include=self.include,
             exclude=self.exclude,
             offload_threshold_bytes=self.offload_threshold_bytes,
+            sync_dist=self.sync_dist,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,6 +200,8 @@ class GradHooksLogic:
             bins=self.histogram_bins,
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
+        if self.sync_dist and trainer.world_size > 1:
+            self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device)
         frozen = self._monitor.frozen
         if frozen and trainer.is_global_zero:
             shown = ", ".join(frozen[:8]) + (f" and {len(frozen) - 8} more" if len(frozen) > 8 else "")
@@ -221,6 +234,7 @@ class GradHooksLogic:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self._reducer = None
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
@@ -240,7 +254,9 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         monitor = self._monitor
-        if monitor is not None and not monitor.armed and trainer.global_step % self._interval == 0:
+        # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
+        observed = trainer.is_global_zero or self._reducer is not None
+        if monitor is not None and observed and not monitor.armed and trainer.global_step % self._interval == 0:
             self._step = trainer.global_step
             monitor.arm()
         if self._offload is not None and not self._offload_active:
@@ -279,18 +295,20 @@ class GradHooksLogic:
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A backward that no optimizer step followed (the end of an epoch cut short) is logged.
         if self._monitor is not None and self._monitor.pending:
-            self._write(trainer, self._monitor.collect(parameters=()))
+            # Ranks may differ here, so this is rank 0's own record, with no collective.
+            self._write(trainer, self._monitor.collect(parameters=()), reduce=False)
 
-    def _write(self, trainer: pl.Trainer, record: GradientRecord) -> None:
-        if not record.entries:
-            return
+    def _write(self, trainer: pl.Trainer, record: GradientRecord, reduce: bool = True) -> None:
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
         # changed since that backward (it is updated after the optimizer step). Parameter
         # gradients are already unscaled by the time `on_before_optimizer_step` runs.
         scale = _loss_scale(trainer)
         if scale is not None:
             record = record.unscaled(scale)
-        self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
+        if reduce and self._reducer is not None:
+            record = self._reducer.reduce(record)  # every rank, even with an empty record
+        if record.entries and trainer.is_global_zero:
+            self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
 
     def _log(self, trainer: pl.Trainer, record: GradientRecord, extra: dict[str, float]) -> None:
         metrics = {**scalar_metrics(record, self.statistics), **extra}

@@ -54,6 +54,7 @@ class GradientEntry:
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
         stats: statistic name to value, for every name in :data:`STATISTICS`.
         histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
+        count: the number of finite elements the statistics were computed over.
         calls: how many gradients were pooled into this entry. A module called several times
             in one step (weight sharing, a cell in a loop), or in each micro-batch of an
             accumulated step, gives one entry whose statistics and histogram are those of
@@ -65,6 +66,12 @@ class GradientEntry:
     stats: dict[str, float]
     histogram: Histogram | None = None
     calls: int = 1
+    count: int = 0
+
+    def row(self) -> list[float]:
+        """The statistics as the row :func:`~lightning_gradhooks.stats.tensor_stats` lays out."""
+        low, high = (self.histogram.low, self.histogram.high) if self.histogram else (0.0, 0.0)
+        return [*(self.stats[s] for s in STATISTICS), float(self.count), low, high]
 
 
 @dataclass
@@ -486,13 +493,20 @@ def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]], bins: int) -
 
 
 def pool_entries(
-    kind: str, name: str, parts: Sequence[tuple[list[float], list[float] | None]], bins: int
+    kind: str,
+    name: str,
+    parts: Sequence[tuple[list[float], list[float] | None]],
+    bins: int,
+    calls: int | None = None,
 ) -> GradientEntry:
     """One entry from rows of :func:`~lightning_gradhooks.stats.tensor_stats` (with their
-    histogram counts, or None), pooled as if the gradients were one tensor."""
+    histogram counts, or None), pooled as if the gradients were one tensor; ``calls`` defaults
+    to the number of parts."""
     row = pool_stats([r for r, _ in parts])
     histogram = None
     if all(h is not None for _, h in parts):
         low, high, counts = merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins)
         histogram = Histogram(low, high, counts)
-    return GradientEntry(kind, name, dict(zip(STATISTICS, row)), histogram, calls=len(parts))
+    return GradientEntry(
+        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
+    )

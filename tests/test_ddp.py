@@ -1,0 +1,77 @@
+"""DDP on CPU (gloo, two processes): rank 0 writes, local or pooled statistics, offload cleaned.
+
+``strategy="ddp"`` starts rank 1 by running the script again, so each case runs
+``tests/ddp_train.py`` in a fresh process tree (~12 s each on two cores).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gradhooks.stats import tensor_stats
+
+from conftest import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
+    # A leaked launcher variable makes Lightning wait for ranks that never come.
+    env = {
+        k: v for k, v in os.environ.items()
+        if k not in LAUNCH_VARIABLES and not k.startswith(("PL_", "TORCHELASTIC_", "SLURM_"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "ddp_train.py"), str(out), mode],
+        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # rank 1 is a grandchild
+        output, _ = process.communicate()
+        pytest.fail(f"DDP run timed out:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-4000:]
+    return process
+
+
+@pytest.mark.parametrize("mode", ["local", "sync"])
+def test_ddp_on_two_cpu_processes(tmp_path, mode):
+    run_ddp(tmp_path, mode)
+    # Only rank 0 wrote events.
+    files = [p for p in (tmp_path / "logs").rglob("events.out.tfevents.*")]
+    assert len(files) == 1
+    events = read_events(str(files[0].parent))
+    grads = [torch.load(tmp_path / f"grads-rank{r}.pt") for r in (0, 1)]
+    steps = len(grads[0])
+    assert [e.step for e in events.Scalars("grad_output_norm/net.2")] == list(range(steps)) == [0, 1, 2]
+    for step in range(steps):
+        if mode == "local":
+            want = tensor_stats(grads[0][step])  # rank 0's own shard
+        else:  # pooled over both ranks: the statistics of the global batch
+            want = tensor_stats(torch.cat([grads[0][step], grads[1][step]]))
+        assert not torch.equal(grads[0][step], grads[1][step])  # the shards differ
+        for i, stat in enumerate(("norm", "mean", "std", "absmax")):
+            got = events.Scalars(f"grad_output_{stat}/net.2")[step].value
+            assert got == pytest.approx(want[i].item(), rel=1e-5, abs=1e-8), (stat, step)
+    calls = [e.value for e in events.Scalars("grad_output_calls/net.2")] if mode == "sync" else []
+    assert calls == ([2.0] * steps if mode == "sync" else [])
+    facts = [json.loads((tmp_path / f"facts-rank{r}.json").read_text()) for r in (0, 1)]
+    # Each rank had its own offload folder, and none is left.
+    assert facts[0]["offload_dir"] != facts[1]["offload_dir"]
+    assert not any((tmp_path / "offload").iterdir())
+    if mode == "sync":
+        # One gather per logged step, plus agreeing on the names: at the first step, and again at
+        # the second, where grad_input appears (the first step after attach logs grad_output only).
+        assert facts[0]["collectives"] == steps + 3
+    else:
+        assert facts[0]["collectives"] == 0
