@@ -176,6 +176,7 @@ def test_validation_test_and_predict_do_no_hook_work_and_warn_nothing(tmp_path):
         (dict(statistics=["norm", "median"]), r"`statistics` expected a list drawn from \['norm'"),
         (dict(statistics="norm"), "`statistics` expected a list drawn from"),
         (dict(histograms="yes"), "`histograms` expected a bool, got 'yes'"),
+        (dict(sync_dist=1), "`sync_dist` expected a bool, got 1"),
         (dict(histogram_bins=0), "`histogram_bins` expected a positive int, got 0"),
     ],
 )
