@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.distributed import RankReducer
-from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns
+from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns, listed
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.stats import STATISTICS, Statistic
 
@@ -204,8 +204,9 @@ class GradHooksLogic:
             self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device)
         frozen = self._monitor.frozen
         if frozen and trainer.is_global_zero:
-            shown = ", ".join(frozen[:8]) + (f" and {len(frozen) - 8} more" if len(frozen) > 8 else "")
-            self._logger().info(f"GradHooks: {len(frozen)} frozen modules (no trainable parameter) are not monitored: {shown}")
+            self._logger().info(
+                f"GradHooks: {len(frozen)} frozen modules (no trainable parameter) are not monitored: {listed(frozen)}"
+            )
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
             self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)

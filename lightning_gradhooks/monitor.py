@@ -207,8 +207,39 @@ def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
     return list(patterns)
 
 
+def listed(names: Sequence[str], limit: int = 8) -> str:
+    """``a, b, c and 5 more``: names for a one-line message."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def _label(name: str) -> str:
     return name or ROOT_NAME
+
+
+def _without_compile_wrappers(name: str) -> str:
+    """``net._orig_mod.0`` -> ``net.0``: names as in the model before ``torch.compile``."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _is_compile_wrapper(module: nn.Module) -> bool:
+    return "_orig_mod" in module._modules  # what torch.compile(module) returns
+
+
+def _compiled_modules(model: nn.Module) -> set[int]:
+    """The ids of the modules whose forward runs in code compiled by ``torch.compile``.
+
+    ``torch.compile(module)``, ``module.compile()``, and (duck-typed, for Lightning) a model
+    whose ``forward`` or ``training_step`` was compiled or that ``Trainer.fit`` unwrapped from
+    ``torch.compile``.
+    """
+    roots = [m for m in model.modules() if _is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None)]
+    compiled_entry = any(
+        hasattr(getattr(model, attr, None), "_torchdynamo_orig_callable") for attr in ("forward", "training_step")
+    )
+    if compiled_entry or getattr(model, "_compiler_ctx", None):
+        roots.append(model)
+    return {id(sub) for root in roots for sub in root.modules()}
 
 
 def select_modules(
@@ -218,14 +249,19 @@ def select_modules(
 
     Without ``include``, every module that directly owns a parameter requiring grad is chosen.
     Patterns are ``fnmatch`` globs matched case-sensitively against the whole name; the root
-    module's name is the empty string.
+    module's name is the empty string. Names are those of the model before ``torch.compile``
+    (no ``_orig_mod.``).
 
     Raises:
         ValueError: a pattern matches no module (the message shows names that exist), or the
             selection is empty.
     """
     include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
-    names = {name: module for name, module in model.named_modules()}
+    names = {
+        _without_compile_wrappers(name): module
+        for name, module in model.named_modules()
+        if not _is_compile_wrapper(module)
+    }
     for argument, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
@@ -305,6 +341,19 @@ class GradientMonitor:
             and list(module.parameters(recurse=False))
             and not any(p.requires_grad for p in module.parameters(recurse=False))
         ]
+        # Module hooks in compiled code make Dynamo break the graph around every hooked module
+        # (and leave the degraded code in its cache): modules there get no hooks, and report
+        # their parameter gradients only.
+        compiled = _compiled_modules(model)
+        #: Modules in code compiled by torch.compile: parameter gradients only.
+        self.compiled = [_label(name) for name, module in self.modules.items() if id(module) in compiled]
+        if self.compiled:
+            warnings.warn(
+                "torch.compile: module hooks would split the compiled graph into eager pieces, so "
+                f"{len(self.compiled)} modules in compiled code report parameter gradients only "
+                f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}",
+                stacklevel=2,
+            )
         self.histograms = bool(histograms)
         self.bins = bins
         self.parameters: dict[str, nn.Parameter] = {}
@@ -339,6 +388,8 @@ class GradientMonitor:
         self._probe = _Probe()
         for name, module in self.modules.items():
             label = _label(name)
+            if label in self.compiled:
+                continue
             self._probe.handles += [
                 module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
                 module.register_forward_hook(functools.partial(self._probe_outputs, label)),
@@ -372,6 +423,8 @@ class GradientMonitor:
         fallback = in_place | probe.structured
         for name, module in self.modules.items():
             label = _label(name)
+            if label in self.compiled:
+                continue
             if label in fallback:
                 self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
             elif module._is_full_backward_hook is False:
