@@ -35,3 +35,27 @@ def test_hooks_never_synchronise_with_the_host():
         record = monitor.collect()
     assert {e.kind for e in record.entries} == {"grad_output", "grad_input", "param_grad"}
     assert all(e.stats["nonfinite"] == 0 for e in record.entries)
+
+
+def test_16_mixed_on_gpu_logs_unscaled_statistics(tmp_path):
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_gradhooks import GradHooks
+
+    from conftest import MLP, loader, read_events
+
+    values = {}
+    for offload in (None, 256):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=1, precision="16-mixed", max_steps=2, enable_progress_bar=False,
+            enable_checkpointing=False, logger=TensorBoardLogger(str(tmp_path), name=str(offload)),
+            callbacks=[GradHooks(every_n_steps=1, offload_threshold_bytes=offload)],
+        )
+        trainer.fit(MLP(), loader())
+        events = read_events(trainer.logger.log_dir)
+        assert events.Scalars("loss_scale")[0].value == 65536.0  # GradScaler's default initial scale
+        values[offload] = [e.value for e in events.Scalars("grad_output_norm/net.4")]
+    # Divided by the scale: of the order of a float32 run's gradients, not 65536 times larger.
+    assert all(v < 10 for v in values[None]) and values[256] == pytest.approx(values[None], rel=1e-4)

@@ -81,3 +81,15 @@ def test_manual_optimization_labels_each_optimizer_step(tmp_path):
     assert "grad_output_calls/optimizer_0/disc.2" not in tags
     # Each batch makes two optimizer steps: global steps 0 and 2 are logged.
     assert [e.step for e in events.Scalars("grad_output_norm/optimizer_0/gen.2")] == [0, 2]
+
+
+def test_bf16_mixed_precision_logs_without_a_scale(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=2, precision="bf16-mixed")
+    trainer.fit(MLP(), loader())
+    events = read_events(trainer.logger.log_dir)
+    tags = events.Tags()["scalars"]
+    assert "loss_scale" not in tags
+    norms = [e.value for e in events.Scalars("grad_output_norm/net.4")]
+    assert len(norms) == 2 and all(0 < v < float("inf") for v in norms)
+    assert [e.step for e in events.Scalars("grad_input_norm/net.2")] == [1]
