@@ -5,7 +5,6 @@ import os
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch import nn
 
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.offload import DiskOffloadError
