@@ -68,7 +68,10 @@ class GradHooksLogic:
     Tags (one TensorBoard section per statistic): ``grad_output_<stat>/<module>``,
     ``grad_input_<stat>/<module>``, ``param_grad_<stat>/<parameter>``,
     ``grad_output_hist/<module>`` and ``param_grad_hist/<parameter>``, where ``<stat>`` is one
-    of ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``.
+    of ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``. One record is logged per
+    optimizer step: the gradients of a module called several times, or in several accumulated
+    micro-batches, are pooled (``grad_output_calls/<module>`` counts them); with several
+    optimizers, names start with ``optimizer_<i>/``.
 
     Args:
         every_n_steps: log every this many optimizer steps (at ``trainer.global_step`` 0, n,
@@ -277,7 +280,7 @@ class GradHooksLogic:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         record = monitor.collect(params)
         if len(trainer.optimizers) > 1:
-            index = next(i for i, o in enumerate(trainer.optimizers) if o is optimizer)
+            index = next(i for i, o in enumerate(trainer.optimizers) if o is getattr(optimizer, "_optimizer", optimizer))
             record = record.prefixed(f"optimizer_{index}")
         if not pl_module.automatic_optimization:
             monitor.arm()  # later backward passes of this training step are logged too

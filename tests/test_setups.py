@@ -93,3 +93,29 @@ def test_bf16_mixed_precision_logs_without_a_scale(tmp_path):
     norms = [e.value for e in events.Scalars("grad_output_norm/net.4")]
     assert len(norms) == 2 and all(0 < v < float("inf") for v in norms)
     assert [e.step for e in events.Scalars("grad_input_norm/net.2")] == [1]
+
+
+class ManualAccumulation(MLP):
+    """Manual optimization that steps every second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.manual_backward(torch.nn.functional.cross_entropy(self(x), y))
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_manual_accumulation_pools_until_the_step_and_a_last_backward_is_not_lost(tmp_path):
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_epochs=1, max_steps=-1)
+    trainer.fit(ManualAccumulation(), loader(n=24))  # 3 batches: backward, backward + step, backward
+    events = read_events(trainer.logger.log_dir)
+    assert [(e.step, e.value) for e in events.Scalars("grad_output_calls/net.4")] == [(0, 2)]
+    # The third backward has no optimizer step after it: logged when training ends.
+    assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [0, 1]
+    assert [e.step for e in events.Scalars("param_grad_norm/net.4.weight")] == [0]
