@@ -115,12 +115,14 @@ class Checkpointed(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.stem = nn.Linear(8, 64)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)) for _ in range(2)
+            nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64)) for _ in range(2)
         )
-        self.head = nn.Linear(8, 3)
+        self.head = nn.Linear(64, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
         for block in self.blocks:
             x = x + checkpoint(block, x, use_reentrant=False)
         return self.head(x)
@@ -176,8 +178,20 @@ MODELS = {
     ),
     "lstm": (Recurrent, classify, "sequence", ["net.lstm/0", "net.head"], []),
     "frozen": (FrozenBackbone, classify, "vectors", ["net.head"], ["net.backbone.0", "net.backbone.2"]),
-    "checkpointed": (Checkpointed, classify, "vectors", ["net.blocks.0.0", "net.blocks.1.2", "net.head"], []),
+    "checkpointed": (
+        Checkpointed, classify, "vectors", ["net.stem", "net.blocks.0.0", "net.blocks.1.2", "net.head"], []
+    ),
 }
+
+
+class Offloaded(pl.Callback):
+    """How many bytes the GradHooks offload engine took, read before it closes."""
+
+    def __init__(self, gradhooks: GradHooks) -> None:
+        self.gradhooks, self.bytes = gradhooks, 0
+
+    def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        self.bytes = self.gradhooks._offload.stats().bytes_offloaded
 
 
 def train(tmp_path, name: str, callback: GradHooks | None):  # noqa: ANN001, ANN201
@@ -186,7 +200,10 @@ def train(tmp_path, name: str, callback: GradHooks | None):  # noqa: ANN001, ANN
     model = Lit(build(), loss)
     before = hook_snapshot(model)
     grads = GradRecorder()
-    trainer = make_trainer(tmp_path, [grads] + ([callback] if callback else []), max_steps=STEPS)
+    callbacks = [grads] + ([callback] if callback else [])
+    if callback and callback.offload_threshold_bytes:
+        callbacks.append(Offloaded(callback))
+    trainer = make_trainer(tmp_path, callbacks, max_steps=STEPS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, data(kind))
@@ -198,7 +215,7 @@ def train(tmp_path, name: str, callback: GradHooks | None):  # noqa: ANN001, ANN
 def test_model_trains_with_defaults_and_with_offload(tmp_path, name, caplog):
     _, _, _, expected, absent = MODELS[name]
     _, reference, _ = train(tmp_path / "plain", name, None)
-    for offload in (None, 1024):
+    for offload in (None, 256):
         folder = tmp_path / f"offload{offload}"
         callback = GradHooks(offload_threshold_bytes=offload, offload_dir=str(folder) if offload else None)
         lightning_logger = logging.getLogger("pytorch_lightning")  # it does not propagate to the root
@@ -220,6 +237,8 @@ def test_model_trains_with_defaults_and_with_offload(tmp_path, name, caplog):
         repeated = {m for m in messages if messages.count(m) > 1}
         assert not repeated
         if offload:
+            offloaded = next(c for c in trainer.callbacks if isinstance(c, Offloaded)).bytes
+            assert offloaded > 0  # activations really went to disk
             assert callback._offload is None and not list(folder.iterdir())
     if name == "frozen":
         assert "2 frozen modules (no trainable parameter) are not monitored: net.backbone.0, net.backbone.2" in caplog.text
@@ -236,6 +255,7 @@ def test_checkpointed_blocks_report_what_the_plain_model_reports():
 
     class Plain(Checkpointed):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
             for block in self.blocks:
                 x = x + block(x)
             return self.head(x)
