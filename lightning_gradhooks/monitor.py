@@ -420,7 +420,10 @@ class GradientMonitor:
         for handle in probe.handles:
             handle.remove()
         in_place, skipped = probe.modified_in_place(), []
-        fallback = in_place | probe.structured
+        # A module that did not run yet (a branch taken later) might meet an in-place
+        # operation when it does: only tensor hooks are safe for it.
+        unseen = {_label(name) for name in self.modules} - {name for name, _ in probe.outputs}
+        fallback = in_place | probe.structured | unseen
         for name, module in self.modules.items():
             label = _label(name)
             if label in self.compiled:

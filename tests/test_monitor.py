@@ -1,3 +1,4 @@
+import collections
 import dataclasses
 import warnings
 
@@ -279,3 +280,63 @@ def test_core_modules_never_import_lightning():
     from lightning_gradhooks import GradHooks  # the callback is still one import away
 
     assert GradHooks.__module__ == "lightning_gradhooks.callback"
+
+
+class LateBranch(nn.Module):
+    """`late` runs from the second forward on, and its output is then modified in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.early(x)
+        if self.calls > 1:
+            h = self.late(h).relu_()
+        return h
+
+
+def test_a_module_first_run_after_the_first_step_is_safe_from_in_place_use():
+    net = LateBranch()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    monitor = GradientMonitor(net)
+    with monitor.attach():
+        for _ in range(3):
+            monitor.arm()
+            net(x).sum().backward()  # with a full backward hook on `late`, relu_ would raise
+            names = {(e.kind, e.name) for e in monitor.collect().entries}
+    assert monitor.fallback == ["late"]
+    assert {("grad_output", "late"), ("grad_output", "early"), ("grad_input", "early")} <= names
+
+
+def test_named_tuple_outputs_are_labelled_by_field():
+    Pair = collections.namedtuple("Pair", ["mean", "logvar"])  # noqa: PYI024
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> Pair:
+            h = self.fc(x)
+            return Pair(h[:, :4], h[:, 4:])
+
+    class VAE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = Encoder()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mean, logvar = self.encoder(x)
+            return (mean * self.scale).sum() + logvar.exp().sum()
+
+    vae = VAE()
+    monitor = GradientMonitor(vae, include=["encoder"])
+    with monitor.attach():
+        monitor.arm()
+        vae(torch.randn(2, 4)).backward()
+        names = [e.name for e in monitor.collect().entries if e.kind == "grad_output"]
+    assert sorted(names) == ["encoder/logvar", "encoder/mean"]
