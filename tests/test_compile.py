@@ -93,3 +93,20 @@ def test_lightning_fit_of_a_compiled_module(tmp_path):
     assert [e.step for e in events.Scalars("param_grad_norm/net.0.weight")] == [0, 1, 2]
     assert not [t for t in tags if t.startswith(("grad_output", "grad_input")) or "_orig_mod" in t]
     assert len(model.losses) == 3 and all(torch.isfinite(loss) for loss in model.losses)
+
+
+class CompiledStep(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.training_step = torch.compile(self.training_step, backend="aot_eager")
+
+
+def test_lightning_module_with_a_compiled_training_step(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = CompiledStep()
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=2)
+    with pytest.warns(UserWarning, match="torch.compile: .*3 modules in compiled code"):
+        trainer.fit(model, loader())
+    events = read_events(trainer.logger.log_dir)
+    assert [e.step for e in events.Scalars("param_grad_norm/net.4.bias")] == [0, 1]
+    assert not [t for t in events.Tags()["scalars"] if t.startswith("grad_output")]
