@@ -1,40 +1,14 @@
-"""Disk offload of tensors saved for backward: :class:`save_on_disk`.
-
-``save_on_disk`` is a :class:`torch.autograd.graph.saved_tensors_hooks`, like torch's
-``save_on_cpu``. Inside its ``with`` block every tensor that autograd saves for the backward
-pass and that spans at least ``threshold_bytes`` of storage is handed to a background writer
-thread and replaced by a small handle; its memory is released as soon as it is on disk. The
-backward pass reads it back, prefetching in reverse order of saving. Smaller tensors,
-parameters and views of parameters stay in memory. Pure PyTorch: no Lightning import.
-
-One engine serves many steps. Create it once, enter it once per step (entering the same
-object again is supported: ``saved_tensors_hooks`` just pushes and pops the hooks), and close
-it at the end (it is also closed at interpreter exit)::
-
-    offload = save_on_disk(threshold_bytes=1 << 20, directory="/scratch")
-    for x, y in batches:
-        with offload:                 # one step: one file (or more, see segment_bytes)
-            loss = loss_fn(model(x), y)
-        loss.backward()               # may run inside or outside the with block
-        optimizer.step()
-    offload.close()
-
-Each step's tensors are appended to one file, deleted as soon as that step's graph is freed.
-"""
+"""The disk offload engine behind :class:`~lightning_gradhooks.offload.save_on_disk`: the
+writer and reader threads, pack (forward) and unpack (backward) with prefetch, the handles
+autograd keeps, CUDA side streams, statistics and teardown."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
 import contextlib
-import ctypes
-import dataclasses
-import errno
 import itertools
-import mmap
 import os
-import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -42,300 +16,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
-
-_ALIGN = 4096  # file offset alignment of each saved region
-_PINNED_GRANULE = 1 << 20  # pinned host buffers are pooled by size rounded up to this
-
-
-class DiskOffloadError(OSError):
-    """The offload folder could not be created, written or read.
-
-    ``errno`` is the operating system's error number (``errno.ENOSPC`` for a full disk,
-    ``errno.EFBIG`` over a file size limit); the message names the folder and the bytes
-    attempted.
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadStats:
-    """A snapshot of a :class:`save_on_disk` engine, from :meth:`save_on_disk.stats`."""
-
-    directory: str  #: the private folder holding the files
-    bytes_in_memory: int  #: held by the engine: pending writes plus buffers read ahead
-    bytes_pending_write: int  #: handed to the writer, not yet on disk
-    bytes_prefetched: int  #: read back (or being read) ahead of the backward pass
-    bytes_offloaded: int  #: handed to the writer since construction (after deduplication)
-    bytes_written: int  #: written since construction (a tensor used up before its turn is not)
-    bytes_read: int  #: total read back since construction
-    bytes_on_disk: int  #: size of the files that exist now
-    files_on_disk: int  #: number of files that exist now
-    tensors_offloaded: int  #: storage regions written (after deduplication)
-    tensors_deduplicated: int  #: saves answered by a region already written
-    tensors_kept: int  #: saves left in memory (small, parameters, unsupported)
-
-
-class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save_on_cpu
-    """Context manager that offloads large tensors saved for backward to disk.
-
-    Under the context, a saved tensor spanning at least ``threshold_bytes`` of storage is
-    queued for a background writer thread that appends its raw bytes to the current step's
-    file and then drops the engine's reference, so its memory is freed once written. The
-    forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
-    During backward the first unpack of a tensor starts reading the tensors saved before it,
-    in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
-    running without the context. Metadata (dtype, shape, strides, offsets) stays in memory;
-    files hold raw bytes only and are never unpickled.
-
-    Not offloaded: parameters and other leaves that require grad, views of those, tensors of
-    modules given to :meth:`keep_in_memory`, tensor subclasses, non-strided, conjugate or
-    negative-bit tensors, and devices other than CPU and CUDA. Views saved twice share one
-    written region (per step). CUDA tensors are copied to reused pinned host buffers on a
-    side stream and read back the same way.
-
-    Args:
-        threshold_bytes: offload a saved tensor if the storage region it spans has at least
-            this many bytes.
-        directory: folder in which a private subfolder (mode 0700, one per process and rank)
-            is created; ``None`` uses a private temporary folder.
-        max_bytes_in_flight: bytes queued for writing before the forward pass waits.
-        prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
-            0 disables prefetching.
-        segment_bytes: a step's file is closed and a new one started past this size, so
-            space is returned sooner when a context spans many steps.
-        drop_page_cache: make offloaded bytes leave RAM: write and read them with O_DIRECT
-            where the filesystem allows (else flush them with ``fdatasync`` and drop them
-            from the page cache). Costs device bandwidth. By default writes land in the
-            kernel's page cache, which writes them back when it needs the memory.
-
-    Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: an argument is out of range.
-        DiskOffloadError: the folder cannot be created or written (at construction), or a
-            write fails later: raised in the forward pass, at the latest at the first unpack
-            or when the context exits.
-
-    Example::
-
-        >>> import torch
-        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
-        >>> offload = save_on_disk(threshold_bytes=64 << 10)
-        >>> with offload:
-        ...     loss = model(torch.randn(512, 256)).square().sum()
-        >>> loss.backward()
-        >>> offload.stats().bytes_offloaded > 0
-        True
-        >>> offload.close()
-    """
-
-    def __init__(
-        self,
-        threshold_bytes: int,
-        directory: str | os.PathLike[str] | None = None,
-        *,
-        max_bytes_in_flight: int = 256 << 20,
-        prefetch_bytes: int = 32 << 20,
-        segment_bytes: int = 1 << 30,
-        drop_page_cache: bool = False,
-    ) -> None:
-        _check_int("threshold_bytes", threshold_bytes, 0)
-        _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
-        _check_int("prefetch_bytes", prefetch_bytes, 0)
-        _check_int("segment_bytes", segment_bytes, 1)
-        if not isinstance(drop_page_cache, bool):
-            raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
-        if directory is not None and not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
-        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
-                               drop_page_cache)
-        self._depth = 0
-        super().__init__(self._engine.pack, self._engine.unpack)
-
-    def __enter__(self) -> save_on_disk:  # type: ignore[override]
-        if self._depth == 0:
-            self._engine.begin_step()
-        super().__enter__()
-        self._depth += 1
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *args: object) -> None:
-        super().__exit__(exc_type, *args)
-        self._depth -= 1
-        if self._depth == 0:
-            self._engine.end_step(raise_error=exc_type is None)
-
-    @property
-    def directory(self) -> str:
-        """The private folder holding this engine's files."""
-        return self._engine.folder
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has run."""
-        return self._engine.closed
-
-    def stats(self) -> OffloadStats:
-        """Return a snapshot of the engine's memory, disk and traffic counters."""
-        return self._engine.stats()
-
-    def flush(self) -> None:
-        """Wait until every queued write is on disk; raise a pending write error."""
-        self._engine.flush()
-
-    def keep_in_memory(self, *modules: nn.Module) -> None:
-        """Never offload tensors sharing storage with these modules' parameters or buffers."""
-        for module in modules:
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"expected torch.nn.Module, got {type(module).__name__}")
-        self._engine.keep_in_memory(modules)
-
-    def close(self) -> None:
-        """Stop the threads and delete every file and the folder. Idempotent.
-
-        Graphs still holding offloaded tensors can no longer run backward afterwards.
-        """
-        self._engine.close()
-
-    def __repr__(self) -> str:
-        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
-
-
-# ----------------------------------------------------------------------------- internals
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"expected {name} >= {minimum}, got {value}")
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def _buffer(address: int, nbytes: int) -> memoryview:
-    """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-
-
-def _host_buffer(nbytes: int, skip: int = 0) -> tuple[torch.Tensor, int]:
-    """A CPU byte tensor of ``nbytes`` at ``skip`` bytes into a fresh anonymous mapping, and the
-    mapping's address. The mapping is page aligned (as O_DIRECT needs), uses huge pages where
-    Linux allows, and is unmapped as soon as the tensor dies, so reads do not fragment the heap."""
-    mapping = mmap.mmap(-1, _round_up(skip + nbytes, _ALIGN), flags=mmap.MAP_PRIVATE)  # shared = shmem, no THP
-    with contextlib.suppress(AttributeError, OSError):  # MADV_HUGEPAGE is Linux only
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=skip), address
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        n = os.pwrite(fd, data[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        done += n
-
-
-def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None) -> None:
-    done, needed = 0, len(data) if needed is None else needed
-    while done < needed:
-        n = os.preadv(fd, [data[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "unexpected end of file")
-        done += n
-
-
-def _make_private_folder(directory: str | os.PathLike[str] | None) -> str:
-    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-    prefix = f"save_on_disk-{'' if rank is None else f'rank{rank}-'}pid{os.getpid()}-"
-    folder = None
-    try:
-        if directory is None:
-            folder = tempfile.mkdtemp(prefix=prefix)  # mode 0700
-        else:
-            os.makedirs(directory, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix=prefix, dir=directory)
-        os.chmod(folder, 0o700)
-        probe = os.path.join(folder, "probe")
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            if os.write(fd, bytes(_ALIGN)) != _ALIGN:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as exc:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        where = "a private temporary folder" if directory is None else repr(os.fspath(directory))
-        raise DiskOffloadError(
-            exc.errno, f"save_on_disk: expected a writable folder, got {where}: {exc.strerror or exc}"
-        ) from exc
-    return folder
-
-
-class _Segment:
-    """One file receiving a step's tensors, appended sequentially."""
-
-    def __init__(self, index: int, path: str, fd: int) -> None:
-        self.index, self.path, self.fd = index, path, fd
-        self.direct_fd = -1  # O_DIRECT, with drop_page_cache where the filesystem allows
-        self.size = 0  # next free offset
-        self.records: list[_Record] = []  # in order of saving, for prefetch
-        self.live = 0  # records with a live handle
-        self.io = 0  # reads and writes queued or running on fd
-        self.sealed = False  # no more appends; unlinked once live == 0, closed once io == 0 too
-        self.failed: BaseException | None = None
-        self.linked = True
-        self.cursor = -1  # next record to consider for prefetch
-        self.last_unpacked = -1
-        self.previous: _Segment | None = None  # the same step's earlier file, for prefetch
-
-    def unlink(self) -> None:
-        if self.linked:
-            self.linked = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-    def close(self) -> None:
-        self.unlink()
-        for fd in (self.fd, self.direct_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.direct_fd = -1
-
-
-class _Record:
-    """One storage region written to a segment, shared by the handles of its views."""
-
-    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version", "direct",
-                 "src", "pinned", "event", "write_future", "written", "error", "handles",
-                 "loaded", "load_event", "loading", "read_error", "served")
-
-    def __init__(self, segment: _Segment, offset: int, nbytes: int, byte_start: int, t: torch.Tensor,
-                 storage: torch.UntypedStorage) -> None:
-        self.segment, self.index, self.offset = segment, len(segment.records), offset
-        self.nbytes, self.byte_start, self.device = nbytes, byte_start, t.device
-        self.storage_ref, self.version = StorageWeakRef(storage), t._version
-        self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
-        self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
-        self.event: Any = None  # CUDA: device-to-host copy done
-        self.write_future: cf.Future[None] | None = None
-        self.written = False
-        self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
-        self.error: BaseException | None = None  # modified in place before being written
-        self.handles = 0
-        self.loaded: torch.Tensor | None = None  # bytes read back, held until served
-        self.load_event: Any = None  # CUDA: host-to-device copy done
-        self.loading: cf.Future[Any] | None = None
-        self.read_error: BaseException | None = None
-        self.served = 0  # unpacks served from ``loaded``
+from lightning_gradhooks.offload._common import _ALIGN, DiskOffloadError, OffloadStats, _round_up
+from lightning_gradhooks.offload._files import (
+    _cleanup,
+    _make_private_folder,
+    _pread_all,
+    _pwrite_all,
+    _Record,
+    _Segment,
+)
+from lightning_gradhooks.offload._memory import _buffer, _host_buffer, _PinnedPool
 
 
 class _Handle:
@@ -355,42 +46,6 @@ class _Handle:
 
 def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tensor:
     return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)
-
-
-def _cleanup(folder: str, segments: dict[int, _Segment], executors: tuple[cf.Executor, ...], pid: int) -> None:
-    for executor in executors:
-        executor.shutdown(wait=False, cancel_futures=True)
-    if os.getpid() != pid:  # a forked child must not delete its parent's files
-        return
-    for segment in list(segments.values()):
-        segment.close()
-    segments.clear()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-class _PinnedPool:
-    """Page-locked host buffers reused across CUDA copies, pooled by rounded size."""
-
-    def __init__(self, capacity: int) -> None:
-        self._lock = threading.Lock()
-        self._free: list[tuple[torch.Tensor, Any]] = []
-        self._capacity = capacity
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        size = _round_up(nbytes, _PINNED_GRANULE)
-        with self._lock:
-            for i, (buf, event) in enumerate(self._free):
-                if buf.numel() == size and (event is None or event.query()):
-                    del self._free[i]
-                    return buf
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
-    def put(self, buf: torch.Tensor, event: Any = None) -> None:
-        with self._lock:
-            self._free.append((buf, event))
-            total = sum(b.numel() for b, _ in self._free)
-            while total > self._capacity:  # torch records copy events, so freeing is safe
-                total -= self._free.pop(0)[0].numel()
 
 
 class _Engine:

@@ -1,0 +1,170 @@
+"""Disk offload of tensors saved for backward: :class:`save_on_disk`.
+
+``save_on_disk`` is a :class:`torch.autograd.graph.saved_tensors_hooks`, like torch's
+``save_on_cpu``. Inside its ``with`` block every tensor that autograd saves for the backward
+pass and that spans at least ``threshold_bytes`` of storage is handed to a background writer
+thread and replaced by a small handle; its memory is released as soon as it is on disk. The
+backward pass reads it back, prefetching in reverse order of saving. Smaller tensors,
+parameters and views of parameters stay in memory. Pure PyTorch: no Lightning import.
+
+One engine serves many steps. Create it once, enter it once per step (entering the same
+object again is supported: ``saved_tensors_hooks`` just pushes and pops the hooks), and close
+it at the end (it is also closed at interpreter exit)::
+
+    offload = save_on_disk(threshold_bytes=1 << 20, directory="/scratch")
+    for x, y in batches:
+        with offload:                 # one step: one file (or more, see segment_bytes)
+            loss = loss_fn(model(x), y)
+        loss.backward()               # may run inside or outside the with block
+        optimizer.step()
+    offload.close()
+
+Each step's tensors are appended to one file, deleted as soon as that step's graph is freed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from lightning_gradhooks.offload._common import DiskOffloadError, OffloadStats
+from lightning_gradhooks.offload._engine import _Engine
+
+__all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
+
+
+class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save_on_cpu
+    """Context manager that offloads large tensors saved for backward to disk.
+
+    Under the context, a saved tensor spanning at least ``threshold_bytes`` of storage is
+    queued for a background writer thread that appends its raw bytes to the current step's
+    file and then drops the engine's reference, so its memory is freed once written. The
+    forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
+    During backward the first unpack of a tensor starts reading the tensors saved before it,
+    in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
+    running without the context. Metadata (dtype, shape, strides, offsets) stays in memory;
+    files hold raw bytes only and are never unpickled.
+
+    Not offloaded: parameters and other leaves that require grad, views of those, tensors of
+    modules given to :meth:`keep_in_memory`, tensor subclasses, non-strided, conjugate or
+    negative-bit tensors, and devices other than CPU and CUDA. Views saved twice share one
+    written region (per step). CUDA tensors are copied to reused pinned host buffers on a
+    side stream and read back the same way.
+
+    Args:
+        threshold_bytes: offload a saved tensor if the storage region it spans has at least
+            this many bytes.
+        directory: folder in which a private subfolder (mode 0700, one per process and rank)
+            is created; ``None`` uses a private temporary folder.
+        max_bytes_in_flight: bytes queued for writing before the forward pass waits.
+        prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
+            0 disables prefetching.
+        segment_bytes: a step's file is closed and a new one started past this size, so
+            space is returned sooner when a context spans many steps.
+        drop_page_cache: make offloaded bytes leave RAM: write and read them with O_DIRECT
+            where the filesystem allows (else flush them with ``fdatasync`` and drop them
+            from the page cache). Costs device bandwidth. By default writes land in the
+            kernel's page cache, which writes them back when it needs the memory.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range.
+        DiskOffloadError: the folder cannot be created or written (at construction), or a
+            write fails later: raised in the forward pass, at the latest at the first unpack
+            or when the context exits.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+        >>> offload = save_on_disk(threshold_bytes=64 << 10)
+        >>> with offload:
+        ...     loss = model(torch.randn(512, 256)).square().sum()
+        >>> loss.backward()
+        >>> offload.stats().bytes_offloaded > 0
+        True
+        >>> offload.close()
+    """
+
+    def __init__(
+        self,
+        threshold_bytes: int,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        max_bytes_in_flight: int = 256 << 20,
+        prefetch_bytes: int = 32 << 20,
+        segment_bytes: int = 1 << 30,
+        drop_page_cache: bool = False,
+    ) -> None:
+        _check_int("threshold_bytes", threshold_bytes, 0)
+        _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
+        _check_int("prefetch_bytes", prefetch_bytes, 0)
+        _check_int("segment_bytes", segment_bytes, 1)
+        if not isinstance(drop_page_cache, bool):
+            raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
+        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
+                               drop_page_cache)
+        self._depth = 0
+        super().__init__(self._engine.pack, self._engine.unpack)
+
+    def __enter__(self) -> save_on_disk:  # type: ignore[override]
+        if self._depth == 0:
+            self._engine.begin_step()
+        super().__enter__()
+        self._depth += 1
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *args: object) -> None:
+        super().__exit__(exc_type, *args)
+        self._depth -= 1
+        if self._depth == 0:
+            self._engine.end_step(raise_error=exc_type is None)
+
+    @property
+    def directory(self) -> str:
+        """The private folder holding this engine's files."""
+        return self._engine.folder
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._engine.closed
+
+    def stats(self) -> OffloadStats:
+        """Return a snapshot of the engine's memory, disk and traffic counters."""
+        return self._engine.stats()
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk; raise a pending write error."""
+        self._engine.flush()
+
+    def keep_in_memory(self, *modules: nn.Module) -> None:
+        """Never offload tensors sharing storage with these modules' parameters or buffers."""
+        for module in modules:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"expected torch.nn.Module, got {type(module).__name__}")
+        self._engine.keep_in_memory(modules)
+
+    def close(self) -> None:
+        """Stop the threads and delete every file and the folder. Idempotent.
+
+        Graphs still holding offloaded tensors can no longer run backward afterwards.
+        """
+        self._engine.close()
+
+    def __repr__(self) -> str:
+        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"expected {name} >= {minimum}, got {value}")
