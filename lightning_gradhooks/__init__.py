@@ -7,7 +7,8 @@ plain-PyTorch core it builds on, which works in any training loop and never impo
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_gradhooks.monitor import GradientEntry, GradientMonitor, GradientRecord
+from lightning_gradhooks.monitor import GradientMonitor
+from lightning_gradhooks.records import GradientEntry, GradientRecord
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 from lightning_gradhooks.stats import STATISTICS
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
-from lightning_gradhooks.monitor import GradientRecord
+from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 

@@ -2,7 +2,7 @@
 
 Each rank's hooks see the gradients of its own shard of the batch. :class:`RankReducer` pools
 them into the statistics of the whole global batch, with the same rule that pools the calls of
-a module (:attr:`~lightning_gradhooks.monitor.GradientEntry.calls`): as if the gradients of all
+a module (:attr:`~lightning_gradhooks.records.GradientEntry.calls`): as if the gradients of all
 ranks were one concatenated tensor. It costs one ``all_gather`` per logged step, of one flat
 tensor holding every entry, called after backward and never from inside a hook.
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks.monitor import GradientRecord, pool_entries
+from lightning_gradhooks.records import GradientRecord, pool_entries
 from lightning_gradhooks.stats import STATS_WIDTH
 
 # One row per name: calls (0: this rank has no such entry), has-histogram flag, the stats row,

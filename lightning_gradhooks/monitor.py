@@ -4,7 +4,7 @@ The monitor chooses modules, attaches one ``register_full_backward_hook`` to eac
 one handle that removes them all. Hooks return at once unless the monitor is *armed*; armed,
 they reduce ``grad_output`` and ``grad_input`` to statistics on the device and append them to a
 list. :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the
-host in one transfer per device.
+host in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
 """
 
 from __future__ import annotations
@@ -13,96 +13,21 @@ import dataclasses
 import fnmatch
 import functools
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gradhooks.stats import (
-    STATISTICS,
-    STATS_WIDTH,
-    merge_histograms,
-    pool_stats,
-    tensor_histogram,
-    tensor_stats,
-)
+from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, _to_host
+from lightning_gradhooks.stats import tensor_histogram, tensor_stats
+
+__all__ = ["GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "select_modules"]
 
 #: Label used for the root module, whose qualified name is the empty string.
 ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A histogram of the finite elements of one gradient tensor."""
-
-    low: float
-    high: float
-    counts: list[float]
-
-
-@dataclass(frozen=True)
-class GradientEntry:
-    """The statistics of one gradient tensor at one step.
-
-    Attributes:
-        kind: ``"grad_output"``, ``"grad_input"`` or ``"param_grad"``.
-        name: the module's qualified name, or the parameter's. A module with several output
-            (or input) tensors gives one entry per tensor, named by its position or key in the
-            structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
-        stats: statistic name to value, for every name in :data:`STATISTICS`.
-        histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
-        count: the number of finite elements the statistics were computed over.
-        calls: how many gradients were pooled into this entry. A module called several times
-            in one step (weight sharing, a cell in a loop), or in each micro-batch of an
-            accumulated step, gives one entry whose statistics and histogram are those of
-            all its gradients taken together, as if concatenated into one tensor.
-    """
-
-    kind: str
-    name: str
-    stats: dict[str, float]
-    histogram: Histogram | None = None
-    calls: int = 1
-    count: int = 0
-
-    def row(self) -> list[float]:
-        """The statistics as the row :func:`~lightning_gradhooks.stats.tensor_stats` lays out."""
-        low, high = (self.histogram.low, self.histogram.high) if self.histogram else (0.0, 0.0)
-        return [*(self.stats[s] for s in STATISTICS), float(self.count), low, high]
-
-
-@dataclass
-class GradientRecord:
-    """Everything the monitor collected for one step, in backward order, parameters last."""
-
-    entries: list[GradientEntry] = field(default_factory=list)
-
-    def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
-        """A copy with the gradients of ``kinds`` divided by a mixed-precision loss scale.
-
-        ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
-        gradient; ``nonfinite`` and the bin counts do not.
-        """
-        entries = []
-        for e in self.entries:
-            if e.kind in kinds:
-                stats = {k: v if k == "nonfinite" else v / scale for k, v in e.stats.items()}
-                hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
-                e = replace(e, stats=stats, histogram=hist)
-            entries.append(e)
-        return GradientRecord(entries)
-
-    def prefixed(self, prefix: str) -> GradientRecord:
-        """A copy with every name prefixed, as ``f"{prefix}/{name}"``."""
-        return GradientRecord([replace(e, name=f"{prefix}/{e.name}") for e in self.entries])
-
-    @property
-    def first_nonfinite(self) -> GradientEntry | None:
-        """The first entry, in backward order, whose gradient holds NaN or Inf values."""
-        return next((e for e in self.entries if e.stats["nonfinite"] > 0), None)
 
 
 # PyTorch warns on every backward in which a hooked module had no input requiring grad (the
@@ -526,43 +451,3 @@ class GradientMonitor:
                 self._reduce("param_grad", name, (param.grad,), self.histograms)
         pending, self._pending, self._armed = self._pending, [], False
         return GradientRecord(_to_host(pending, self.bins))
-
-
-def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]], bins: int) -> list[GradientEntry]:
-    """Bring all statistics and histograms to the host with one transfer per device, and pool
-    the rows of each name (see :attr:`GradientEntry.calls`)."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for _, _, stats, counts in pending:
-        parts = by_device.setdefault(stats.device, [])
-        parts.append(stats)
-        if counts is not None:
-            parts.append(counts)
-    host = {dev: iter(torch.cat(parts).tolist()) for dev, parts in by_device.items()}
-
-    groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
-    for kind, label, stats, counts in pending:
-        values = host[stats.device]
-        row = [next(values) for _ in range(STATS_WIDTH)]
-        hist = None if counts is None else [next(values) for _ in range(counts.numel())]
-        groups.setdefault((kind, label), []).append((row, hist))
-    return [pool_entries(kind, label, parts, bins) for (kind, label), parts in groups.items()]
-
-
-def pool_entries(
-    kind: str,
-    name: str,
-    parts: Sequence[tuple[list[float], list[float] | None]],
-    bins: int,
-    calls: int | None = None,
-) -> GradientEntry:
-    """One entry from rows of :func:`~lightning_gradhooks.stats.tensor_stats` (with their
-    histogram counts, or None), pooled as if the gradients were one tensor; ``calls`` defaults
-    to the number of parts."""
-    row = pool_stats([r for r, _ in parts])
-    histogram = None
-    if all(h is not None for _, h in parts):
-        low, high, counts = merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins)
-        histogram = Histogram(low, high, counts)
-    return GradientEntry(
-        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
-    )
