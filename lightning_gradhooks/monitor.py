@@ -151,6 +151,15 @@ def _is_compile_wrapper(module: nn.Module) -> bool:
     return "_orig_mod" in module._modules  # what torch.compile(module) returns
 
 
+def _named_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()``, named as before ``torch.compile`` (wrappers left out)."""
+    return {
+        _without_compile_wrappers(name): module
+        for name, module in model.named_modules()
+        if not _is_compile_wrapper(module)
+    }
+
+
 def _compiled_modules(model: nn.Module) -> set[int]:
     """The ids of the modules whose forward runs in code compiled by ``torch.compile``.
 
@@ -182,11 +191,7 @@ def select_modules(
             selection is empty.
     """
     include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
-    names = {
-        _without_compile_wrappers(name): module
-        for name, module in model.named_modules()
-        if not _is_compile_wrapper(module)
-    }
+    names = _named_modules(model)
     for argument, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
@@ -261,7 +266,7 @@ class GradientMonitor:
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = [
             _label(name)
-            for name, module in model.named_modules()
+            for name, module in _named_modules(model).items()
             if name not in self.modules
             and list(module.parameters(recurse=False))
             and not any(p.requires_grad for p in module.parameters(recurse=False))

@@ -110,3 +110,11 @@ def test_lightning_module_with_a_compiled_training_step(tmp_path):
     events = read_events(trainer.logger.log_dir)
     assert [e.step for e in events.Scalars("param_grad_norm/net.4.bias")] == [0, 1]
     assert not [t for t in events.Tags()["scalars"] if t.startswith("grad_output")]
+
+
+def test_frozen_modules_in_compiled_code_are_named_without_the_wrapper():
+    net = Net()
+    net.body._orig_mod[0].requires_grad_(False)
+    with pytest.warns(UserWarning, match="torch.compile"):
+        monitor = GradientMonitor(net)
+    assert monitor.frozen == ["body.0"]
