@@ -277,6 +277,7 @@ class GradientMonitor:
         compiled = _compiled_modules(model)
         #: Modules in code compiled by torch.compile: parameter gradients only.
         self.compiled = [_label(name) for name, module in self.modules.items() if id(module) in compiled]
+        self._hooked = {_label(name): module for name, module in self.modules.items() if id(module) not in compiled}
         if self.compiled:
             warnings.warn(
                 "torch.compile: module hooks would split the compiled graph into eager pieces, so "
@@ -316,10 +317,7 @@ class GradientMonitor:
             return self._handle
         self._handle = MonitorHandle()
         self._probe = _Probe()
-        for name, module in self.modules.items():
-            label = _label(name)
-            if label in self.compiled:
-                continue
+        for label, module in self._hooked.items():
             self._probe.handles += [
                 module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
                 module.register_forward_hook(functools.partial(self._probe_outputs, label)),
@@ -352,12 +350,9 @@ class GradientMonitor:
         in_place, skipped = probe.modified_in_place(), []
         # A module that did not run yet (a branch taken later) might meet an in-place
         # operation when it does: only tensor hooks are safe for it.
-        unseen = {_label(name) for name in self.modules} - {name for name, _ in probe.outputs}
+        unseen = set(self._hooked) - {name for name, _ in probe.outputs}
         fallback = in_place | probe.structured | unseen
-        for name, module in self.modules.items():
-            label = _label(name)
-            if label in self.compiled:
-                continue
+        for label, module in self._hooked.items():
             if label in fallback:
                 self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
             elif module._is_full_backward_hook is False:
