@@ -45,6 +45,7 @@ class RankReducer:
         self.device = torch.device(device)
         self.group = group
         self.layout: list[tuple[str, str]] | None = None
+        self._width = _HEAD + STATS_WIDTH + bins  # values per name in the flat tensor
         #: How many gathers :meth:`reduce` made in total (for tests and the curious).
         self.collectives = 0
 
@@ -70,10 +71,9 @@ class RankReducer:
         return list(layout)
 
     def _gather(self, local: dict[tuple[str, str], Any]) -> torch.Tensor:
-        width = _HEAD + STATS_WIDTH + self.bins
-        flat = torch.zeros(1 + len(self.layout) * width, dtype=torch.float64)
+        flat = torch.zeros(1 + len(self.layout) * self._width, dtype=torch.float64)
         flat[0] = len(set(local) - set(self.layout))
-        rows = flat[1:].view(len(self.layout), width)
+        rows = flat[1:].view(len(self.layout), self._width)
         for i, key in enumerate(self.layout):
             entry = local.get(key)
             if entry is None:
@@ -93,8 +93,7 @@ class RankReducer:
         return out.cpu().view(world, -1)
 
     def _unpack(self, gathered: torch.Tensor) -> list:
-        width = _HEAD + STATS_WIDTH + self.bins
-        ranks = gathered[:, 1:].view(gathered.shape[0], len(self.layout), width).tolist()
+        ranks = gathered[:, 1:].view(gathered.shape[0], len(self.layout), self._width).tolist()
         entries = []
         for i, (kind, name) in enumerate(self.layout):
             present = [rows[i] for rows in ranks if rows[i][0] > 0]

@@ -8,8 +8,9 @@ does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -209,16 +210,23 @@ def merge_histograms(parts: Sequence[tuple[float, float, Sequence[float]]], bins
     if high <= low:
         return low, high, [total] + [0.0] * (bins - 1)
     edges = [low + (high - low) * k / bins for k in range(1, bins)]
-    below = [sum(_mass_below(p, e) for p in parts) for e in edges]
+    below = [0.0] * len(edges)
+    for part in parts:
+        for k, mass in enumerate(_masses_below(part, edges)):
+            below[k] += mass
     cumulative = [0.0, *below, total]
     return low, high, [max(b - a, 0.0) for a, b in zip(cumulative, cumulative[1:])]
 
 
-def _mass_below(part: tuple[float, float, Sequence[float]], x: float) -> float:
+def _masses_below(part: tuple[float, float, Sequence[float]], edges: Sequence[float]) -> Iterator[float]:
+    """For each edge, the count of ``part``'s elements below it (uniform within a bin)."""
     low, high, counts = part
     if high <= low:  # every element equals `low`
-        return sum(counts) if low < x else 0.0
-    position = min(max((x - low) / (high - low) * len(counts), 0.0), len(counts))
-    whole = int(position)
-    mass = sum(counts[:whole])
-    return mass + (position - whole) * counts[whole] if whole < len(counts) else mass
+        total = sum(counts)
+        yield from (total if low < x else 0.0 for x in edges)
+        return
+    prefix = [0.0, *itertools.accumulate(counts)]
+    for x in edges:
+        position = min(max((x - low) / (high - low) * len(counts), 0.0), len(counts))
+        whole = int(position)
+        yield prefix[whole] + ((position - whole) * counts[whole] if whole < len(counts) else 0.0)
