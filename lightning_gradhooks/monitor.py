@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, _to_host
-from lightning_gradhooks.stats import tensor_histogram, tensor_stats
+from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries
+from lightning_gradhooks.stats import Reducer
 
 __all__ = ["GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "select_modules"]
 
@@ -37,7 +37,11 @@ _NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are comput
 
 
 class MonitorHandle:
-    """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager."""
+    """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager.
+
+    While the monitor is not armed its hooks are *parked*: out of the modules' hook dicts, so a
+    step that is not logged runs exactly as without the monitor.
+    """
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
@@ -56,25 +60,42 @@ class MonitorHandle:
         self._flags.append((module, module._is_full_backward_hook))
         self._handles.append(module.register_full_backward_hook(hook))
 
+    def park(self) -> None:
+        """Take every hook out of the modules; the monitor registers them again when armed."""
+        handles, flags, self._handles, self._flags = self._handles, self._flags, [], []
+        for handle in handles:
+            handle.remove()
+        # Registering a full backward hook marks the module for good; undo that mark when no
+        # hook is left, so the module can take any kind of backward hook again.
+        for module, flag in reversed(flags):
+            if not module._backward_hooks:
+                module._is_full_backward_hook = flag
+
     def remove(self) -> None:
         if self._filter in warnings.filters:
             warnings.filters.remove(self._filter)
             getattr(warnings, "_filters_mutated", lambda: None)()
         self._filter = None
-        for handle in self._handles:
-            handle.remove()
-        # Registering a full backward hook marks the module for good; undo that mark when no
-        # hook is left, so the module can take any kind of backward hook again.
-        for module, flag in self._flags:
-            if not module._backward_hooks:
-                module._is_full_backward_hook = flag
-        self._handles, self._flags = [], []
+        self.park()
 
     def __enter__(self) -> MonitorHandle:
         return self
 
     def __exit__(self, *args: object) -> None:
         self.remove()
+
+
+class _Armed:
+    """What :meth:`GradientMonitor.arm` returns: leaving a ``with`` block disarms."""
+
+    def __init__(self, monitor: GradientMonitor) -> None:
+        self._monitor = monitor
+
+    def __enter__(self) -> GradientMonitor:
+        return self._monitor
+
+    def __exit__(self, *args: object) -> None:
+        self._monitor.disarm()
 
 
 @dataclass
@@ -242,9 +263,9 @@ class GradientMonitor:
         >>> monitor = GradientMonitor(model)
         >>> with monitor.attach():
         ...     for step in range(2):
-        ...         monitor.arm()
-        ...         model(torch.randn(16, 4)).sum().backward()
-        ...         record = monitor.collect()
+        ...         with monitor.arm():  # hooks in for this step only
+        ...             model(torch.randn(16, 4)).sum().backward()
+        ...             record = monitor.collect()
         >>> [(e.kind, e.name) for e in record.entries][:4]
         [('grad_output', '2'), ('grad_input', '2'), ('grad_output', '0'), ('param_grad', '0.weight')]
     """
@@ -296,35 +317,61 @@ class GradientMonitor:
                         seen.add(id(param))
                         self.parameters[f"{name}.{pname}" if name else pname] = param
         self._armed = False
-        self._pending: list[tuple[str, str, Tensor, Tensor | None]] = []
+        # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
+        self._pending: list[tuple[str, str, torch.device]] = []
+        self._reducers: dict[torch.device, Reducer] = {}
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None
+        #: Per hooked module, after the first armed step: whether it takes tensor hooks (True)
+        #: or a full backward hook (False). None until that step has shown in-place use.
+        self._plan: dict[str, bool] | None = None
         #: Modules whose grad_output is read through tensor hooks (found modified in place).
         self.fallback: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
-        """Register the hooks (once) and return the handle that removes all of them.
+        """Prepare the hooks and return the handle that removes all of them.
+
+        Nothing is registered until the monitor is armed, and everything is taken out again
+        when it disarms (:meth:`collect`, :meth:`disarm`): steps that are not logged run exactly
+        as without the monitor.
 
         Full backward hooks break on modules whose output (or input) is modified in place, as
-        ``ReLU(inplace=True)`` after a norm layer or ``out += identity`` do. So the first
-        forward after ``attach`` runs with forward hooks only, which watch tensor version
-        counters and read ``grad_output`` through tensor hooks on the outputs. When its
-        backward starts, modules seen modified in place keep that mechanism (``grad_output``
-        only; reported once in a warning) and every other module gets its full backward hook.
+        ``ReLU(inplace=True)`` after a norm layer or ``out += identity`` do. So the first armed
+        forward runs with forward hooks only, which watch tensor version counters and read
+        ``grad_output`` through tensor hooks on the outputs (that step has no ``grad_input``).
+        When its backward starts, modules seen modified in place keep that mechanism
+        (``grad_output`` only; reported once in a warning) and every other module gets its
+        full backward hook.
         """
-        if self._handle is not None and self._handle.active:
-            return self._handle
-        self._handle = MonitorHandle()
-        self._probe = _Probe()
-        for label, module in self._hooked.items():
-            self._probe.handles += [
-                module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
-                module.register_forward_hook(functools.partial(self._probe_outputs, label)),
-            ]
-        for handle in self._probe.handles:
-            self._handle.add(handle)
+        if self._handle is None or not self._handle.active:
+            self._handle = MonitorHandle()
+            if self._armed:
+                self._register()
         return self._handle
+
+    def _register(self) -> None:
+        """Put the hooks in the modules: the in-place probe at first, the planned hooks after."""
+        if self._plan is None:
+            self._probe = _Probe()
+            for label, module in self._hooked.items():
+                self._probe.handles += [
+                    module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
+                    module.register_forward_hook(functools.partial(self._probe_outputs, label)),
+                ]
+            for handle in self._probe.handles:
+                self._handle.add(handle)
+            return
+        for label, module in self._hooked.items():
+            if self._plan.get(label):
+                self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
+            elif label in self._plan:
+                self._handle.add_full_backward_hook(module, functools.partial(self._full_hook, label))
+
+    def _park(self) -> None:
+        self._probe = None  # a probe whose backward never came is run again at the next arm
+        if self._handle is not None:
+            self._handle.park()
 
     def _probe_inputs(self, name: str, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled() and self._probe is not None:
@@ -343,7 +390,7 @@ class GradientMonitor:
         self._watch_outputs(name, outputs)
 
     def _finish_probe(self) -> None:
-        """Give each module its lasting hook, once the first backward has started."""
+        """Plan each module's lasting hook, once the first armed backward has started."""
         probe, self._probe = self._probe, None
         for handle in probe.handles:
             handle.remove()
@@ -352,14 +399,15 @@ class GradientMonitor:
         # operation when it does: only tensor hooks are safe for it.
         unseen = set(self._hooked) - {name for name, _ in probe.outputs}
         fallback = in_place | probe.structured | unseen
+        self._plan = {}
         for label, module in self._hooked.items():
-            if label in fallback:
-                self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
-            elif module._is_full_backward_hook is False:
+            if label not in fallback and module._is_full_backward_hook is False:
                 skipped.append(label)
             else:
-                self._handle.add_full_backward_hook(module, functools.partial(self._full_hook, label))
+                self._plan[label] = label in fallback
         self.fallback = sorted(fallback)
+        if self._armed:
+            self._register()  # later forwards of this logged step (micro-batches) are hooked
         if in_place:
             warnings.warn(
                 "in-place operations touch these modules' outputs or inputs, so their grad_output is "
@@ -375,9 +423,7 @@ class GradientMonitor:
 
     def remove(self) -> None:
         """Remove every hook and drop pending statistics; safe to call any number of times."""
-        self._armed = False
-        self._probe = None
-        self._pending.clear()
+        self.disarm()
         if self._handle is not None:
             self._handle.remove()
 
@@ -390,14 +436,28 @@ class GradientMonitor:
         """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
         return bool(self._pending)
 
-    def arm(self) -> None:
-        """Make the hooks collect until :meth:`collect` or :meth:`disarm`."""
-        self._armed = True
+    def arm(self) -> _Armed:
+        """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
+
+        Arm before the forward of the step to log. The result is a context manager that
+        disarms on leaving, also by an exception::
+
+            with monitor.arm():
+                loss_fn(model(x), y).backward()
+                record = monitor.collect()
+        """
+        if not self._armed:
+            self._armed = True
+            if self._handle is not None and self._handle.active:
+                self._register()
+        return _Armed(self)
 
     def disarm(self) -> None:
-        """Stop collecting and drop what was collected but not yet returned."""
+        """Stop collecting, take the hooks out and drop what was collected but not returned."""
         self._armed = False
         self._pending.clear()
+        self._reducers.clear()
+        self._park()
 
     # -- hot path --------------------------------------------------------------------------
     def _full_hook(self, name: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
@@ -422,15 +482,15 @@ class GradientMonitor:
         if self._armed:
             self._reduce("grad_output", label, (grad,), self.histograms)
 
-    def _reduce(self, kind: str, name: str, grads: Iterable[Tensor | None], hist: bool) -> None:
-        grads = tuple(grads)
+    def _reduce(self, kind: str, name: str, grads: tuple[Tensor | None, ...], hist: bool) -> None:
         for i, grad in enumerate(grads):
             if grad is None or not grad.is_floating_point():
                 continue
-            label = name if len(grads) == 1 else f"{name}/{i}"
-            stats = tensor_stats(grad)
-            counts = tensor_histogram(grad, stats, self.bins) if hist else None
-            self._pending.append((kind, label, stats, counts))
+            reducer = self._reducers.get(grad.device)
+            if reducer is None:
+                reducer = self._reducers[grad.device] = Reducer(self.bins)
+            reducer.add(grad, hist)
+            self._pending.append((kind, name if len(grads) == 1 else f"{name}/{i}", grad.device))
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
@@ -449,5 +509,12 @@ class GradientMonitor:
         for name, param in self.parameters.items():
             if param.grad is not None and (wanted is None or id(param) in wanted):
                 self._reduce("param_grad", name, (param.grad,), self.histograms)
-        pending, self._pending, self._armed = self._pending, [], False
-        return GradientRecord(_to_host(pending, self.bins))
+        pending, reducers = self._pending, self._reducers
+        self._pending, self._reducers = [], {}
+        self.disarm()
+        # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
+        results = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
+        groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
+        for kind, label, device in pending:
+            groups.setdefault((kind, label), []).append(next(results[device]))
+        return GradientRecord([pool_entries(kind, label, parts, self.bins) for (kind, label), parts in groups.items()])

@@ -10,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-from torch import Tensor
-
 from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
 
@@ -51,7 +48,7 @@ class GradientEntry:
     count: int = 0
 
     def row(self) -> list[float]:
-        """The statistics as the row :func:`~lightning_gradhooks.stats.tensor_stats` lays out."""
+        """The statistics as a row: :data:`~lightning_gradhooks.stats.STATISTICS`, count, low, high."""
         low, high = (self.histogram.low, self.histogram.high) if self.histogram else (0.0, 0.0)
         return [*(self.stats[s] for s in STATISTICS), float(self.count), low, high]
 
@@ -87,26 +84,6 @@ class GradientRecord:
         return next((e for e in self.entries if e.stats["nonfinite"] > 0), None)
 
 
-def _to_host(pending: list[tuple[str, str, Tensor, Tensor | None]], bins: int) -> list[GradientEntry]:
-    """Bring all statistics and histograms to the host with one transfer per device, and pool
-    the rows of each name (see :attr:`GradientEntry.calls`)."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for _, _, stats, counts in pending:
-        parts = by_device.setdefault(stats.device, [])
-        parts.append(stats)
-        if counts is not None:
-            parts.append(counts)
-    host = {dev: iter(torch.cat(parts).tolist()) for dev, parts in by_device.items()}
-
-    groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
-    for kind, label, stats, counts in pending:
-        values = host[stats.device]
-        row = [next(values) for _ in range(STATS_WIDTH)]
-        hist = None if counts is None else [next(values) for _ in range(counts.numel())]
-        groups.setdefault((kind, label), []).append((row, hist))
-    return [pool_entries(kind, label, parts, bins) for (kind, label), parts in groups.items()]
-
-
 def pool_entries(
     kind: str,
     name: str,
@@ -114,8 +91,7 @@ def pool_entries(
     bins: int,
     calls: int | None = None,
 ) -> GradientEntry:
-    """One entry from rows of :func:`~lightning_gradhooks.stats.tensor_stats` (with their
-    histogram counts, or None), pooled as if the gradients were one tensor; ``calls`` defaults
+    """One entry from statistics rows (with their histogram counts, or None), pooled as if the gradients were one tensor; ``calls`` defaults
     to the number of parts."""
     row = pool_stats([r for r, _ in parts])
     histogram = None

@@ -1,13 +1,24 @@
-"""Pure-torch reductions of a gradient tensor to its statistics and histogram.
+"""Pure-torch reductions of gradient tensors to statistics and histograms; pooling on the host.
 
-Everything here stays on the tensor's device: no ``.item()``, ``.cpu()`` or ``.tolist()``.
-The statistics of one tensor are a 1-D float32 tensor laid out as :data:`STATISTICS`; they are
-computed over the *finite* elements only, and ``nonfinite`` counts the others, so that one NaN
-does not hide the shape of the rest of the gradient.
+A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
+their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
+
+- small gradients are gathered and reduced together, a batch at a time, with a fixed number of
+  ops per batch (segment reductions over rows, one scatter for all their histograms);
+- on the CPU, big gradients are reduced on their own in four passes with a host-side finite
+  check; on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a
+  batch, because there the launch count, not the bytes, is what costs.
+
+The device holds five *moments* per tensor (finite count, mean, centred sum of squares, finite
+minimum and maximum); :func:`finish_rows` turns them into :data:`STATISTICS` on the host. Every
+statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that one
+NaN does not hide the shape of the rest of the gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -16,17 +27,46 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-#: Names of the statistics, in the order of :func:`tensor_stats`'s result.
+#: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
 #: ``absmax``, ``nonfinite`` (count of NaN/Inf elements).
 Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite"]
 STATISTICS: tuple[str, ...] = get_args(Statistic)
 
-# Position of the finite-element count and of the histogram range in the vector that
-# :func:`tensor_stats` returns behind the public statistics (used to build histograms).
+# Behind the public statistics a row holds the finite count and the finite minimum and maximum
+# (the histogram range), used for pooling and histograms.
 _NONFINITE = STATISTICS.index("nonfinite")
 _COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
+
+#: Moments per tensor on the device: finite count, mean, centred sum of squares, low, high.
+MOMENTS = 5
+
+#: On the CPU, gradients of at most this many elements are batched; bigger ones are reduced alone.
+CPU_BATCH_TENSOR = 1 << 15
+#: On accelerators, gradients of at most this many elements are batched.
+DEVICE_BATCH_ELEMENTS = 1 << 22
+#: A batch is reduced once it holds this many elements (CPU: this many, or the tensor limit).
+CPU_BATCH_ELEMENTS = 1 << 20
+#: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
+ROW = 1024
+
+_branch_free = False
+
+
+@contextlib.contextmanager
+def branch_free() -> Iterator[None]:
+    """Reduce CPU tensors as accelerator tensors are reduced: batched, no host reads.
+
+    For tests and benchmarks: this is how the op count of the accelerator path is measured on a
+    machine without one.
+    """
+    global _branch_free
+    previous, _branch_free = _branch_free, True
+    try:
+        yield
+    finally:
+        _branch_free = previous
 
 
 def _as_float(tensor: Tensor) -> Tensor:
@@ -36,118 +76,215 @@ def _as_float(tensor: Tensor) -> Tensor:
     return flat
 
 
-def tensor_stats(tensor: Tensor) -> Tensor:
-    """Reduce ``tensor`` to its statistics, on its own device.
-
-    Args:
-        tensor: any floating-point tensor (half precision is reduced in float32).
-
-    Returns:
-        A float32 tensor of ``STATS_WIDTH`` values: the :data:`STATISTICS`, then the number of
-        finite elements and the finite minimum and maximum (the histogram range).
-
-    Example:
-        >>> s = tensor_stats(torch.tensor([3.0, -4.0, float("nan")]))
-        >>> [round(v, 4) for v in s[:5].tolist()]
-        [5.0, -0.5, 4.9497, 4.0, 1.0]
-    """
-    x = _as_float(tensor)
-    if x.device.type == "cpu" and x.numel() > 1:
-        stats = _stats_if_finite(x)
-        if stats is not None:
-            return stats
-    return _masked_stats(x)
-
-
-def _stats_if_finite(x: Tensor) -> Tensor | None:
-    """Four cheap passes for the common case of a CPU tensor whose values are all finite.
-
-    On the CPU, reading a reduced scalar is not a device synchronisation, so the finite check
-    can branch and the scalar arithmetic can run in double precision on the host; on
-    accelerators the branch-free :func:`_masked_stats` is used instead. Sums use torch's
-    cascade summation (``vector_norm`` and ``dot`` lose up to 1e-4 on millions of elements).
-    """
-    low, high = (v.item() for v in torch.aminmax(x))
-    total, squares = x.sum().item(), (x * x).sum().item()
-    if not all(map(math.isfinite, (low, high, total, squares))):
-        return None
-    n = x.numel()
-    mean = total / n
-    spread = squares - n * mean * mean
-    if spread <= 0.1 * squares:  # the mean dominates: centre first to keep the std exact
-        spread = torch.sub(x, mean).square().sum().item()
-    std = math.sqrt(max(spread, 0.0) / (n - 1))
-    absmax = max(abs(low), abs(high))
-    return torch.tensor([math.sqrt(squares), mean, std, absmax, 0.0, n, low, high], dtype=torch.float32)
-
-
-def _masked_stats(x: Tensor) -> Tensor:
-    """Statistics over the finite elements, without reading anything back to the host."""
-    finite = torch.isfinite(x)
-    count = finite.sum()
-    zeroed = torch.where(finite, x, 0.0)
-    norm = zeroed.square().sum().sqrt()
-    mean = zeroed.sum() / count.clamp(min=1)
-    centred = torch.where(finite, x - mean, 0.0)
-    std = (centred.square().sum() / (count - 1).clamp(min=1)).sqrt()
-    low = torch.where(finite, x, torch.inf).amin()
-    high = torch.where(finite, x, -torch.inf).amax()
-    any_finite = count > 0
-    low = torch.where(any_finite, low, 0.0)
-    high = torch.where(any_finite, high, 0.0)
-    absmax = torch.maximum(high.abs(), low.abs())
-    nonfinite = x.numel() - count
-    return torch.stack([norm, mean, std, absmax, nonfinite, count, low, high]).float()
-
-
 def _shrunk(bins: int) -> float:
     """Scale so that the maximum lands just inside the last bin: no clamp pass is needed."""
     return bins * (1 - 1e-6)
 
 
-def tensor_histogram(tensor: Tensor, stats: Tensor, bins: int) -> Tensor:
-    """Count the finite elements of ``tensor`` in ``bins`` equal bins over their range.
+class Reducer:
+    """Reduces the gradients of one step on one device: statistics, and histograms where asked.
 
     Args:
-        tensor: the tensor that ``stats`` was computed from.
-        stats: the result of :func:`tensor_stats` for ``tensor`` (supplies the range).
-        bins: number of bins.
+        bins: histogram bins.
+
+    Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
+    host in one transfer.
+    """
+
+    def __init__(self, bins: int) -> None:
+        self.bins = bins
+        # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
+        # tensors in the order added); the open batch; what was added.
+        self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
+        self._batch: list[Tensor] = []
+        self._batch_positions: list[int] = []
+        self._batch_elements = 0
+        self._numels: list[int] = []
+        self._histogram: list[bool] = []
+
+    def add(self, tensor: Tensor, histogram: bool) -> None:
+        x = _as_float(tensor)
+        position = len(self._numels)
+        self._numels.append(x.numel())
+        self._histogram.append(histogram)
+        on_device = _branch_free or x.device.type != "cpu"
+        if not on_device and x.numel() > CPU_BATCH_TENSOR:
+            self._blocks.append((*_reduce_on_cpu(x, self.bins if histogram else None), [position]))
+            return
+        capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
+        if self._batch_elements + x.numel() > capacity:
+            self._flush()
+        self._batch.append(x)
+        self._batch_positions.append(position)
+        self._batch_elements += x.numel()
+
+    def _flush(self) -> None:
+        if self._batch:
+            wanted = any(self._histogram[p] for p in self._batch_positions)
+            moments, counts = reduce_batch(self._batch, self.bins if wanted else None)
+            self._blocks.append((moments, counts, self._batch_positions))
+            self._batch, self._batch_positions, self._batch_elements = [], [], 0
+
+    def finish(self) -> list[tuple[list[float], list[float] | None]]:
+        """The statistics row and histogram counts (or None) of each tensor, in the order added."""
+        self._flush()
+        if not self._blocks:
+            return []
+        parts = [m.reshape(-1) for m, _, _ in self._blocks] + [c.reshape(-1) for _, c, _ in self._blocks if c is not None]
+        host = torch.cat(parts).cpu()  # the one transfer
+        results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(self._numels)
+        moments, offset = host[: len(self._numels) * MOMENTS].view(-1, MOMENTS), len(self._numels) * MOMENTS
+        first = 0
+        for _, counts, positions in self._blocks:
+            numels = [self._numels[p] for p in positions]
+            rows = finish_rows(moments[first : first + len(positions)].reshape(-1).tolist(), numels)
+            first += len(positions)
+            if counts is not None:
+                block = host[offset : offset + counts.numel()].view(len(positions), self.bins)
+                offset += counts.numel()
+            for k, (p, row) in enumerate(zip(positions, rows)):
+                wanted = counts is not None and self._histogram[p]
+                results[p] = (row, block[k].tolist() if wanted else None)
+        self.__init__(self.bins)
+        return results
+
+
+def _reduce_on_cpu(x: Tensor, bins: int | None) -> tuple[Tensor, Tensor | None]:
+    """A big CPU tensor: four cheap passes when every value is finite, the batch path if not.
+
+    On the CPU, reading a reduced scalar is not a device synchronisation, so the finite check
+    can branch and the scalar arithmetic can run in double precision on the host. Sums use
+    torch's cascade summation (``vector_norm`` and ``dot`` lose up to 1e-4 on millions of
+    elements).
+    """
+    low, high = (v.item() for v in torch.aminmax(x))
+    total, squares = x.sum().item(), (x * x).sum().item()
+    if not all(map(math.isfinite, (low, high, total, squares))):
+        return reduce_batch([x], bins)
+    n = x.numel()
+    mean = total / n
+    spread = squares - n * mean * mean
+    if spread <= 0.1 * squares:  # the mean dominates: centre first to keep the std exact
+        spread = _centred_spread(torch.sub(x, mean), n)
+    moments = torch.tensor([[n, mean, max(spread, 0.0), low, high]], dtype=torch.float64)
+    if bins is None:
+        return moments, None
+    scale = _shrunk(bins) / (high - low if high > low else 1.0)
+    # x - low is >= 0 for finite x, and the scaled maximum stays below `bins`: no clamp pass.
+    index = torch.sub(x, low).mul_(scale)
+    counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins)
+    return moments, counts[:bins].to(torch.float64).unsqueeze(0)
+
+
+def _centred_spread(centred: Tensor, n: int) -> float:
+    """The sum of squares about the mean, from values centred on an approximation of it."""
+    offset = centred.sum().item()
+    return centred.square().sum().item() - offset * offset / n
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Where each row of a batch reads from, and which tensor each row belongs to.
+
+    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows; the padding of its last row reads the NaN that
+    :func:`reduce_batch` appends, which every reduction leaves out as non-finite. Built once per
+    layout (a model gives the same layout every logged step) and copied to the device once.
+    """
+    rows = [max(1, -(-n // ROW)) for n in lengths]
+    sentinel = sum(lengths)
+    index = torch.full((sum(rows), ROW), sentinel, dtype=torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(rows))
+    start, first = 0, 0
+    for n, r in zip(lengths, rows):
+        block = index[first : first + r].view(-1)
+        block[:n] = torch.arange(start, start + n)
+        start, first = start + n, first + r
+    if device.type == "cuda":
+        index, row_of = index.pin_memory(), row_of.pin_memory()
+    return index.view(-1).to(device, non_blocking=True), row_of.to(device, non_blocking=True)
+
+
+def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+    """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
+
+    The tensors are concatenated once and laid out in rows of :data:`ROW` elements, each tensor
+    on rows of its own. Every statistic is a row reduction (accurate float32 sums over 1,024
+    elements) followed by a float64 sum of the few rows of each tensor; the variance is a
+    second, centred pass. All histograms are one scatter over ``tensor * (bins + 1) + bin``.
 
     Returns:
-        A float32 tensor of ``bins`` counts on the tensor's device. Non-finite elements are
-        not counted; the bin edges follow from :func:`histogram_edges`.
+        ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
+        ``(len(tensors), bins)`` (None without ``bins``).
     """
-    x = _as_float(tensor)
-    if x.device.type == "cpu":
-        return _histogram_host_range(x, stats, bins)
-    return _histogram_on_device(x, stats, bins)
-
-
-def _histogram_host_range(x: Tensor, stats: Tensor, bins: int) -> Tensor:
-    """CPU: the statistics are in host memory, so the range is read as plain floats."""
-    low, high, nonfinite = stats[_LOW].item(), stats[_HIGH].item(), stats[_NONFINITE].item()
-    scale = _shrunk(bins) / (high - low if high > low else 1.0)
-    # x - low is exact and >= 0 for finite x (Sterbenz), so no clamp pass is needed.
-    index = torch.sub(x, low).mul_(scale)
-    if nonfinite:
-        index = torch.where(torch.isfinite(x), index, bins)
-    # Truncation maps [0, bins) onto the bins; bincount counts bytes fastest.
-    counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins + 1)
-    return counts[:bins].float()
-
-
-def _histogram_on_device(x: Tensor, stats: Tensor, bins: int) -> Tensor:
-    """Accelerators: nothing is read back (``bincount`` would read its maximum to the host)."""
-    low, high = stats[_LOW].to(x.dtype), stats[_HIGH].to(x.dtype)
+    device = tensors[0].device
+    gather, row_of = _layout(tuple(t.numel() for t in tensors), device)
+    flat = torch.cat([*tensors, torch.full((1,), math.nan, device=device)])
+    x = flat[gather].view(-1, ROW)
+    finite = x.isfinite()
+    zeroed = torch.where(finite, x, 0.0)
+    m = len(tensors)
+    per_row = torch.stack([finite.sum(1), zeroed.sum(1)], 1).to(torch.float64)
+    count, total = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    mean = total / count.clamp(min=1)
+    # The centre is the mean rounded to the data's precision: subtract what that rounding adds
+    # (the corrected two-pass formula), so a mean far from zero leaves the spread exact.
+    centred = torch.where(finite, x - mean.to(x.dtype)[row_of, None], 0.0)
+    per_row = torch.stack([centred.square().sum(1), centred.sum(1)], 1).to(torch.float64)
+    squares, offset = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    spread = squares - offset * offset / count.clamp(min=1)
+    low = _segment_extreme(torch.where(finite, x, math.inf).amin(1), row_of, m, "amin")
+    high = _segment_extreme(torch.where(finite, x, -math.inf).amax(1), row_of, m, "amax")
+    moments = torch.stack([count, mean, spread, low, high], 1)
+    if bins is None:
+        return moments, None
     scale = _shrunk(bins) / torch.where(high > low, high - low, 1.0)
-    index = torch.where(torch.isfinite(x), (x - low) * scale, bins).long()
-    counts = torch.zeros(bins + 1, device=x.device, dtype=torch.float32)
-    counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
-    return counts[:bins]
+    index = ((x - low.to(x.dtype)[row_of, None]) * scale.to(x.dtype)[row_of, None]).long()
+    index = torch.where(finite, index, bins).add_(row_of[:, None] * (bins + 1))
+    counts = torch.zeros(m * (bins + 1), dtype=torch.float64, device=device)
+    counts.index_add_(0, index.view(-1), torch.ones(1, dtype=torch.float64, device=device).expand(index.numel()))
+    return moments, counts.view(m, bins + 1)[:, :bins]
+
+
+def _segment_extreme(per_row: Tensor, row_of: Tensor, m: int, reduce: str) -> Tensor:
+    start = math.inf if reduce == "amin" else -math.inf
+    out = torch.full((m,), start, dtype=torch.float64, device=per_row.device)
+    return out.scatter_reduce_(0, row_of, per_row.to(torch.float64), reduce)
+
+
+def finish_rows(values: Sequence[float], numels: Sequence[int]) -> list[list[float]]:
+    """Statistics rows (:data:`STATISTICS`, count, low, high) from moments read to the host.
+
+    Args:
+        values: ``len(numels) * MOMENTS`` floats, as :meth:`Reducer.finish` lays them out.
+        numels: the element count of each tensor.
+    """
+    rows = []
+    for k, numel in enumerate(numels):
+        count, mean, spread, low, high = values[k * MOMENTS : (k + 1) * MOMENTS]
+        if count == 0:
+            mean = spread = low = high = 0.0
+        std = math.sqrt(spread / (count - 1)) if count > 1 else 0.0
+        norm = math.sqrt(spread + count * mean * mean)
+        rows.append([norm, mean, std, max(abs(low), abs(high)), numel - count, count, low, high])
+    return rows
+
+
+def reduce(tensors: Sequence[Tensor], bins: int | None = None) -> list[tuple[list[float], list[float] | None]]:
+    """Statistics rows (and histogram counts) of each tensor, read to the host at once.
+
+    Example:
+        >>> (row, counts), = reduce([torch.tensor([3.0, -4.0, float("nan")])], bins=2)
+        >>> [round(v, 4) for v in row[:5]], counts
+        ([5.0, -0.5, 4.9497, 4.0, 1.0], [1.0, 1.0])
+    """
+    reducer = Reducer(bins or 1)
+    for t in tensors:
+        reducer.add(t, bins is not None)
+    return reducer.finish()
 
 
 def histogram_edges(low: float, high: float, bins: int) -> list[float]:
-    """Right edges of the ``bins`` bins that :func:`tensor_histogram` counted into."""
+    """Right edges of the ``bins`` equal bins that the histograms count into."""
     width = (high - low) if high > low else 1.0
     return [low + width * (i + 1) / bins for i in range(bins)]
 
@@ -159,7 +296,7 @@ def histogram_edges(low: float, high: float, bins: int) -> list[float]:
 
 
 def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
-    """Combine rows of :func:`tensor_stats` into the row of the concatenated tensors.
+    """Combine statistics rows into the row of the concatenated tensors.
 
     ``norm`` is the root of the summed squares, ``mean`` and ``std`` are over all finite
     elements (the variances combine exactly, by Chan's formula), ``absmax`` and the range are
@@ -167,8 +304,8 @@ def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
 
     Example:
         >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
-        >>> pooled = pool_stats([tensor_stats(a).tolist(), tensor_stats(b).tolist()])
-        >>> torch.allclose(torch.tensor(pooled), tensor_stats(torch.cat([a, b])))
+        >>> pooled = pool_stats([row for row, _ in reduce([a, b])])
+        >>> torch.allclose(torch.tensor(pooled), torch.tensor(reduce([torch.cat([a, b])])[0][0]))
         True
     """
     if len(rows) == 1:
@@ -194,7 +331,7 @@ def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
 
 
 def merge_histograms(parts: Sequence[tuple[float, float, Sequence[float]]], bins: int) -> tuple[float, float, list[float]]:
-    """Merge histograms of the layout :func:`tensor_histogram` makes, each ``(low, high, counts)``.
+    """Merge histograms of equal bins, each ``(low, high, counts)``.
 
     The result has ``bins`` equal bins over the combined range. Where the ranges differ, a
     part's counts are spread over the new bins in proportion to overlap (elements assumed

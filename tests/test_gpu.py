@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import GradientMonitor
-from lightning_gradhooks.stats import tensor_histogram, tensor_stats
+from lightning_gradhooks.stats import reduce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -13,9 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cuda_statistics_and_histograms_match_cpu():
     t = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
     t[::997] = float("nan")
-    cpu, gpu = tensor_stats(t), tensor_stats(t.cuda())
-    assert torch.allclose(cpu, gpu.cpu(), rtol=1e-5, atol=1e-6)
-    assert torch.equal(tensor_histogram(t, cpu, 64), tensor_histogram(t.cuda(), gpu, 64).cpu())
+    small = torch.randn(3000, generator=torch.Generator().manual_seed(1))
+    (cpu, cpu_counts), (cpu_small, _) = reduce([t, small], bins=64)
+    (gpu, gpu_counts), (gpu_small, _) = reduce([t.cuda(), small.cuda()], bins=64)
+    assert cpu == pytest.approx(gpu, rel=1e-5, abs=1e-6) and cpu_small == pytest.approx(gpu_small, rel=1e-5, abs=1e-6)
+    assert cpu_counts == gpu_counts
 
 
 def test_hooks_never_synchronise_with_the_host():

@@ -45,7 +45,7 @@ def test_resnet_block_falls_back_where_needed_and_matches_the_reference():
     twin.load_state_dict(block.state_dict())
     monitor = GradientMonitor(block, include=["conv1", "bn1", "relu", "conv2", "bn2"])
     with monitor.attach():
-        with pytest.warns(UserWarning, match=r"in-place .*: bn1, bn2, relu$"):
+        with pytest.warns(UserWarning, match=r"in-place .*: bn1, bn2, relu$"), monitor.arm():
             block(batch()).sum().backward()
         monitor.arm()
         block(batch()).sum().backward()

@@ -41,7 +41,8 @@ def test_statistics_equal_autograd_reference():
     names = ["0", "1", "2", "3", "4"]
     monitor = GradientMonitor(net, include=names)
     with monitor.attach():
-        (net(x) ** 2).sum().backward()  # the first backward settles which hooks to use
+        with monitor.arm():  # the first armed backward settles which hooks to use
+            (net(x) ** 2).sum().backward()
         net.zero_grad()
         monitor.arm()
         (net(x) ** 2).sum().backward()
@@ -100,10 +101,16 @@ def test_handle_restores_every_hook_and_flag():
     before = hook_snapshot(net)
     monitor = GradientMonitor(net)
     handle = monitor.attach()
-    net(torch.randn(2, 6)).sum().backward()
-    assert monitor.attach() is handle  # attaching twice does not double the hooks
-    assert all(len(net[i]._backward_hooks) == 1 for i in (0, 2, 3, 4))
-    assert len(net[2]._forward_hooks) == 1 and not net[0]._forward_hooks  # the probe is gone
+    assert hook_snapshot(net) == before  # nothing is registered until the monitor is armed
+    for _ in range(2):  # the probe step, then a step with the full hooks
+        monitor.arm()
+        net(torch.randn(2, 6)).sum().backward()
+        assert monitor.attach() is handle  # attaching twice does not double the hooks
+        assert all(len(net[i]._backward_hooks) == 1 for i in (0, 2, 3, 4))
+        assert len(net[2]._forward_hooks) == 1 and not net[0]._forward_hooks  # the probe is gone
+        monitor.collect()
+        assert hook_snapshot(net) == before  # parked between logged steps
+    monitor.arm()
     handle.remove()
     handle.remove()
     assert hook_snapshot(net) == before
@@ -115,9 +122,14 @@ def test_modules_with_legacy_hooks_are_skipped_with_a_warning():
     net[0].register_backward_hook(lambda *a: None)
     monitor = GradientMonitor(net)
     handle = monitor.attach()
+    monitor.arm()
     with pytest.warns(UserWarning, match="legacy.*: 0$"):
         net(torch.randn(2, 6)).sum().backward()
     assert len(net[0]._backward_hooks) == 1
+    monitor.collect()
+    monitor.arm()
+    net(torch.randn(2, 6)).sum().backward()
+    assert {e.name for e in monitor.collect().entries if e.kind == "grad_output"} == {"2", "3", "4"}
     handle.remove()
 
 

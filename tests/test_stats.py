@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from lightning_gradhooks.stats import (
+    CPU_BATCH_TENSOR,
     STATISTICS,
+    branch_free,
     histogram_edges,
     merge_histograms,
     pool_stats,
-    tensor_histogram,
-    tensor_stats,
+    reduce,
 )
 
 
@@ -25,75 +26,115 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("shape", [(1000,), (7, 13, 5), (2, 1)])
-def test_statistics_match_reference(shape):
+def stats_of(t: torch.Tensor) -> dict[str, float]:
+    return dict(zip(STATISTICS, reduce([t])[0][0]))
+
+
+def counts_of(t: torch.Tensor, bins: int) -> list[float]:
+    return reduce([t], bins)[0][1]
+
+
+# Small tensors go through the batched path, big ones through the CPU's own.
+SIZES = [(1000,), (7, 13, 5), (2, 1), (CPU_BATCH_TENSOR + 1,)]
+
+
+@pytest.mark.parametrize("path", ["cpu", "branch_free"])
+@pytest.mark.parametrize("shape", SIZES)
+def test_statistics_match_reference(shape, path):
     t = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
-    got = dict(zip(STATISTICS, tensor_stats(t)[: len(STATISTICS)].tolist()))
+    with branch_free() if path == "branch_free" else torch.no_grad():
+        got = stats_of(t)
     for name, value in reference(t).items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
-def test_nonfinite_values_are_counted_and_left_out():
+def test_a_batch_of_many_shapes_matches_each_tensor_alone():
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(n, generator=g) * (k + 1) + k for k, n in enumerate([1, 3, 1023, 1024, 1025, 5000, 64])]
+    tensors[3][7] = float("inf")
+    tensors[4][:] = float("nan")  # a tensor with no finite element, inside a batch
+    together = reduce(tensors, bins=16)
+    for t, (row, counts) in zip(tensors, together):
+        alone = reduce([t], bins=16)[0]
+        assert row == pytest.approx(alone[0], rel=1e-6, abs=1e-9)
+        assert counts == alone[1]
+        want = reference(t) if torch.isfinite(t).any() else {"norm": 0.0, "mean": 0.0, "std": 0.0, "absmax": 0.0}
+        for name, value in want.items():
+            assert dict(zip(STATISTICS, row))[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+        assert sum(counts) == torch.isfinite(t).sum().item()
+
+
+def test_mean_far_from_zero_keeps_the_std_exact():
+    t = 1000.0 + torch.randn(CPU_BATCH_TENSOR * 2, generator=torch.Generator().manual_seed(6)) * 1e-3
+    for context in (torch.no_grad(), branch_free()):
+        with context:
+            assert stats_of(t)["std"] == pytest.approx(t.double().std().item(), rel=1e-4)
+            assert stats_of(t[:100])["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_nonfinite_values_are_counted_and_left_out(big):
     t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf")])
-    got = dict(zip(STATISTICS, tensor_stats(t)[: len(STATISTICS)].tolist()))
+    if big:  # the big-tensor path falls back to the masked one
+        t = torch.cat([t, torch.zeros(CPU_BATCH_TENSOR)])
+    got = stats_of(t)
     assert got["nonfinite"] == 3
     assert got["norm"] == pytest.approx(math.sqrt(14))
-    assert got["mean"] == pytest.approx(0.0)
+    assert got["mean"] == pytest.approx(0.0, abs=1e-6)
     assert got["absmax"] == 3
-    counts = tensor_histogram(t, tensor_stats(t), bins=4)
-    assert counts.sum().item() == 3
+    assert sum(counts_of(t, bins=4)) == t.numel() - 3
 
 
 def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram():
     t = torch.full((5,), float("nan"))
-    stats = tensor_stats(t)
-    assert stats[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
-    assert stats[4].item() == 5
-    assert tensor_histogram(t, stats, bins=8).sum().item() == 0
+    (row, counts), = reduce([t], bins=8)
+    assert row[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert row[4] == 5
+    assert sum(counts) == 0
 
 
-def test_histogram_matches_torch_histc():
-    t = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
-    counts = tensor_histogram(t, tensor_stats(t), bins=30)
+@pytest.mark.parametrize("n", [10_000, CPU_BATCH_TENSOR * 2])
+def test_histogram_matches_torch_histc(n):
+    t = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    counts = torch.tensor(counts_of(t, bins=30))
     expected = torch.histc(t, bins=30, min=t.min().item(), max=t.max().item())
     # Elements on a bin edge may fall either side by float rounding.
-    assert (counts - expected).abs().sum().item() <= 4
+    assert (counts - expected).abs().sum().item() <= 4 * n / 10_000
     assert counts.sum().item() == t.numel()
     edges = histogram_edges(t.min().item(), t.max().item(), 30)
     assert len(edges) == 30 and edges[-1] == pytest.approx(t.max().item())
 
 
 def test_constant_tensor_histogram_has_one_full_bin():
-    t = torch.zeros(100)
-    counts = tensor_histogram(t, tensor_stats(t), bins=10)
-    assert counts.sum().item() == 100 and counts.max().item() == 100
+    counts = counts_of(torch.zeros(100), bins=10)
+    assert sum(counts) == 100 and max(counts) == 100
 
 
 def test_half_precision_is_reduced_in_float32():
     t = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    got = tensor_stats(t)
-    assert got.dtype == torch.float32
-    assert got[0].item() == pytest.approx(t.float().norm().item(), rel=1e-5)
+    assert stats_of(t)["norm"] == pytest.approx(t.float().norm().item(), rel=1e-5)
 
 
-def test_narrow_range_far_from_zero_keeps_every_element_in_range():
-    t = 1000.0 + torch.linspace(0, 1e-3, 4097)
-    counts = tensor_histogram(t, tensor_stats(t), bins=64)
-    assert counts.sum().item() == t.numel()
-    assert counts[0].item() > 0 and counts[-1].item() > 0
+@pytest.mark.parametrize("n", [4097, CPU_BATCH_TENSOR * 2])
+def test_narrow_range_far_from_zero_keeps_every_element_in_range(n):
+    t = 1000.0 + torch.linspace(0, 1e-3, n)
+    counts = counts_of(t, bins=64)
+    assert sum(counts) == t.numel()
+    assert counts[0] > 0 and counts[-1] > 0
 
 
 @pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
-def test_branch_free_accelerator_path_agrees_with_cpu_path(poison):
-    """The path used on GPUs (no host reads) must give what the CPU fast path gives."""
-    from lightning_gradhooks.stats import _histogram_host_range, _histogram_on_device, _masked_stats
-
-    t = torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 2 - 0.3
+@pytest.mark.parametrize("n", [4096, CPU_BATCH_TENSOR * 2])
+def test_branch_free_accelerator_path_agrees_with_cpu_path(poison, n):
+    """The path used on GPUs (batched, no host reads) must give what the CPU path gives."""
+    t = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 2 - 0.3
     if poison is not None:
         t[::100] = poison
-    fast, masked = tensor_stats(t), _masked_stats(t)
-    assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6)
-    assert torch.equal(_histogram_host_range(t, fast, 32), _histogram_on_device(t, masked, 32))
+    (fast, fast_counts), = reduce([t], bins=32)
+    with branch_free():
+        (batched, batched_counts), = reduce([t], bins=32)
+    assert fast == pytest.approx(batched, rel=1e-5, abs=1e-6)
+    assert fast_counts == batched_counts
 
 
 def test_pooled_rows_equal_the_statistics_of_the_concatenation():
@@ -101,7 +142,7 @@ def test_pooled_rows_equal_the_statistics_of_the_concatenation():
     parts = [torch.randn(50, generator=g) * 2 + 1, torch.randn(7, 3, generator=g) - 4, torch.tensor([5.0])]
     parts.append(torch.tensor([float("nan"), 2.0, float("inf")]))
     parts.append(torch.tensor([float("nan")]))  # no finite element at all
-    pooled = dict(zip(STATISTICS, pool_stats([tensor_stats(p).tolist() for p in parts])))
+    pooled = dict(zip(STATISTICS, pool_stats([row for row, _ in reduce(parts)])))
     for name, value in reference(torch.cat([p.flatten() for p in parts])).items():
         assert pooled[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
@@ -111,13 +152,12 @@ def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
     a, b = torch.randn(1000, generator=g), torch.randn(300, generator=g) * 3 + 2
     whole = torch.cat([a, b])
     parts = []
-    for t in (a, b):
-        s = tensor_stats(t)
-        parts.append((s[6].item(), s[7].item(), tensor_histogram(t, s, 16).tolist()))
+    for row, counts in reduce([a, b], bins=16):
+        parts.append((row[6], row[7], counts))
     low, high, counts = merge_histograms(parts, 16)
     assert (low, high) == (whole.min().item(), whole.max().item())
     assert sum(counts) == pytest.approx(1300)
-    reference_counts = tensor_histogram(whole, tensor_stats(whole), 16)
+    reference_counts = torch.tensor(counts_of(whole, 16))
     # Spreading counts across bins moves mass by at most a bin: the CDFs stay close.
     assert (torch.tensor(counts).cumsum(0) - reference_counts.cumsum(0)).abs().max() < 1300 * 0.05
     # The same range twice merges exactly.
