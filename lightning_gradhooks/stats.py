@@ -39,8 +39,9 @@ _NONFINITE = STATISTICS.index("nonfinite")
 _COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
-#: Moments per tensor on the device: finite count, mean, centred sum of squares, low, high.
-MOMENTS = 5
+#: Moments per tensor on the device: finite count, mean, the sum of squares and the sum of the
+#: values centred on (nearly) the mean, finite minimum and maximum.
+MOMENTS = 6
 
 #: On the CPU, gradients of at most this many elements are batched; bigger ones are reduced alone.
 CPU_BATCH_TENSOR = 1 << 15
@@ -70,7 +71,7 @@ def branch_free() -> Iterator[None]:
 
 
 def _as_float(tensor: Tensor) -> Tensor:
-    flat = tensor.detach().reshape(-1)
+    flat = (tensor.detach() if tensor.requires_grad else tensor).reshape(-1)
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
     return flat
@@ -131,20 +132,16 @@ class Reducer:
         if not self._blocks:
             return []
         parts = [m.reshape(-1) for m, _, _ in self._blocks] + [c.reshape(-1) for _, c, _ in self._blocks if c is not None]
-        host = torch.cat(parts).cpu()  # the one transfer
+        host = torch.cat(parts).tolist()  # the one transfer
         results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(self._numels)
-        moments, offset = host[: len(self._numels) * MOMENTS].view(-1, MOMENTS), len(self._numels) * MOMENTS
-        first = 0
+        first, offset = 0, len(self._numels) * MOMENTS
         for _, counts, positions in self._blocks:
-            numels = [self._numels[p] for p in positions]
-            rows = finish_rows(moments[first : first + len(positions)].reshape(-1).tolist(), numels)
+            rows = finish_rows(host[first * MOMENTS : (first + len(positions)) * MOMENTS], [self._numels[p] for p in positions])
             first += len(positions)
-            if counts is not None:
-                block = host[offset : offset + counts.numel()].view(len(positions), self.bins)
-                offset += counts.numel()
             for k, (p, row) in enumerate(zip(positions, rows)):
                 wanted = counts is not None and self._histogram[p]
-                results[p] = (row, block[k].tolist() if wanted else None)
+                results[p] = (row, host[offset + k * self.bins : offset + (k + 1) * self.bins] if wanted else None)
+            offset += 0 if counts is None else counts.numel()
         self.__init__(self.bins)
         return results
 
@@ -164,91 +161,86 @@ def _reduce_on_cpu(x: Tensor, bins: int | None) -> tuple[Tensor, Tensor | None]:
     n = x.numel()
     mean = total / n
     spread = squares - n * mean * mean
+    offset = 0.0
     if spread <= 0.1 * squares:  # the mean dominates: centre first to keep the std exact
-        spread = _centred_spread(torch.sub(x, mean), n)
-    moments = torch.tensor([[n, mean, max(spread, 0.0), low, high]], dtype=torch.float64)
+        centred = torch.sub(x, mean)
+        spread, offset = centred.square().sum().item(), centred.sum().item()
+    moments = torch.tensor([[n, mean, spread, offset, low, high]], dtype=torch.float64)
     if bins is None:
         return moments, None
-    scale = _shrunk(bins) / (high - low if high > low else 1.0)
-    # x - low is >= 0 for finite x, and the scaled maximum stays below `bins`: no clamp pass.
-    index = torch.sub(x, low).mul_(scale)
+    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+    # stack): the shrunk scale then keeps the maximum below `bins`, with no clamp pass.
+    index = torch.sub(x, low).div_(high - low if high > low else 1.0).mul_(_shrunk(bins))
     counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins)
     return moments, counts[:bins].to(torch.float64).unsqueeze(0)
 
 
-def _centred_spread(centred: Tensor, n: int) -> float:
-    """The sum of squares about the mean, from values centred on an approximation of it."""
-    offset = centred.sum().item()
-    return centred.square().sum().item() - offset * offset / n
+@functools.lru_cache(maxsize=256)
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int]]:
+    """The tensor each row of a batch belongs to, and the padding after each tensor.
 
-
-@functools.lru_cache(maxsize=16)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Where each row of a batch reads from, and which tensor each row belongs to.
-
-    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows; the padding of its last row reads the NaN that
-    :func:`reduce_batch` appends, which every reduction leaves out as non-finite. Built once per
-    layout (a model gives the same layout every logged step) and copied to the device once.
+    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows and its last row is padded with NaN, which every
+    reduction leaves out as non-finite. Built once per layout (a model gives the same layouts
+    every logged step) and copied to the device once.
     """
     rows = [max(1, -(-n // ROW)) for n in lengths]
-    sentinel = sum(lengths)
-    index = torch.full((sum(rows), ROW), sentinel, dtype=torch.int64)
     row_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(rows))
-    start, first = 0, 0
-    for n, r in zip(lengths, rows):
-        block = index[first : first + r].view(-1)
-        block[:n] = torch.arange(start, start + n)
-        start, first = start + n, first + r
     if device.type == "cuda":
-        index, row_of = index.pin_memory(), row_of.pin_memory()
-    return index.view(-1).to(device, non_blocking=True), row_of.to(device, non_blocking=True)
+        row_of = row_of.pin_memory()
+    return row_of.to(device, non_blocking=True), [r * ROW - n for r, n in zip(rows, lengths)]
+
+
+@functools.lru_cache(maxsize=8)
+def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
+    return torch.full((ROW,), math.nan, dtype=dtype, device=device)
 
 
 def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
-    The tensors are concatenated once and laid out in rows of :data:`ROW` elements, each tensor
-    on rows of its own. Every statistic is a row reduction (accurate float32 sums over 1,024
-    elements) followed by a float64 sum of the few rows of each tensor; the variance is a
-    second, centred pass. All histograms are one scatter over ``tensor * (bins + 1) + bin``.
+    One ``cat`` lays the tensors out in rows of :data:`ROW` elements, each tensor on rows of its
+    own, padded with NaN. Every statistic is a row reduction (summed in float64) followed by one
+    ``index_add`` of the few rows of each tensor; the spread is a second pass, centred on the
+    mean. All histograms are one count over ``tensor * (bins + 1) + bin``.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
-    device = tensors[0].device
-    gather, row_of = _layout(tuple(t.numel() for t in tensors), device)
-    flat = torch.cat([*tensors, torch.full((1,), math.nan, device=device)])
-    x = flat[gather].view(-1, ROW)
-    finite = x.isfinite()
-    zeroed = torch.where(finite, x, 0.0)
+    device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+    row_of, pads = _layout(tuple(t.numel() for t in tensors), device)
+    nan = _padding(device, dtype)
+    x = torch.cat([piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]).view(-1, ROW)
     m = len(tensors)
-    per_row = torch.stack([finite.sum(1), zeroed.sum(1)], 1).to(torch.float64)
+    finite = x.abs() < math.inf  # False for NaN, padding included
+    zeroed = x.nan_to_num(0.0, 0.0, 0.0)
+    per_row = torch.stack([finite.sum(1, dtype=torch.float64), zeroed.sum(1, dtype=torch.float64)], 1)
     count, total = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
     mean = total / count.clamp(min=1)
-    # The centre is the mean rounded to the data's precision: subtract what that rounding adds
-    # (the corrected two-pass formula), so a mean far from zero leaves the spread exact.
-    centred = torch.where(finite, x - mean.to(x.dtype)[row_of, None], 0.0)
-    per_row = torch.stack([centred.square().sum(1), centred.sum(1)], 1).to(torch.float64)
-    squares, offset = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
-    spread = squares - offset * offset / count.clamp(min=1)
-    low = _segment_extreme(torch.where(finite, x, math.inf).amin(1), row_of, m, "amin")
-    high = _segment_extreme(torch.where(finite, x, -math.inf).amax(1), row_of, m, "amax")
-    moments = torch.stack([count, mean, spread, low, high], 1)
+    # Centred on the mean rounded to the data's precision; the offset this rounding leaves is
+    # summed too and taken out on the host (the corrected two-pass formula).
+    centred = (zeroed - mean.to(dtype)[row_of, None]).mul_(finite)
+    per_row = torch.stack([centred.square().sum(1, dtype=torch.float64), centred.sum(1, dtype=torch.float64)], 1)
+    squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
+    low = torch.full((m,), math.inf, dtype=dtype, device=device)
+    low.scatter_reduce_(0, row_of, x.nan_to_num(math.inf, math.inf, math.inf).amin(1), "amin")
+    high = torch.full((m,), -math.inf, dtype=dtype, device=device)
+    high.scatter_reduce_(0, row_of, x.nan_to_num(-math.inf, -math.inf, -math.inf).amax(1), "amax")
+    moments = torch.stack([count, mean, *squares.unbind(1), low, high], 1)
     if bins is None:
         return moments, None
-    scale = _shrunk(bins) / torch.where(high > low, high - low, 1.0)
-    index = ((x - low.to(x.dtype)[row_of, None]) * scale.to(x.dtype)[row_of, None]).long()
-    index = torch.where(finite, index, bins).add_(row_of[:, None] * (bins + 1))
-    counts = torch.zeros(m * (bins + 1), dtype=torch.float64, device=device)
-    counts.index_add_(0, index.view(-1), torch.ones(1, dtype=torch.float64, device=device).expand(index.numel()))
+    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+    # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones and
+    # the padding land in the extra bin `bins` of their tensor.
+    span = (high - low).clamp_(min=torch.finfo(dtype).smallest_normal * 2**-23)
+    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins)).nan_to_num_(bins, bins, bins)
+    index = index.long().add_(row_of[:, None] * (bins + 1)).view(-1)
+    if device.type == "cpu":
+        counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
+    else:  # bincount would read its maximum to the host
+        ones = torch.ones(1, dtype=torch.float64, device=device).expand(index.numel())
+        counts = torch.zeros(m * (bins + 1), dtype=torch.float64, device=device).index_add_(0, index, ones)
     return moments, counts.view(m, bins + 1)[:, :bins]
-
-
-def _segment_extreme(per_row: Tensor, row_of: Tensor, m: int, reduce: str) -> Tensor:
-    start = math.inf if reduce == "amin" else -math.inf
-    out = torch.full((m,), start, dtype=torch.float64, device=per_row.device)
-    return out.scatter_reduce_(0, row_of, per_row.to(torch.float64), reduce)
 
 
 def finish_rows(values: Sequence[float], numels: Sequence[int]) -> list[list[float]]:
@@ -260,9 +252,10 @@ def finish_rows(values: Sequence[float], numels: Sequence[int]) -> list[list[flo
     """
     rows = []
     for k, numel in enumerate(numels):
-        count, mean, spread, low, high = values[k * MOMENTS : (k + 1) * MOMENTS]
+        count, mean, squares, offset, low, high = values[k * MOMENTS : (k + 1) * MOMENTS]
         if count == 0:
-            mean = spread = low = high = 0.0
+            mean = squares = offset = low = high = 0.0
+        spread = max(squares - offset * offset / max(count, 1), 0.0)  # >= 0 despite rounding
         std = math.sqrt(spread / (count - 1)) if count > 1 else 0.0
         norm = math.sqrt(spread + count * mean * mean)
         rows.append([norm, mean, std, max(abs(low), abs(high)), numel - count, count, low, high])

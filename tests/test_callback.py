@@ -105,6 +105,37 @@ def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
     callback.teardown(trainer, model, "fit")  # cleanup is safe to run again
 
 
+class GraphRecorder(MLP):
+    """Records whether each training step's graph holds full-backward-hook nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooked_graphs: list[bool] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = super().training_step(batch, batch_idx)
+        from test_monitor import _hook_nodes
+
+        self.hooked_graphs.append(bool(_hook_nodes(loss)))
+        return loss
+
+
+def test_steps_that_are_not_logged_carry_no_hook_and_no_hook_node(tmp_path):
+    model = GraphRecorder()
+    before = hook_snapshot(model)
+    counter = HookCounter()
+    snapshots = []
+    checker = pl.Callback()
+    checker.on_train_batch_start = lambda *a: snapshots.append(hook_snapshot(model) == before)
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=3), counter, checker], max_steps=7)
+    trainer.fit(model, loader())
+    # Step 0 probes for in-place use (forward hooks only), steps 3 and 6 carry one full hook.
+    assert counter.counts == [2, 0, 0, 1, 0, 0, 1]
+    assert snapshots == [False, True, True, False, True, True, False]
+    assert model.hooked_graphs == [False, False, False, True, False, False, True]
+    assert hook_snapshot(model) == before
+
+
 def test_hooks_removed_after_exception_in_training_step(tmp_path):
     model = MLP(fail_at=3)
     before = hook_snapshot(model)

@@ -352,3 +352,76 @@ def test_named_tuple_outputs_are_labelled_by_field():
         vae(torch.randn(2, 4)).backward()
         names = [e.name for e in monitor.collect().entries if e.kind == "grad_output"]
     assert sorted(names) == ["encoder/logvar", "encoder/mean"]
+
+
+def _hook_nodes(loss: torch.Tensor) -> list[str]:
+    """Names of the BackwardHookFunction nodes in the graph of ``loss``."""
+    seen, stack, found = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "BackwardHookFunction" in type(node).__name__:
+            found.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def test_steps_that_are_not_logged_run_exactly_as_without_the_monitor():
+    net = model()
+    before = hook_snapshot(net)
+    monitor = GradientMonitor(net)
+    with monitor.attach():
+        for logged in (True, False, True, True, False):  # probe, idle, full hooks, again, idle
+            if logged:
+                monitor.arm()
+            else:
+                assert hook_snapshot(net) == before
+            loss = net(torch.randn(4, 6)).sum()
+            assert bool(_hook_nodes(loss)) == (logged and monitor._plan is not None)
+            loss.backward()
+            record = monitor.collect()
+            assert bool(record.entries) == logged
+            assert hook_snapshot(net) == before
+
+
+def test_an_exception_between_arm_and_collect_leaves_nothing_registered():
+    net = model()
+    before = hook_snapshot(net)
+    monitor = GradientMonitor(net)
+    handle = monitor.attach()
+    for _ in range(2):  # the probe step, then a step with full hooks
+        with pytest.raises(RuntimeError, match="boom"), monitor.arm():
+            out = net(torch.randn(4, 6))
+            assert hook_snapshot(net) != before
+            out.sum().backward()
+            raise RuntimeError("boom")
+        assert hook_snapshot(net) == before and not monitor.armed and not monitor.pending
+    monitor.arm()
+    with pytest.raises(RuntimeError, match="boom"), handle:  # the attach handle cleans up too
+        net(torch.randn(4, 6)).sum().backward()
+        raise RuntimeError("boom")
+    assert hook_snapshot(net) == before
+
+
+def test_hooks_stay_in_through_every_backward_until_collect():
+    """Accumulation: every micro-batch of a logged step is seen, and pooled."""
+    net = model()
+    monitor = GradientMonitor(net, include=["2"])
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(2))
+    with monitor.attach():
+        with monitor.arm():
+            net(x[0]).sum().backward()
+        monitor.arm()
+        outputs = []
+        net[2].register_forward_hook(lambda m, i, o: outputs.append(o))
+        losses = [net(chunk).sum() for chunk in x]
+        grads = torch.autograd.grad(sum(losses), outputs)
+        for loss in [net(chunk).sum() for chunk in x]:
+            loss.backward()
+        entry = next(e for e in monitor.collect().entries if e.kind == "grad_output")
+    want = torch.cat([g.flatten() for g in grads]).double()
+    assert entry.calls == 3
+    assert entry.stats["norm"] == pytest.approx(want.norm().item(), rel=1e-5)
+    assert entry.stats["std"] == pytest.approx(want.std().item(), rel=1e-5)

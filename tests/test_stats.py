@@ -105,6 +105,18 @@ def test_histogram_matches_torch_histc(n):
     assert len(edges) == 30 and edges[-1] == pytest.approx(t.max().item())
 
 
+@pytest.mark.parametrize("n", [100, CPU_BATCH_TENSOR * 2])
+def test_denormal_and_constant_gradients(n):
+    """A deep stack's vanishing gradients: spans of 1e-42 and runs of equal values."""
+    tiny = torch.linspace(0, 1, n) * 1e-42
+    for t in (tiny, torch.full((n,), 1e-40), torch.zeros(n)):
+        for context in (torch.no_grad(), branch_free()):
+            with context:
+                (row, counts), = reduce([t], bins=8)
+            assert sum(counts) == n and max(counts) < n or t.max() == t.min()
+            assert row[3] == t.abs().max().item()  # squares underflow in float32: std and norm may not
+
+
 def test_constant_tensor_histogram_has_one_full_bin():
     counts = counts_of(torch.zeros(100), bins=10)
     assert sum(counts) == 100 and max(counts) == 100
