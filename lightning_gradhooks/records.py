@@ -91,13 +91,16 @@ def pool_entries(
     bins: int,
     calls: int | None = None,
 ) -> GradientEntry:
-    """One entry from statistics rows (with their histogram counts, or None), pooled as if the gradients were one tensor; ``calls`` defaults
-    to the number of parts."""
-    row = pool_stats([r for r, _ in parts])
-    histogram = None
-    if all(h is not None for _, h in parts):
-        low, high, counts = merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins)
-        histogram = Histogram(low, high, counts)
+    """One entry from statistics rows (with their histogram counts, or None), pooled as if the
+    gradients were one tensor; ``calls`` defaults to the number of parts."""
+    if len(parts) == 1:  # most entries: nothing to pool
+        row, hist = parts[0]
+        histogram = None if hist is None else Histogram(row[-2], row[-1], hist)
+    else:
+        row = pool_stats([r for r, _ in parts])
+        histogram = None
+        if all(h is not None for _, h in parts):
+            histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
     return GradientEntry(
         kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
     )

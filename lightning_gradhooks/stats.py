@@ -110,10 +110,10 @@ class Reducer:
         self._histogram.append(histogram)
         on_device = _branch_free or x.device.type != "cpu"
         if not on_device and x.numel() > CPU_BATCH_TENSOR:
-            self._blocks.append((*_reduce_on_cpu(x, self.bins if histogram else None), [position]))
+            self._blocks.append((*_reduce_on_cpu([x], self.bins if histogram else None), [position]))
             return
         capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
-        if self._batch_elements + x.numel() > capacity:
+        if self._batch_elements + x.numel() > capacity or (self._batch and self._batch[0].device != x.device):
             self._flush()
         self._batch.append(x)
         self._batch_positions.append(position)
@@ -121,8 +121,9 @@ class Reducer:
 
     def _flush(self) -> None:
         if self._batch:
-            wanted = any(self._histogram[p] for p in self._batch_positions)
-            moments, counts = reduce_batch(self._batch, self.bins if wanted else None)
+            bins = self.bins if any(self._histogram[p] for p in self._batch_positions) else None
+            on_device = _branch_free or self._batch[0].device.type != "cpu"
+            moments, counts = (reduce_batch if on_device else _reduce_on_cpu)(self._batch, bins)
             self._blocks.append((moments, counts, self._batch_positions))
             self._batch, self._batch_positions, self._batch_elements = [], [], 0
 
@@ -146,48 +147,75 @@ class Reducer:
         return results
 
 
-def _reduce_on_cpu(x: Tensor, bins: int | None) -> tuple[Tensor, Tensor | None]:
-    """A big CPU tensor: four cheap passes when every value is finite, the batch path if not.
+def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+    """:func:`reduce_batch` for CPU tensors, in a few plain passes when every value is finite.
 
-    On the CPU, reading a reduced scalar is not a device synchronisation, so the finite check
-    can branch and the scalar arithmetic can run in double precision on the host. Sums use
-    torch's cascade summation (``vector_norm`` and ``dot`` lose up to 1e-4 on millions of
-    elements).
+    On the CPU, reading a reduced value is not a device synchronisation, so the code can
+    branch: rows are padded with copies of their tensor's first element instead of NaN, which
+    leaves minima and maxima alone, adds nothing to sums centred on that element and is taken
+    out of the histogram exactly, so no pass has to mask. A batch holding NaN or Inf goes
+    through :func:`reduce_batch`; a tensor whose first element lies far from its mean is
+    centred again on the mean.
     """
-    low, high = (v.item() for v in torch.aminmax(x))
-    total, squares = x.sum().item(), (x * x).sum().item()
-    if not all(map(math.isfinite, (low, high, total, squares))):
-        return reduce_batch([x], bins)
-    n = x.numel()
-    mean = total / n
-    spread = squares - n * mean * mean
-    offset = 0.0
-    if spread <= 0.1 * squares:  # the mean dominates: centre first to keep the std exact
-        centred = torch.sub(x, mean)
-        spread, offset = centred.square().sum().item(), centred.sum().item()
-    moments = torch.tensor([[n, mean, spread, offset, low, high]], dtype=torch.float64)
+    row_of, pads, firsts = _layout(tuple(t.numel() for t in tensors), torch.device("cpu"))
+    if len(tensors) == 1 and not pads[0]:
+        x = tensors[0].view(-1, ROW)
+    else:
+        x = torch.cat([p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))])
+        x = x.view(-1, ROW)
+    m = len(tensors)
+    low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")
+    high = torch.full((m,), -math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amax(1), "amax")
+    ranges = torch.stack([low, high], 1).tolist()
+    if not all(math.isfinite(v) for pair in ranges for v in pair):
+        return reduce_batch(tensors, bins)
+    # Centred on each tensor's first element, the padding adds exactly nothing.
+    first = x.view(-1)[firsts]
+    shifted = x - first[row_of, None]
+    per_row = torch.stack([torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)], 1).to(torch.float64)
+    per_row[:, 0].square_()
+    sums = torch.zeros(m, 2, dtype=torch.float64).index_add_(0, row_of, per_row).tolist()
+    rows = []
+    for t, t0, (squares, offset), (lo, hi) in zip(tensors, first.tolist(), sums, ranges):
+        n = t.numel()
+        if 0 < squares and squares - offset * offset / n <= 0.1 * squares:  # the first element is far out
+            centred = torch.sub(t, t0 + offset / n)  # centre on the mean instead
+            squares, offset, t0 = _squares(centred), centred.sum().item(), t0 + offset / n
+        rows.append([n, t0 + offset / n, squares, offset, lo, hi])  # spread = squares - offset² / n
+    moments = torch.tensor(rows, dtype=torch.float64)
     if bins is None:
         return moments, None
-    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-    # stack): the shrunk scale then keeps the maximum below `bins`, with no clamp pass.
-    index = torch.sub(x, low).div_(high - low if high > low else 1.0).mul_(_shrunk(bins))
-    counts = torch.bincount(index.to(torch.uint8 if bins < 255 else torch.int64), minlength=bins)
-    return moments, counts[:bins].to(torch.float64).unsqueeze(0)
+    span = (high - low).clamp_(min=torch.finfo(x.dtype).smallest_normal * 2**-23)
+    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins)).to(torch.int32)
+    index = index.add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
+    counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
+    # The padding copies the first element of its tensor: take it out of that element's bin.
+    counts.index_add_(0, index[firsts], -torch.tensor(pads, dtype=torch.float64))
+    return moments, counts.view(m, bins + 1)[:, :bins]
+
+
+def _squares(x: Tensor) -> float:
+    """The sum of squares of a flat tensor, accurate to float64 rounding of float32 row norms."""
+    whole = x.numel() - x.numel() % ROW
+    head = torch.linalg.vector_norm(x[:whole].view(-1, ROW), dim=1).to(torch.float64).square().sum().item()
+    return head + x[whole:].to(torch.float64).square().sum().item()
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int]]:
-    """The tensor each row of a batch belongs to, and the padding after each tensor.
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], Tensor]:
+    """Rows of a batch: the tensor each row belongs to, each tensor's padding, its first element.
 
-    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows and its last row is padded with NaN, which every
-    reduction leaves out as non-finite. Built once per layout (a model gives the same layouts
-    every logged step) and copied to the device once.
+    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows, the last one padded to :data:`ROW` elements.
+    Built once per layout (a model gives the same layouts every logged step) and copied to the
+    device once.
     """
-    rows = [max(1, -(-n // ROW)) for n in lengths]
-    row_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(rows))
+    rows = torch.tensor([max(1, -(-n // ROW)) for n in lengths])
+    row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
+    firsts = (rows.cumsum(0) - rows) * ROW
     if device.type == "cuda":
-        row_of = row_of.pin_memory()
-    return row_of.to(device, non_blocking=True), [r * ROW - n for r, n in zip(rows, lengths)]
+        row_of, firsts = row_of.pin_memory(), firsts.pin_memory()
+    pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
+    return row_of.to(device, non_blocking=True), pads, firsts.to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -208,19 +236,20 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    row_of, pads = _layout(tuple(t.numel() for t in tensors), device)
+    row_of, pads, _ = _layout(tuple(t.numel() for t in tensors), device)
     nan = _padding(device, dtype)
     x = torch.cat([piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]).view(-1, ROW)
     m = len(tensors)
     finite = x.abs() < math.inf  # False for NaN, padding included
     zeroed = x.nan_to_num(0.0, 0.0, 0.0)
-    per_row = torch.stack([finite.sum(1, dtype=torch.float64), zeroed.sum(1, dtype=torch.float64)], 1)
+    per_row = torch.stack([finite.sum(1), zeroed.sum(1)], 1).to(torch.float64)  # exact over a row
     count, total = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
     mean = total / count.clamp(min=1)
     # Centred on the mean rounded to the data's precision; the offset this rounding leaves is
     # summed too and taken out on the host (the corrected two-pass formula).
     centred = (zeroed - mean.to(dtype)[row_of, None]).mul_(finite)
-    per_row = torch.stack([centred.square().sum(1, dtype=torch.float64), centred.sum(1, dtype=torch.float64)], 1)
+    per_row = torch.stack([torch.linalg.vector_norm(centred, dim=1), centred.sum(1)], 1).to(torch.float64)
+    per_row[:, 0].square_()
     squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
     low = torch.full((m,), math.inf, dtype=dtype, device=device)
     low.scatter_reduce_(0, row_of, x.nan_to_num(math.inf, math.inf, math.inf).amin(1), "amin")
@@ -234,7 +263,7 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
     # the padding land in the extra bin `bins` of their tensor.
     span = (high - low).clamp_(min=torch.finfo(dtype).smallest_normal * 2**-23)
     index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins)).nan_to_num_(bins, bins, bins)
-    index = index.long().add_(row_of[:, None] * (bins + 1)).view(-1)
+    index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
     if device.type == "cpu":
         counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     else:  # bincount would read its maximum to the host
