@@ -169,9 +169,11 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor,
     ranges = torch.stack([low, high], 1).tolist()
     if not all(math.isfinite(v) for pair in ranges for v in pair):
         return reduce_batch(tensors, bins)
-    # Centred on each tensor's first element, the padding adds exactly nothing.
-    first = x.view(-1)[firsts]
-    shifted = x - first[row_of, None]
+    if any(pads):  # centred on each tensor's first element, the padding adds exactly nothing
+        first = x.view(-1)[firsts]
+        shifted = x - first[row_of, None]
+    else:  # one big tensor: no copy
+        first, shifted = torch.zeros(m, dtype=x.dtype), x
     per_row = torch.stack([torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)], 1).to(torch.float64)
     per_row[:, 0].square_()
     sums = torch.zeros(m, 2, dtype=torch.float64).index_add_(0, row_of, per_row).tolist()
@@ -186,11 +188,15 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor,
     if bins is None:
         return moments, None
     span = (high - low).clamp_(min=torch.finfo(x.dtype).smallest_normal * 2**-23)
-    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins)).to(torch.int32)
-    index = index.add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
+    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins))
+    if m == 1:  # bincount counts bytes fastest
+        index = index.to(torch.uint8 if bins < 255 else torch.int32).view(-1)
+    else:
+        index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
     counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     # The padding copies the first element of its tensor: take it out of that element's bin.
-    counts.index_add_(0, index[firsts], -torch.tensor(pads, dtype=torch.float64))
+    if any(pads):
+        counts.index_add_(0, index[firsts].int(), -torch.tensor(pads, dtype=torch.float64))
     return moments, counts.view(m, bins + 1)[:, :bins]
 
 

@@ -1,0 +1,472 @@
+"""GradientMonitor and GradHooks on models with many hooked modules: ResNet-18, a 500-layer MLP, the encoder.
+
+    python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
+        [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
+
+Models, on the CPU with torch's default threads, SGD lr 1e-4, the same initial weights for every
+window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64x64, cross-entropy),
+``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (overhead.py's
+4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
+
+A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
+that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``per-param norm``
+(``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
+(``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
+and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
+tables show medians of window means and of per-round ratios to ``bare``. wandb.watch computes
+its histograms in hooks: a tensor hook per parameter counts backward passes and a forward hook
+on the root counts forwards; every ``log_freq``-th call reduces the tensor and publishes it to
+the run; ``run.log({})`` commits the row each logging step. A check counts them first.
+B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
+collect) over a bare one, on the CPU path and on the accelerator path forced on the CPU
+(``lightning_gradhooks.stats.branch_free``), and of an attached, unarmed step.
+C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
+fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
+
+A variant that raises is reported as failed and left out. The default run takes about 5 minutes
+on 2 idle cores (part A 3.5, B 0.3, C 1.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import StepTimer, machine  # noqa: E402
+
+from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
+
+try:
+    from lightning_gradhooks.stats import branch_free
+except ImportError:
+    branch_free = None
+
+Batch = tuple[Tensor, ...]
+
+
+# -- models ----------------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = [(64, 64, 1), (64, 128, 2), (128, 256, 2), (256, 512, 2)]
+        for i, (cin, cout, stride) in enumerate(widths, 1):
+            self.add_module(f"layer{i}", nn.Sequential(BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]
+    batch: Batch
+    loss: Callable[[nn.Module, Batch], Tensor]
+    modules: int  # hooked modules GradientMonitor selects by default
+
+
+def squares(model: nn.Module, batch: Batch) -> Tensor:
+    return model(batch[0]).pow(2).mean()
+
+
+def cross_entropy(model: nn.Module, batch: Batch) -> Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def cases() -> dict[str, Case]:
+    g = torch.Generator().manual_seed(0)
+    mlp = lambda: nn.Sequential(*(m for _ in range(500) for m in (nn.Linear(64, 64), nn.Tanh())))  # noqa: E731
+    resnet_batch = (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))
+    return {
+        "resnet18": Case("resnet18", ResNet18, resnet_batch, cross_entropy, 41),
+        "mlp500": Case("mlp500", mlp, (torch.randn(32, 64, generator=g),), squares, 500),
+        "encoder": Case("encoder", encoder, (torch.randn(16, 128, 256, generator=g),), squares, 24),
+    }
+
+
+# -- part A: a plain loop --------------------------------------------------------------------
+@dataclass
+class Variant:
+    """A step is ``before()``, forward and backward, ``after()``, optimizer step, zero_grad."""
+
+    before: Callable[[], object] = lambda: None
+    after: Callable[[], object] = lambda: None
+
+
+class Loop:
+    """One model, its optimizer and monitor; ``window`` times a variant from the initial weights."""
+
+    def __init__(self, case: Case, state: dict[str, Tensor]) -> None:
+        self.case, self.state, self.model = case, state, case.make()
+        self.model.load_state_dict(state)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.monitor = GradientMonitor(self.model)
+        assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
+
+    def step(self, variant: Variant) -> float:
+        start = time.perf_counter()
+        variant.before()
+        self.case.loss(self.model, self.case.batch).backward()
+        variant.after()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    def window(self, setup: Callable[[], contextlib.AbstractContextManager[Variant]], steps: int) -> float:
+        """Mean time of ``steps`` steps, after the untimed step that ``setup`` runs."""
+        self.model.load_state_dict(self.state)
+        try:
+            with setup() as variant:
+                return statistics.fmean(self.step(variant) for _ in range(steps))
+        except Exception:
+            self.monitor.disarm()  # a step failed half-way: leave nothing armed or accumulated
+            self.optimizer.zero_grad()
+            raise
+
+    @contextlib.contextmanager
+    def plain(self, variant: Variant) -> Iterator[Variant]:
+        self.step(variant)
+        yield variant
+
+    @contextlib.contextmanager
+    def monitored(self, armed: bool) -> Iterator[Variant]:
+        monitor = self.monitor
+        with monitor.attach():
+            self.step(Variant(monitor.arm, monitor.collect))  # the first armed step: in-place probe
+            yield Variant(monitor.arm if armed else lambda: None, monitor.collect)
+
+    @contextlib.contextmanager
+    def watched(self, run: Any, log_freq: int) -> Iterator[Variant]:
+        run.watch(self.model, log="all", log_freq=log_freq, idx=0)  # idx=0: the same names every window
+        try:
+            self.step(Variant(after=lambda: run.log({})))
+            yield Variant(after=lambda: run.log({}) if log_freq == 1 else None)
+        finally:
+            run.unwatch(self.model)
+
+    def norms(self) -> list[float]:
+        return torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]).tolist()
+
+    def variants(self, run: Any) -> dict[str, Callable[[], contextlib.AbstractContextManager[Variant]]]:
+        setups = {
+            "bare": lambda: self.plain(Variant()),
+            "attached": lambda: self.monitored(False),
+            "armed": lambda: self.monitored(True),
+            "per-param norm": lambda: self.plain(Variant(after=self.norms)),
+        }
+        if run is not None:
+            setups["wandb idle"] = lambda: self.watched(run, 10**9)
+            setups["wandb logging"] = lambda: self.watched(run, 1)
+        return setups
+
+    def check_wandb(self, run: Any) -> str:
+        """Count the histograms wandb.watch computes per step (through a private hook point)."""
+        history = run._torch
+        found = {}
+        for log_freq in (10**9, 1):
+            with mock.patch.object(history, "log_tensor_stats", wraps=history.log_tensor_stats) as spy:
+                self.window(functools.partial(self.watched, run, log_freq), 1)  # 2 steps
+            found[log_freq] = spy.call_count // 2
+        params = len(list(self.model.parameters()))
+        assert found == {10**9: 0, 1: 2 * params}, found
+        return f"{found[1]} histograms per logging step ({params} gradients + {params} parameters), 0 idle"
+
+
+class Timings:
+    """Window means per variant; a variant that raises is reported and left out from then on.
+
+    The library under test may fail on a model; the benchmark says so and goes on.
+    """
+
+    def __init__(self, label: str, names: list[str]) -> None:
+        self.label = label
+        self.times: dict[str, list[float]] = {name: [] for name in names}
+        self.failed: dict[str, str] = {}
+
+    def measure(self, name: str, window: Callable[[], float], keep: bool = True) -> None:
+        if name in self.failed:
+            return
+        try:
+            value = window()
+        except Exception as error:
+            self.failed[name] = f"{type(error).__name__}: {error}"
+            print(f"{self.label}: {name} failed ({self.failed[name]}); left out from now on")
+            return
+        if keep:
+            self.times[name].append(value)
+
+    def rounds(self, windows: dict[str, Callable[[], float]], rounds: int) -> None:
+        """``rounds`` rounds of every window, the order rotated each round."""
+        order = list(windows)
+        for round_ in range(rounds):
+            shift = round_ % len(order)
+            for name in order[shift:] + order[:shift]:
+                self.measure(name, windows[name])
+            done = ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in self.times.items() if n not in self.failed)
+            print(f"{self.label} round {round_ + 1}/{rounds}: {done}")
+
+    def table(self, base: str) -> None:
+        print(f"| variant | median step (ms) | median ratio to {base} |\n| --- | --- | --- |")
+        for name, values in self.times.items():
+            if name in self.failed:
+                print(f"| {name} | failed: {self.failed[name]} | |")
+            else:
+                ratios = [v / b for v, b in zip(values, self.times[base])]
+                ratio = f"{statistics.median(ratios):.3f}x" if base not in self.failed else "n/a"
+                print(f"| {name} | {statistics.median(values) * 1e3:.1f} | {ratio} |")
+        print()
+
+
+def part_a(names: list[str], args: argparse.Namespace, run: Any) -> None:
+    for case in (cases()[n] for n in names):
+        torch.manual_seed(0)
+        loop = Loop(case, {k: v.clone() for k, v in case.make().state_dict().items()})
+        setups = loop.variants(run)
+        if run is not None:
+            print(f"{case.name}: wandb check: {loop.check_wandb(run)}")
+        timings = Timings(case.name, list(setups))
+        windows = {name: functools.partial(loop.window, setup, args.steps) for name, setup in setups.items()}
+        for name, setup in setups.items():  # warm-up
+            timings.measure(name, functools.partial(loop.window, setup, 1), keep=False)
+        timings.rounds(windows, args.rounds)
+        print(f"\n{case.name}, plain loop ({case.modules} hooked modules): {args.rounds} rounds x {args.steps} steps")
+        timings.table("bare")
+
+
+# -- part B: op counts -----------------------------------------------------------------------
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while it is active (forward, backward, hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step: Callable[[], int]) -> tuple[int, int]:
+    """The ops ``step`` dispatches, and what it returns."""
+    with OpCounter() as counter:
+        result = step()
+    return counter.ops, result
+
+
+def op_counts(case: Case) -> list[str]:
+    """The table row of one model: extra ops of an armed step on each path, of an unarmed one."""
+    torch.manual_seed(0)
+    model = case.make()
+    monitor = GradientMonitor(model)
+
+    def step(armed: bool) -> int:
+        """Forward, backward, collect (no optimizer); the tensors reduced into the record."""
+        model.zero_grad(set_to_none=True)
+        if armed:
+            monitor.arm()
+        case.loss(model, case.batch).backward()
+        record = monitor.collect()
+        return sum(e.calls for e in record.entries)
+
+    step(False)  # warm-up
+    bare, _ = count_ops(lambda: step(False))
+    paths: dict[str, Callable[[], contextlib.AbstractContextManager[None]] | None]
+    paths = {"CPU": contextlib.nullcontext, "accelerator": branch_free}
+    cells: dict[str, list[str]] = {}
+    with monitor.attach():
+        step(True)  # in-place probe
+        not_armed = count_ops(lambda: step(False))[0] - bare
+        for path, context in paths.items():
+            if context is None:
+                cells[path] = ["n/a", "n/a"]
+                continue
+            with context():
+                step(True)  # warm-up of this path (cached layouts)
+                ops, reduced = count_ops(lambda: step(True))
+            cells[path] = [str(ops - bare), f"{(ops - bare) / max(reduced, 1):.1f}"]
+            cells.setdefault("reduced", [str(reduced)])
+    return [case.name, *cells["reduced"], *cells["CPU"], *cells["accelerator"], str(not_armed)]
+
+
+def part_b(names: list[str]) -> None:
+    if branch_free is None:
+        print("accelerator path: n/a (lightning_gradhooks.stats.branch_free does not exist yet)")
+    rows = []
+    for name in names:
+        try:
+            rows.append(op_counts(cases()[name]))
+        except Exception as error:  # the library under test failed on this model
+            rows.append([name, f"failed: {type(error).__name__}: {error}", *[""] * 5])
+    print("\nOp counts (aten ops dispatched; extra = monitored step - bare step, forward + backward, no optimizer)")
+    print(
+        "| model | reduced tensors | extra ops CPU path | per tensor | extra ops accelerator path | per tensor "
+        "| extra ops when not armed |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+
+
+# -- part C: Lightning -----------------------------------------------------------------------
+class Wrapped(pl.LightningModule):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.net = case.make()
+        self.loss = case.loss
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        return self.loss(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def fit_once(
+    case: Case, state: dict[str, Tensor], callbacks: Callable[[], list[pl.Callback]], steps: int, logdir: str
+) -> float:
+    module = Wrapped(case)
+    module.net.load_state_dict(state)
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=TensorBoardLogger(logdir, name=case.name),
+        callbacks=[*callbacks(), timer],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
+    trainer.fit(module, DataLoader([case.batch] * steps, batch_size=None))  # the same batch
+    return statistics.fmean(timer.times[2:] or timer.times)  # without warm-up and probe step
+
+
+def part_c(names: list[str], args: argparse.Namespace) -> None:
+    variants: dict[str, Callable[[], list[pl.Callback]]] = {
+        "plain": lambda: [],
+        "GradHooks every step": lambda: [GradHooks(every_n_steps=1)],
+        "GradHooks every 50 steps": lambda: [GradHooks(every_n_steps=50)],
+    }
+    for case in (cases()[n] for n in names):
+        torch.manual_seed(0)
+        state = case.make().state_dict()
+        timings = Timings(f"{case.name} (Lightning)", list(variants))
+        with tempfile.TemporaryDirectory() as logdir:
+            fits = {
+                name: functools.partial(fit_once, case, state, make, args.lightning_steps, logdir)
+                for name, make in variants.items()
+            }
+            warm_up = functools.partial(fit_once, case, state, variants["GradHooks every step"], 3, logdir)
+            timings.measure("GradHooks every step", warm_up, keep=False)
+            timings.rounds(fits, args.lightning_rounds)
+        print(
+            f"\n{case.name}, Lightning + TensorBoard: {args.lightning_rounds} rounds x {args.lightning_steps} "
+            "steps (first 2 left out), medians"
+        )
+        timings.table("plain")
+
+
+def start_wandb(disabled: bool, logdir: str) -> Any:
+    if disabled:
+        print("wandb variants left out (--no-wandb)")
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print("wandb is not installed: its variants are left out")
+        return None
+    os.environ["WANDB_SILENT"] = "true"
+    print(f"wandb {wandb.__version__}, offline")
+    return wandb.init(mode="offline", dir=logdir, project="gradhooks-bench")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet18,mlp500,encoder", help="comma-separated, of " + ", ".join(cases()))
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the plain loop (part A)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per window (part A)")
+    parser.add_argument("--lightning-steps", type=int, default=20, help="optimizer steps per fit (part C)")
+    parser.add_argument("--lightning-rounds", type=int, default=3, help="rounds of fits (part C)")
+    parser.add_argument("--no-wandb", action="store_true", help="leave the wandb.watch variants out")
+    parser.add_argument("--skip-lightning", action="store_true")
+    parser.add_argument("--skip-ops", action="store_true")
+    args = parser.parse_args()
+    names = args.models.split(",")
+    unknown = set(names) - set(cases())
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {list(cases())}")
+
+    print(f"Machine: {machine()}")
+    print("Command: python " + " ".join(sys.argv) + "\n")
+    # Keep the tables readable: Lightning's info lines and the expected warnings go.
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    for message in ("does not have many workers", "smaller than the logging interval", "in-place operations", "LeafSpec"):
+        warnings.filterwarnings("ignore", message=f".*{message}")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as logdir:
+        run = start_wandb(args.no_wandb, logdir)
+        part_a(names, args, run)
+        if run is not None:
+            run.finish()
+    if not args.skip_ops:
+        part_b(names)
+    if not args.skip_lightning:
+        part_c(names, args)
+    print(f"Wall time: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
