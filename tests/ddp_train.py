@@ -51,12 +51,15 @@ class Reference(pl.Callback):
         self.handle.remove()
         torch.save(self.grads, self.out / f"grads-rank{trainer.global_rank}.pt")
         reducer = self.gradhooks._reducer
-        facts = {"collectives": reducer.collectives if reducer else 0, "offload_dir": self.gradhooks._offload.directory}
+        offload = self.gradhooks._offload.stats()
+        facts = {"collectives": reducer.collectives if reducer else 0, "offload_dir": offload.directory,
+                 "offload_written": offload.bytes_written}
         (self.out / f"facts-rank{trainer.global_rank}.json").write_text(json.dumps(facts))
 
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
+    (out / "offload").mkdir(exist_ok=True)  # offload_dir must exist; both ranks share it
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))

@@ -15,6 +15,7 @@ from conftest import read_events
 def train(model, optimizer, step_fn, log_dir, offload_dir, watched=None, steps=4):  # noqa: ANN001, ANN201
     """The recipe of docs/usage.md, written once for both loops."""
     monitor = GradientMonitor(watched or model, include=["0", "2"])
+    offload_dir.mkdir(exist_ok=True)
     offload = save_on_disk(threshold_bytes=1024, directory=offload_dir)
     writer = SummaryWriter(log_dir)
     g = torch.Generator().manual_seed(0)

@@ -217,6 +217,7 @@ def test_model_trains_with_defaults_and_with_offload(tmp_path, name, caplog):
     _, reference, _ = train(tmp_path / "plain", name, None)
     for offload in (None, 256):
         folder = tmp_path / f"offload{offload}"
+        folder.mkdir()
         callback = GradHooks(offload_threshold_bytes=offload, offload_dir=str(folder) if offload else None)
         lightning_logger = logging.getLogger("pytorch_lightning")  # it does not propagate to the root
         lightning_logger.addHandler(caplog.handler)

@@ -41,6 +41,7 @@ def test_lightning_pytorch_trainer_logs_and_cleans_up(tmp_path):
     from lightning_gradhooks.lightning import GradHooks
 
     model = LitMLP()
+    (tmp_path / "off").mkdir()
     trainer = lightning_trainer(tmp_path, GradHooks(offload_threshold_bytes=256, offload_dir=str(tmp_path / "off")))
     trainer.fit(model, data())
     events = read_events(trainer.logger.log_dir)

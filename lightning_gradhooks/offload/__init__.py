@@ -19,13 +19,17 @@ it at the end (it is also closed at interpreter exit)::
         optimizer.step()
     offload.close()
 
-Each step's tensors are appended to one file, deleted as soon as that step's graph is freed.
+Each step's tensors are appended to one file that never has a name (``O_TMPFILE``, else created
+and unlinked at once), closed as soon as that step's graph is freed: the kernel gives the space
+back however the process ends, even on SIGKILL.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
+import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -56,8 +60,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     Args:
         threshold_bytes: offload a saved tensor if the storage region it spans has at least
             this many bytes.
-        directory: folder in which a private subfolder (mode 0700, one per process and rank)
-            is created; ``None`` uses a private temporary folder.
+        directory: an existing folder in which the unnamed files are opened; ``None`` uses the
+            system temporary folder. Nothing in it is ever visible by name (see docs/offload.md).
         max_bytes_in_flight: bytes queued for writing before the forward pass waits.
         prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
             0 disables prefetching.
@@ -71,9 +75,10 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an argument is out of range.
-        DiskOffloadError: the folder cannot be created or written (at construction), or a
-            write fails later: raised in the forward pass, at the latest at the first unpack
-            or when the context exits.
+        DiskOffloadError: at construction, the folder is missing or cannot hold an unnamed file
+            (the message names the folder and the reason); later, a write or read fails (full
+            disk, I/O error, short read), naming the folder and the bytes: raised in the forward
+            pass, at the latest at the first unpack or when the context exits.
 
     Example::
 
@@ -106,6 +111,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
+        directory = tempfile.gettempdir() if directory is None else os.fspath(directory)
+        if not isinstance(directory, str) or directory == "" or "\0" in directory:
+            raise ValueError(f"expected directory to be a non-empty path without NUL bytes, got {directory!r}")
         self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
                                drop_page_cache)
         self._depth = 0
@@ -114,19 +122,31 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     def __enter__(self) -> save_on_disk:  # type: ignore[override]
         if self._depth == 0:
             self._engine.begin_step()
-        super().__enter__()
+        pack = self.pack_hook
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, self.unpack_hook)
+        except BaseException:  # e.g. a KeyboardInterrupt just after the push: leave no hooks behind
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if self._depth == 0 and top is not None and top[0] is pack:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            raise
         self._depth += 1
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *args: object) -> None:
-        super().__exit__(exc_type, *args)
-        self._depth -= 1
+        self._depth -= 1  # before the pop: an interrupt after it leaves a consistent depth
+        torch._C._autograd._pop_saved_tensors_default_hooks()
         if self._depth == 0:
             self._engine.end_step(raise_error=exc_type is None)
 
     @property
+    def active(self) -> bool:
+        """Whether the hooks are on (inside the ``with`` block)."""
+        return self._depth > 0
+
+    @property
     def directory(self) -> str:
-        """The private folder holding this engine's files."""
+        """The folder (absolute path) in which this engine's unnamed files live."""
         return self._engine.folder
 
     @property
@@ -139,7 +159,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         return self._engine.stats()
 
     def flush(self) -> None:
-        """Wait until every queued write is on disk; raise a pending write error."""
+        """Wait until every queued write is on disk and every dead handle's file is closed; raise a
+        pending write error."""
         self._engine.flush()
 
     def keep_in_memory(self, *modules: nn.Module) -> None:
@@ -150,7 +171,7 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         self._engine.keep_in_memory(modules)
 
     def close(self) -> None:
-        """Stop the threads and delete every file and the folder. Idempotent.
+        """Stop the threads and close every file (their space is returned). Idempotent.
 
         Graphs still holding offloaded tensors can no longer run backward afterwards.
         """

@@ -10,7 +10,7 @@ _ALIGN = 4096  # file offset alignment of each saved region
 
 
 class DiskOffloadError(OSError):
-    """The offload folder could not be created, written or read.
+    """The offload folder cannot hold an unnamed file, or a write or read failed.
 
     ``errno`` is the operating system's error number (``errno.ENOSPC`` for a full disk,
     ``errno.EFBIG`` over a file size limit); the message names the folder and the bytes
@@ -26,15 +26,15 @@ class OffloadStats:
 
     __module__ = "lightning_gradhooks.offload"  # where users import it from
 
-    directory: str  #: the private folder holding the files
+    directory: str  #: the folder in which the (unnamed) files live
     bytes_in_memory: int  #: held by the engine: pending writes plus buffers read ahead
     bytes_pending_write: int  #: handed to the writer, not yet on disk
     bytes_prefetched: int  #: read back (or being read) ahead of the backward pass
     bytes_offloaded: int  #: handed to the writer since construction (after deduplication)
     bytes_written: int  #: written since construction (a tensor used up before its turn is not)
     bytes_read: int  #: total read back since construction
-    bytes_on_disk: int  #: size of the files that exist now
-    files_on_disk: int  #: number of files that exist now
+    bytes_on_disk: int  #: size of the files open now (they have no name)
+    files_on_disk: int  #: number of files open now
     tensors_offloaded: int  #: storage regions written (after deduplication)
     tensors_deduplicated: int  #: saves answered by a region already written
     tensors_kept: int  #: saves left in memory (small, parameters, unsupported)

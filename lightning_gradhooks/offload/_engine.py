@@ -1,17 +1,22 @@
-"""The disk offload engine behind :class:`~lightning_gradhooks.offload.save_on_disk`: the
-writer and reader threads, pack (forward) and unpack (backward) with prefetch, the handles
-autograd keeps, CUDA side streams, statistics and teardown."""
+"""The disk offload engine behind :class:`~lightning_gradhooks.offload.save_on_disk`: pack (forward)
+and unpack (backward), the writer thread, the reader thread (reads, prefetch and the reaping of
+dead handles), CUDA side streams, statistics, fork safety and teardown.
+
+Interrupt safety: a ``KeyboardInterrupt`` is raised only in the main thread, at a Python call or
+loop boundary. So the main thread never opens, closes or deletes a file and never does I/O:
+it takes the lock only through ``with``, hands work to the threads with a queue's C ``put`` and
+waits on a fresh queue's C ``get``. A handle runs no engine code when it dies (a weak reference
+whose callback is a C ``put`` tells the reader thread). Errors are kept as a class and its
+arguments, never as an exception object whose traceback would keep frames (and graphs) alive.
+"""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
-import contextlib
 import itertools
 import os
+import queue
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,8 +24,13 @@ from torch import nn
 
 from lightning_gradhooks.offload._common import _ALIGN, DiskOffloadError, OffloadStats, _round_up
 from lightning_gradhooks.offload._files import (
-    _cleanup,
-    _make_private_folder,
+    Failure,
+    _close_all,
+    _Files,
+    _HandleRef,
+    _in_thread,
+    _open_folder,
+    _open_unnamed,
     _pread_all,
     _pwrite_all,
     _Record,
@@ -28,154 +38,181 @@ from lightning_gradhooks.offload._files import (
 )
 from lightning_gradhooks.offload._memory import _buffer, _host_buffer, _PinnedPool
 
+_STOP = object()  # tells a thread to finish
+_ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
+
 
 class _Handle:
-    """What autograd keeps instead of an offloaded tensor: metadata and a record reference."""
+    """What autograd keeps instead of an offloaded tensor: metadata and its record. No ``__del__``."""
 
-    __slots__ = ("engine", "record", "dtype", "size", "stride", "storage_offset", "rel_offset")
+    __slots__ = ("record", "dtype", "size", "stride", "storage_offset", "rel_offset", "__weakref__")
 
-    def __init__(self, engine: _Engine, record: _Record, t: torch.Tensor) -> None:
-        self.engine, self.record, self.dtype = engine, record, t.dtype
+    def __init__(self, record: _Record, t: torch.Tensor) -> None:
+        self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.storage_offset = t.size(), t.stride(), t.storage_offset()
         self.rel_offset = (t.storage_offset() * t.element_size() - record.byte_start) // t.element_size()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # may run at interpreter shutdown
-            self.engine.handle_died(self.record)
 
 
 def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tensor:
     return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)
 
 
-class _Engine:
-    """Owns the folder, files, threads and records of one :class:`save_on_disk`."""
+def _raise(failure: Failure) -> None:
+    cls, args = failure
+    raise cls(*args)
 
-    def __init__(self, threshold: int, directory: str | os.PathLike[str] | None, max_in_flight: int,
-                 prefetch_bytes: int, segment_bytes: int, drop_page_cache: bool) -> None:
+
+def _writer_main(engine_ref: weakref.ref[_Engine], writes: queue.SimpleQueue, events: queue.SimpleQueue) -> None:
+    while True:
+        item = writes.get()
+        if type(item) is not _Record:  # close(), or the engine was collected (its weak reference)
+            _ENGINES.discard(item)
+            events.put(_STOP)  # the reader closes the files once no write can run
+            return
+        engine = engine_ref()
+        if engine is not None:
+            engine._write(item)
+        del engine, item
+
+
+def _reader_main(engine_ref: weakref.ref[_Engine], events: queue.SimpleQueue, files: _Files) -> None:
+    more = False  # prefetch may have more to read
+    while True:
+        item = None if more and events.empty() else events.get()
+        if item is _STOP:
+            files.close_all()
+            return
+        if type(item) is queue.SimpleQueue:  # a caller waits until everything before is handled
+            item.put(None)
+            continue
+        engine = engine_ref()
+        if engine is None:
+            more = False
+            continue
+        if type(item) is _HandleRef:
+            engine._reap(item)
+        elif type(item) is _Record:  # unpack needs it
+            engine._demand(item, load=True)
+        elif item is not None:  # (record,): unpack was served; prefetch from there
+            engine._demand(item[0], load=False)
+        more = engine._prefetch_one()
+        del engine, item
+
+
+class _Engine:
+    """Owns the files, threads and records of one :class:`save_on_disk`."""
+
+    def __init__(self, threshold: int, directory: str, max_in_flight: int, prefetch_bytes: int,
+                 segment_bytes: int, drop_page_cache: bool) -> None:
         self.threshold, self.max_in_flight, self.drop_page_cache = threshold, max_in_flight, drop_page_cache
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
-        self.folder = _make_private_folder(directory)
+        self.folder = os.path.abspath(directory)
+        dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
+        self._files = _Files(self.folder, dir_fd, tmpfile)
+        self._lock = self._files.lock
+        self._segments = self._files.segments
         self.closed = False
-        self._pid = os.getpid()  # a forked child must not delete its parent's files
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._dead: collections.deque[_Record] = collections.deque()  # handles died, not yet counted
-        self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="save_on_disk-writer")
-        self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="save_on_disk-reader")
-        self._segments: dict[int, _Segment] = {}
+        self._pid = os.getpid()
+        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiters: list[queue.SimpleQueue[None]] = []
         self._current: _Segment | None = None
         self._indices = itertools.count()
+        self._step = 0
+        self._failed_step, self._step_failure = -1, None  # the step whose write failed, and how
         self._dedupe: dict[tuple[torch.device, int], list[_Record]] = {}
         self._resident_modules: list[weakref.ref[nn.Module]] = []
         self._resident_ptrs: set[int] = set()
-        self._error: BaseException | None = None
+        self._error: Failure | None = None
         self._in_flight = self._prefetched = self._bytes_offloaded = self._bytes_written = self._bytes_read = 0
         self._offloaded = self._deduplicated = self._kept = 0
+        self._prefetch_seg: _Segment | None = None
         self._pool: _PinnedPool | None = None
         self._streams: dict[tuple[str, torch.device], Any] = {}
-        self._finalizer = weakref.finalize(
-            self, _cleanup, self.folder, self._segments, (self._writer, self._reader), self._pid
+        me = self._me = weakref.ref(self, self._writes.put)  # collected: the writer stops (a C call)
+        _ENGINES.add(me)
+        self._threads = (
+            threading.Thread(target=_writer_main, args=(me, self._writes, self._events), daemon=True,
+                             name="save_on_disk-writer"),
+            threading.Thread(target=_reader_main, args=(me, self._events, self._files), daemon=True,
+                             name="save_on_disk-reader"),
         )
+        for thread in self._threads:
+            thread.start()
 
-    # -- locking: handles die in any thread (even inside our own critical sections, via the
-    # garbage collector), so a death is queued and counted by whoever holds the lock.
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        with self._lock:
-            try:
-                yield
-            finally:
-                self._reap()
-        while self._dead and self._lock.acquire(blocking=False):
-            try:
-                self._reap()
-            finally:
-                self._lock.release()
+    @property
+    def tmpfile(self) -> bool:
+        """Whether files are opened with O_TMPFILE (else created and unlinked at once)."""
+        return self._files.tmpfile
 
-    def handle_died(self, record: _Record) -> None:
-        self._dead.append(record)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._reap()
-            finally:
-                self._lock.release()
-
-    def _reap(self) -> None:
-        while self._dead:
-            rec = self._dead.popleft()
-            rec.handles -= 1
-            if rec.handles == 0:
-                self._drop(rec)
-
-    def _drop(self, rec: _Record) -> None:
-        seg = rec.segment
-        rec.src = None  # a running write keeps its own reference until done
-        if not rec.written and rec.write_future is not None and rec.write_future.cancel():
-            self._in_flight -= rec.nbytes  # the queued write will not run
-            seg.io -= 1
-            self._cond.notify_all()
-            if rec.pinned is not None and self._pool is not None:
-                self._pool.put(rec.pinned, rec.event)
-                rec.pinned = rec.event = None
-        if rec.loaded is not None:
-            self._unhold(rec)
-        if rec.loading is not None and rec.loading.cancel():
-            rec.loading = None
-            self._prefetched -= rec.nbytes
-            seg.io -= 1
-        seg.live -= 1
-        self._maybe_release(seg)
-
-    def _unhold(self, rec: _Record) -> None:
-        rec.loaded = rec.load_event = None
-        self._prefetched -= rec.nbytes
-
-    def _maybe_release(self, seg: _Segment) -> None:
-        """Delete a sealed segment's file once no handle needs it; close it once its I/O is done."""
-        if seg.sealed and seg.live == 0 and os.getpid() == self._pid:
-            seg.unlink()  # a write still running goes to the nameless file
-            if seg.io == 0 and seg.fd >= 0:
-                seg.close()
-                self._segments.pop(seg.index, None)
-
-    def _raise_error(self) -> None:
+    # -- helpers (called with the lock held)
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"save_on_disk: this engine belongs to process {self._pid}; a forked child "
+                               "cannot use it (its files were closed in the child)")
         if self.closed:
             raise RuntimeError("save_on_disk is closed: its offloaded tensors were deleted")
+
+    def _raise_pending(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            failure, self._error = self._error, None
+            self._failed_step = -1  # later saves belong to a new attempt
+            _raise(failure)
+
+    def _waiter(self) -> queue.SimpleQueue[None]:
+        waiter: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._waiters.append(waiter)
+        return waiter
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.put(None)
+
+    def _release(self, seg: _Segment | None) -> tuple[int, int]:
+        """Take out the descriptors of a segment no handle needs and no I/O uses (threads close them)."""
+        if seg is None or seg.fd < 0 or seg.io or (seg.live and seg.failed is None):
+            return -1, -1
+        self._segments.pop(seg.index, None)
+        if self._current is seg:
+            self._current = None
+        if self._prefetch_seg is seg:
+            self._prefetch_seg = None
+        return seg.take_fds()
+
+    def _sync(self) -> None:
+        """Wait until the reader thread has handled every handle death queued so far."""
+        if self._threads[1].is_alive() and os.getpid() == self._pid:
+            marker: queue.SimpleQueue[None] = queue.SimpleQueue()
+            self._events.put(marker)
+            marker.get()
 
     # -- steps
     def begin_step(self) -> None:
-        with self._guard():
-            self._raise_error()
-            self._resident_ptrs = {
-                t.untyped_storage().data_ptr()
-                for ref in self._resident_modules if (module := ref()) is not None
-                for t in itertools.chain(module.parameters(), module.buffers())
-            }
+        resident = {
+            t.untyped_storage().data_ptr()
+            for ref in self._resident_modules if (module := ref()) is not None
+            for t in itertools.chain(module.parameters(), module.buffers())
+        }
+        with self._lock:
+            self._check_usable()
+            self._raise_pending()
+            self._step += 1  # the writer starts a new file for each step
+            self._dedupe = {}
+            self._resident_ptrs = resident
 
     def end_step(self, raise_error: bool) -> None:
-        with self._guard():
-            self._seal()
-            self._dedupe.clear()
-            if raise_error and self._error is not None:
-                self._raise_error()
-
-    def _seal(self) -> None:
-        if self._current is not None:
-            self._current.sealed = True
-            self._current.cursor = len(self._current.records) - 1  # prefetch may come from a later file
-            self._maybe_release(self._current)
-            self._current = None
+        with self._lock:
+            self._dedupe = {}
+            if raise_error:
+                self._raise_pending()
 
     def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
-        with self._guard():
-            self._resident_modules.extend(weakref.ref(m) for m in modules)
-            self._resident_ptrs.update(
-                t.untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())
-            )
+        ptrs = {t.untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
+        refs = [weakref.ref(m) for m in modules]
+        with self._lock:
+            self._resident_modules = self._resident_modules + refs
+            self._resident_ptrs = self._resident_ptrs | ptrs
 
     # -- pack (forward)
     def _region(self, t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int, int, int] | None:
@@ -202,86 +239,61 @@ class _Engine:
             return storage, start, nbytes, 0, total
         return storage, start, nbytes, start, nbytes
 
+    def _new_handle(self, rec: _Record, t: torch.Tensor) -> _Handle:
+        handle = _Handle(rec, t)
+        ref = _HandleRef(handle, self._events.put)
+        ref.record = rec
+        rec.refs.append(ref)
+        return handle
+
     def pack(self, t: torch.Tensor) -> Any:
         region = self._region(t)
         if region is None:
-            with self._guard():
-                self._raise_error()
+            with self._lock:
+                self._check_usable()
+                self._raise_pending()
                 self._kept += 1
             return t.detach()
         storage, start, nbytes, region_start, region_bytes = region
-        with self._guard():
-            self._raise_error()
-            rec = self._find_duplicate(t, storage, start, nbytes)
-            new = rec is None
-            if rec is None:
-                rec = self._new_record(t, storage, region_start, region_bytes)
-            rec.handles += 1
-            handle = _Handle(self, rec, t)
-        if new:
-            try:
-                if rec.device.type == "cuda":
-                    self._copy_to_host(rec, storage)
-                rec.write_future = self._writer.submit(self._write, rec)
-            except BaseException:
-                with self._guard():  # the write will never run: give back what it reserved
-                    rec.src = None
-                    self._in_flight -= rec.nbytes
-                    rec.segment.io -= 1
-                    self._cond.notify_all()
-                raise
+        while True:
+            with self._lock:
+                self._check_usable()
+                self._raise_pending()
+                rec = self._find_duplicate(t, storage, start, nbytes)
+                if rec is not None:
+                    self._deduplicated += 1
+                    return self._new_handle(rec, t)
+                if not (self._in_flight and self._in_flight + region_bytes > self.max_in_flight):
+                    break
+                waiter = self._waiter()  # backpressure: wait for the writer
+            waiter.get(timeout=1.0)
+        # Nothing below changes the engine until the queue's put: an interrupt before it leaves a
+        # record that nobody knows, and one after it a record written but not counted in flight.
+        rec = _Record(t, storage, region_start, region_bytes)
+        handle = self._new_handle(rec, t)
+        if rec.device.type == "cuda":
+            self._copy_to_host(rec, storage)
+        with self._lock:
+            self._check_usable()
+            rec.step = self._step
+            self._writes.put(rec)
+            rec.queued = True
+            self._in_flight += region_bytes
+            self._bytes_offloaded += region_bytes
+            self._offloaded += 1
+            self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
         return handle
 
-    def _find_duplicate(
-        self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int
-    ) -> _Record | None:
+    def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int,
+                        nbytes: int) -> _Record | None:
         elsize = t.element_size()
         for rec in self._dedupe.get((t.device, storage.data_ptr()), ()):
-            if (rec.handles > 0 and rec.segment.failed is None and not rec.storage_ref.expired()
-                    and rec.version == t._version and rec.byte_start <= start
-                    and start + nbytes <= rec.byte_start + rec.nbytes and rec.byte_start % elsize == 0):
-                self._deduplicated += 1
+            if (not rec.dead and rec.failed is None and rec.step == self._step and rec.version == t._version
+                    and not rec.storage_ref.expired() and rec.byte_start <= start
+                    and start + nbytes <= rec.byte_start + rec.nbytes and rec.byte_start % elsize == 0
+                    and rec.alive()):
                 return rec
         return None
-
-    def _new_record(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, nbytes: int) -> _Record:
-        while self._in_flight and self._in_flight + nbytes > self.max_in_flight:  # backpressure
-            self._cond.wait()
-            self._raise_error()
-        seg = previous = self._current
-        if seg is not None and seg.records and seg.size + nbytes > self.segment_bytes:
-            self._seal()
-            seg = None
-        if seg is None:
-            index = next(self._indices)
-            path = os.path.join(self.folder, f"{index:06d}.bin")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise DiskOffloadError(exc.errno, f"save_on_disk: could not create a file for {nbytes} bytes in "
-                                                  f"folder {self.folder!r}: {exc.strerror or exc}") from exc
-            seg = self._current = self._segments[index] = _Segment(index, path, fd)
-            seg.previous = previous
-            if self.drop_page_cache and hasattr(os, "O_DIRECT"):
-                with contextlib.suppress(OSError):  # e.g. tmpfs: buffered reads instead
-                    seg.direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        # O_DIRECT moves whole aligned blocks between aligned memory and aligned file offsets:
-        # place the record at a file offset congruent to its address, so that all but a head and
-        # a tail (written through the page cache) can go straight to the device.
-        address = storage.data_ptr() + start
-        direct = seg.direct_fd >= 0 and t.device.type == "cpu" and address % 64 == 0
-        rec = _Record(seg, _round_up(seg.size, _ALIGN) + (address % _ALIGN if direct else 0), nbytes, start, t,
-                      storage)
-        rec.direct = direct
-        seg.records.append(rec)
-        seg.size = rec.offset + nbytes
-        seg.live += 1
-        seg.io += 1  # the write
-        self._in_flight += nbytes
-        self._bytes_offloaded += nbytes
-        self._offloaded += 1
-        self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
-        return rec
 
     def _stream(self, kind: str, device: torch.device) -> Any:
         with self._lock:
@@ -306,162 +318,257 @@ class _Engine:
         rec.pinned, rec.event = pinned, event
 
     # -- writer thread
+    def _segment_for(self, rec: _Record) -> _Segment:
+        """The file ``rec`` goes to: the current one, or a new one per step and past segment_bytes."""
+        seg = self._current
+        if (seg is not None and seg.fd >= 0 and seg.failed is None and seg.step == rec.step
+                and not (seg.records and seg.size + rec.nbytes > self.segment_bytes)):
+            return seg
+        fd, direct_fd, _ = _open_unnamed(self._files.dir_fd, self.drop_page_cache)
+        new = _Segment(next(self._indices), rec.step, fd, direct_fd)
+        self._current = self._segments[new.index] = new
+        new.previous = seg if seg is not None and seg.step == rec.step and seg.fd >= 0 else None
+        return new
+
     def _write(self, rec: _Record) -> None:
-        seg = rec.segment
-        with self._guard():
+        seg = None
+        failure: Failure | None = None
+        n = rec.nbytes
+        with self._lock:
+            if rec.dead or not rec.alive() or self.closed or rec.step == self._failed_step:
+                rec.dead = rec.dead or not rec.alive()
+                if rec.step == self._failed_step and not rec.dead:
+                    rec.failed = self._step_failure
+            else:
+                try:
+                    seg = self._segment_for(rec)  # opens a file: under the lock, so a fork sees it
+                except OSError as exc:
+                    failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not create a file for {n} "
+                                                             f"bytes in folder {self.folder!r}: {exc.strerror}"))
+            if seg is not None:
+                address = rec.src.untyped_storage().data_ptr() + rec.byte_start if rec.src is not None else 0
+                rec.direct = seg.direct_fd >= 0 and rec.device.type == "cpu" and address % 64 == 0
+                # O_DIRECT moves whole aligned blocks: place the record at a file offset congruent to
+                # its address, so that all but a head and a tail can go straight to the device.
+                rec.offset = _round_up(seg.size, _ALIGN) + (address % _ALIGN if rec.direct else 0)
+                rec.segment, rec.index = seg, len(seg.records)
+                seg.records.append(rec)
+                seg.size = rec.offset + n
+                seg.live += 1
+                seg.io += 1
+                fd, direct_fd = seg.fd, seg.direct_fd
             src, pinned, event = rec.src, rec.pinned, rec.event
-            skip = rec.handles == 0 or seg.failed is not None or self.closed or (src is None and pinned is None)
-        error: BaseException | None = None
-        try:
-            if not skip:
+        modified = None
+        if seg is not None:
+            try:
                 if event is not None:
                     event.synchronize()
                 address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
-                n, head = rec.nbytes, min(rec.nbytes, -rec.offset % _ALIGN) if rec.direct else rec.nbytes
+                head = min(n, -rec.offset % _ALIGN) if rec.direct else n
                 body = (n - head) // _ALIGN * _ALIGN
-                for fd, at, length in ((seg.fd, 0, head), (seg.direct_fd, head, body), (seg.fd, head + body,
-                                                                                        n - head - body)):
+                for f, at, length in ((fd, 0, head), (direct_fd, head, body), (fd, head + body, n - head - body)):
                     if length:
-                        _pwrite_all(fd, _buffer(address + at, length), rec.offset + at)
+                        _pwrite_all(f, _buffer(address + at, length), rec.offset + at)
                 if self.drop_page_cache and not rec.direct:
-                    os.fdatasync(seg.fd)
-                    os.posix_fadvise(seg.fd, rec.offset, rec.nbytes, os.POSIX_FADV_DONTNEED)
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, rec.offset, n, os.POSIX_FADV_DONTNEED)
                 if src is not None and src._version != rec.version:
-                    rec.error = RuntimeError(
-                        "save_on_disk: a tensor saved for backward was modified by an in-place operation before it "
-                        f"was written (version {rec.version}, now {src._version}); autograd cannot use it"
-                    )
-        except OSError as exc:
-            error = DiskOffloadError(exc.errno, f"save_on_disk: could not write {rec.nbytes} bytes to folder "
-                                                f"{self.folder!r} (file {os.path.basename(seg.path)}, offset "
-                                                f"{rec.offset}): {exc.strerror or exc}")
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
-            error = exc
-        finally:
-            del src
-            with self._guard():
-                rec.src = None
-                rec.written = not skip and error is None
-                if pinned is not None:
-                    rec.pinned = rec.event = None
-                    assert self._pool is not None
+                    modified = (f"save_on_disk: a tensor saved for backward was modified by an in-place operation "
+                                f"before it was written (version {rec.version}, now {src._version}); autograd "
+                                "cannot use it")
+            except OSError as exc:
+                failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not write {n} bytes to folder "
+                                                         f"{self.folder!r} (offset {rec.offset}): {exc.strerror}"))
+            except Exception as exc:  # noqa: BLE001 - surfaced to the training thread
+                failure = (RuntimeError, (f"save_on_disk: writing {n} bytes failed: {type(exc).__name__}: {exc}",))
+        del src
+        with self._lock:
+            rec.src = None
+            rec.error = modified
+            if pinned is not None:
+                rec.pinned = rec.event = None
+                if self._pool is not None:
                     self._pool.put(pinned, event)  # a skipped write may leave its copy running
-                self._in_flight -= rec.nbytes
-                if error is not None:
-                    self._fail(seg, error)
-                elif rec.written:
-                    self._bytes_written += rec.nbytes
+            if rec.queued:
+                self._in_flight -= n
+            if seg is not None:
                 seg.io -= 1
-                self._cond.notify_all()
-                self._maybe_release(seg)
+            if failure is not None:
+                self._fail(rec, seg, failure)
+            elif seg is not None:
+                rec.written = True
+                self._bytes_written += n
+            rec.done = True
+            fds = self._release(seg)
+            self._notify()
+        _close_all(fds)
 
-    def _fail(self, seg: _Segment, error: BaseException) -> None:
-        """Poison the segment and remove its file now; the error surfaces in the training thread."""
-        if seg.failed is None:
-            seg.failed = error
-            seg.unlink()
-            if self._error is None:
-                self._error = error
+    def _fail(self, rec: _Record, seg: _Segment | None, failure: Failure) -> None:
+        """The step's tensors can no longer come back: drop what they hold, surface the error."""
+        rec.failed = failure
+        self._failed_step, self._step_failure = rec.step, failure
+        if self._error is None:
+            self._error = failure
+        if seg is not None and seg.failed is None:
+            seg.failed = failure
+            for r in seg.records:
+                r.src = r.loaded = None
+                r.failed = failure
 
     # -- unpack (backward)
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
             return packed
         h, rec = packed, packed.record
+        asked = False
         while True:
-            read_here = None
-            with self._guard():
-                self._raise_error()
-                for error in (rec.segment.failed, rec.error):
-                    if error is not None:
-                        raise error
+            ask = False
+            with self._lock:
+                self._check_usable()
+                if rec.failed is not None:
+                    _raise(rec.failed)
+                if rec.error is not None:
+                    raise RuntimeError(rec.error)
                 if rec.read_error is not None:
-                    error, rec.read_error = rec.read_error, None
-                    raise error
+                    failure, rec.read_error = rec.read_error, None
+                    _raise(failure)
                 src = rec.src
                 if src is not None:  # CPU, not written yet: still in memory
                     if src._version != rec.version:
                         raise RuntimeError("save_on_disk: a tensor saved for backward was modified by an in-place "
                                            "operation; autograd cannot use it")
-                    self._prefetch(rec)
-                    return _view(src.untyped_storage(), h, h.storage_offset)
+                    buf = event = None
+                    break
                 if rec.loaded is not None:
                     buf, event = rec.loaded, rec.load_event
+                    handles = sum(ref() is not None for ref in rec.refs)
                     rec.served += 1
-                    if rec.served >= rec.handles:
-                        self._unhold(rec)
-                    self._prefetch(rec)
+                    rec.asked = False
+                    if rec.served >= handles:
+                        rec.loaded = rec.load_event = None
+                        self._prefetched -= rec.nbytes
                     break
-                if rec.loading is not None:  # being read ahead
-                    wait = rec.loading
-                elif not rec.written:  # CUDA: its host copy is being written
-                    wait = rec.write_future
-                    if wait is None or wait.done():
-                        raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
+                if rec.done and not rec.written:
+                    raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
+                ask = rec.written and not asked
+                if ask:
+                    rec.asked = True
                 else:
-                    wait = read_here = rec.loading = cf.Future()
-                    wait.set_running_or_notify_cancel()
-                    self._prefetched += rec.nbytes
-                    rec.segment.io += 1
-            if read_here is not None:
-                self._load(rec, read_here)
+                    waiter = self._waiter()
+            if ask:
+                self._events.put(rec)  # the reader loads it (and what was saved before it)
+                asked = True
             else:
-                cf.wait([wait])
+                waiter.get(timeout=1.0)
+        if self.prefetch_bytes and not asked:
+            self._events.put((rec,))  # prefetch from here
+        if src is not None:
+            return _view(src.untyped_storage(), h, h.storage_offset)
         if event is not None:
             stream = torch.cuda.current_stream(buf.device)
             stream.wait_event(event)  # the host-to-device copy is done
             buf.record_stream(stream)
         return _view(buf.untyped_storage(), h, h.rel_offset)
 
-    def _prefetch(self, rec: _Record) -> None:
-        """Queue reads of the records saved before ``rec``, newest first, within the budget."""
-        seg = rec.segment
-        seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
-        seg.last_unpacked = rec.index
-        while seg is not None and seg.fd >= 0 and seg.failed is None and self.prefetch_bytes:
-            while seg.cursor >= 0:
-                r = seg.records[seg.cursor]
-                if r.handles > 0 and r.written and r.loaded is None and r.loading is None:
-                    if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
-                        return
-                    self._prefetched += r.nbytes
-                    seg.io += 1
-                    r.loading = self._reader.submit(self._load, r)
-                seg.cursor -= 1
-            seg = seg.previous
+    # -- reader thread: deaths, demanded reads, prefetch
+    def _reap(self, ref: _HandleRef) -> None:
+        rec = ref.record
+        with self._lock:
+            if ref in rec.refs:
+                rec.refs.remove(ref)
+            if rec.dead or rec.alive():
+                return
+            rec.dead = True
+            rec.src = None  # a running write keeps its own reference until done
+            if rec.loaded is not None:
+                rec.loaded = rec.load_event = None
+                self._prefetched -= rec.nbytes
+            seg = rec.segment
+            if seg is not None:
+                seg.live -= 1
+            fds = self._release(seg)
+            self._notify()
+        _close_all(fds)
 
-    def _load(self, rec: _Record, future: cf.Future[Any] | None = None) -> None:
-        """Read ``rec`` back (reader thread, or the caller when not prefetched)."""
-        buf = event = error = None
+    def _needs_load(self, rec: _Record) -> bool:
+        seg = rec.segment
+        return (rec.written and not rec.dead and rec.loaded is None and not rec.loading and rec.failed is None
+                and seg is not None and seg.fd >= 0 and rec.alive())
+
+    def _demand(self, rec: _Record, load: bool) -> None:
+        with self._lock:
+            seg = rec.segment
+            if seg is None:
+                return
+            seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
+            seg.last_unpacked = rec.index
+            self._prefetch_seg = seg
+            load = load and rec.asked and self._needs_load(rec)  # not if a prefetch served it meanwhile
+            if load:
+                self._start_load(rec)
+        if load:
+            self._load(rec)
+
+    def _start_load(self, rec: _Record) -> None:
+        rec.loading = True
+        self._prefetched += rec.nbytes
+        rec.segment.io += 1
+
+    def _prefetch_one(self) -> bool:
+        """Read the newest record saved before the last one unpacked, within the budget."""
+        with self._lock:
+            seg, found = self._prefetch_seg, None
+            while seg is not None and found is None and self.prefetch_bytes:
+                while seg.cursor >= 0 and found is None and seg.fd >= 0 and seg.failed is None:
+                    r = seg.records[seg.cursor]
+                    if self._needs_load(r):
+                        if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
+                            return False
+                        found = r
+                        self._start_load(r)
+                    seg.cursor -= 1
+                if found is None:
+                    seg = self._prefetch_seg = seg.previous
+        if found is None:
+            return False
+        self._load(found)
+        return True
+
+    def _load(self, rec: _Record) -> None:
+        """Read ``rec`` back (reader thread)."""
+        buf = event = failure = None
         try:
             buf, event = self._read_back(rec)
         except OSError as exc:
-            error = DiskOffloadError(exc.errno, f"save_on_disk: could not read {rec.nbytes} bytes from folder "
-                                                f"{self.folder!r}: {exc.strerror or exc}")
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
-            error = exc
-        with self._guard():
-            rec.loading = None
+            failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not read {rec.nbytes} bytes from folder "
+                                                     f"{self.folder!r}: {exc.strerror}"))
+        except Exception as exc:  # noqa: BLE001 - surfaced to the training thread
+            failure = (RuntimeError, (f"save_on_disk: reading {rec.nbytes} bytes failed: {type(exc).__name__}: "
+                                      f"{exc}",))
+        with self._lock:
+            rec.loading = False
             rec.segment.io -= 1
-            if error is None:
+            if failure is None:
                 self._bytes_read += rec.nbytes
-            if error is None and rec.handles > 0:
+            if failure is None and not rec.dead:
                 rec.loaded, rec.load_event, rec.served = buf, event, 0
             else:
                 self._prefetched -= rec.nbytes
-                rec.read_error = error
-            self._maybe_release(rec.segment)
-        if future is not None:
-            future.set_result(None)
+                rec.read_error = failure
+            fds = self._release(rec.segment)
+            self._notify()
+        del buf
+        _close_all(fds)
 
     def _read_back(self, rec: _Record) -> tuple[torch.Tensor, Any]:
-        fd, n = rec.segment.fd, rec.nbytes
+        seg, n = rec.segment, rec.nbytes
+        fd = seg.fd
         if rec.device.type == "cpu":
             if rec.direct:  # whole aligned blocks, the record at its offset within the first one
                 skip = rec.offset % _ALIGN
                 buf, address = _host_buffer(n, skip)
                 span = _round_up(skip + n, _ALIGN)
-                _pread_all(rec.segment.direct_fd, _buffer(address, span), rec.offset - skip, skip + n)
+                _pread_all(seg.direct_fd, _buffer(address, span), rec.offset - skip, skip + n)
                 return buf, None
             buf, _ = _host_buffer(n)
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
@@ -488,8 +595,9 @@ class _Engine:
 
     # -- introspection and teardown
     def stats(self) -> OffloadStats:
-        with self._guard():
-            linked = [s for s in self._segments.values() if s.linked]
+        self._sync()
+        with self._lock:
+            fds = [s.fd for s in self._segments.values() if s.fd >= 0]
             return OffloadStats(
                 directory=self.folder,
                 bytes_in_memory=self._in_flight + self._prefetched,
@@ -498,27 +606,50 @@ class _Engine:
                 bytes_offloaded=self._bytes_offloaded,
                 bytes_written=self._bytes_written,
                 bytes_read=self._bytes_read,
-                bytes_on_disk=sum(os.fstat(s.fd).st_size for s in linked if s.fd >= 0),
-                files_on_disk=len(linked),
+                bytes_on_disk=sum(os.fstat(fd).st_size for fd in fds),
+                files_on_disk=len(fds),
                 tensors_offloaded=self._offloaded,
                 tensors_deduplicated=self._deduplicated,
                 tensors_kept=self._kept,
             )
 
     def flush(self) -> None:
-        with self._guard():
-            while self._in_flight and not self.closed:
-                self._cond.wait()
-            self._raise_error()
+        while True:
+            with self._lock:
+                if not self._in_flight or self.closed or os.getpid() != self._pid:
+                    break
+                waiter = self._waiter()
+            waiter.get(timeout=1.0)
+        self._sync()
+        with self._lock:
+            self._check_usable()
+            self._raise_pending()
 
     def close(self) -> None:
-        with self._guard():
-            if self.closed:
-                return
+        with self._lock:
             self.closed = True
-            self._current = None
-            self._cond.notify_all()
-        current = threading.current_thread().name
-        for executor in (self._writer, self._reader):
-            executor.shutdown(wait=not current.startswith("save_on_disk-"), cancel_futures=True)
-        self._finalizer()
+            self._notify()
+        _ENGINES.discard(self._me)
+        if os.getpid() != self._pid:
+            return  # a forked child: its copies were closed after the fork
+        self._writes.put(_STOP)  # the writer finishes, then the reader closes every file
+        if threading.current_thread() not in self._threads:
+            self._threads[1].join()
+
+    def after_fork_in_child(self) -> None:
+        """Close this process's copies of the parent's files: a forked child (a DataLoader worker)
+        must not keep their blocks alive. The child has one thread; the lock may be held by a
+        thread that no longer exists, so it is replaced."""
+        self._lock = self._files.lock = threading.Lock()
+        self.closed = True
+        _close_all(self._files.take_all())
+
+
+def _after_fork_in_child() -> None:
+    for ref in list(_ENGINES):
+        engine = ref()
+        if engine is not None:
+            engine.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,21 +1,27 @@
-"""File bookkeeping of the disk offload engine: the private folder, the segments (one file
-receiving a step's tensors) and the records (storage regions written to them), whole-buffer
-``pwrite``/``pread`` helpers, and the cleanup that deletes everything."""
+"""File bookkeeping of the disk offload engine: unnamed files in the offload folder (``O_TMPFILE``,
+else created and unlinked at once), the segments (one file receiving a step's tensors) and the
+records (storage regions written to them), and whole-buffer ``pwrite``/``pread`` helpers.
+
+Files are opened and closed only by the engine's own threads (and by a forked child, for its
+copies), never by code that a ``KeyboardInterrupt`` can split. A descriptor is always taken out
+of its owner before it is closed.
+"""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
 import errno
 import os
-import shutil
-import tempfile
+import secrets
+import threading
+import weakref
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_gradhooks.offload._common import _ALIGN, DiskOffloadError
+
+Failure = tuple[type[BaseException], tuple[Any, ...]]  # an error kept without traceback or frames
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -32,103 +38,186 @@ def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None
     while done < needed:
         n = os.preadv(fd, [data[done:]], offset + done)
         if n <= 0:
-            raise OSError(errno.EIO, "unexpected end of file")
+            raise OSError(errno.EIO, f"short read: {done} of {needed} bytes, then end of file")
         done += n
 
 
-def _make_private_folder(directory: str | os.PathLike[str] | None) -> str:
-    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-    prefix = f"save_on_disk-{'' if rank is None else f'rank{rank}-'}pid{os.getpid()}-"
-    folder = None
+def _reopen_direct(path: str, dir_fd: int | None = None) -> int:
+    """A second descriptor of the same file with O_DIRECT, or -1 where refused (tmpfs)."""
     try:
-        if directory is None:
-            folder = tempfile.mkdtemp(prefix=prefix)  # mode 0700
-        else:
-            os.makedirs(directory, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix=prefix, dir=directory)
-        os.chmod(folder, 0o700)
-        probe = os.path.join(folder, "probe")
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (OSError, AttributeError):
+        return -1
+
+
+def _open_unnamed(dir_fd: int, direct: bool) -> tuple[int, int, bool]:
+    """Open a file that has no name in the folder ``dir_fd``: (fd, O_DIRECT fd or -1, O_TMPFILE used).
+
+    ``O_TMPFILE`` (Linux 3.11+; ext4, xfs, btrfs, tmpfs) never gives the file a name. Where it is
+    refused, a file with a random name is created exclusively and unlinked at once.
+    """
+    if hasattr(os, "O_TMPFILE"):
         try:
-            if os.write(fd, bytes(_ALIGN)) != _ALIGN:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            fd = os.open(".", os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        except OSError:
+            pass  # kernel or file system without O_TMPFILE
+        else:
+            return fd, _reopen_direct(f"/proc/self/fd/{fd}") if direct else -1, True
+    name = f".save_on_disk-{os.getpid()}-{secrets.token_hex(8)}"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    direct_fd = -1
+    try:
+        if direct:
+            direct_fd = _reopen_direct(name, dir_fd)
+        os.unlink(name, dir_fd=dir_fd)
+    except BaseException:
+        for d in (fd, direct_fd):
+            if d >= 0:
+                os.close(d)
+        raise
+    return fd, direct_fd, False
+
+
+def _open_folder(directory: str) -> tuple[int, bool]:
+    """Open the offload folder and check that it takes an unnamed file: (folder fd, O_TMPFILE used).
+
+    Runs in a helper thread (see :func:`_in_thread`), so no interrupt can leave a probe file behind.
+    """
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DiskOffloadError(exc.errno, f"save_on_disk: expected an existing folder, got {directory!r}: "
+                                          f"{exc.strerror or exc}") from None
+    try:
+        fd, _, tmpfile = _open_unnamed(dir_fd, direct=False)
+        try:
+            _pwrite_all(fd, memoryview(bytes(_ALIGN)), 0)
         finally:
             os.close(fd)
-            os.unlink(probe)
     except OSError as exc:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        where = "a private temporary folder" if directory is None else repr(os.fspath(directory))
-        raise DiskOffloadError(
-            exc.errno, f"save_on_disk: expected a writable folder, got {where}: {exc.strerror or exc}"
-        ) from exc
-    return folder
+        os.close(dir_fd)
+        raise DiskOffloadError(exc.errno, f"save_on_disk: expected a folder that can hold an unnamed file, got "
+                                          f"{directory!r}: creating and writing one failed: "
+                                          f"{exc.strerror or exc}") from None
+    return dir_fd, tmpfile
+
+
+def _in_thread(name: str, fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` in a new thread and return its result (or raise its exception)."""
+    import queue
+
+    box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            box.put((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.put((False, exc))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    ok, value = box.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
 
 
 class _Segment:
-    """One file receiving a step's tensors, appended sequentially."""
+    """One unnamed file receiving a step's tensors, appended sequentially."""
 
-    def __init__(self, index: int, path: str, fd: int) -> None:
-        self.index, self.path, self.fd = index, path, fd
-        self.direct_fd = -1  # O_DIRECT, with drop_page_cache where the filesystem allows
+    __slots__ = ("index", "step", "fd", "direct_fd", "size", "records", "live", "io", "failed", "cursor",
+                 "last_unpacked", "previous")
+
+    def __init__(self, index: int, step: int, fd: int, direct_fd: int) -> None:
+        self.index, self.step, self.fd, self.direct_fd = index, step, fd, direct_fd
         self.size = 0  # next free offset
         self.records: list[_Record] = []  # in order of saving, for prefetch
         self.live = 0  # records with a live handle
-        self.io = 0  # reads and writes queued or running on fd
-        self.sealed = False  # no more appends; unlinked once live == 0, closed once io == 0 too
-        self.failed: BaseException | None = None
-        self.linked = True
+        self.io = 0  # reads and writes running on fd
+        self.failed: Failure | None = None
         self.cursor = -1  # next record to consider for prefetch
         self.last_unpacked = -1
         self.previous: _Segment | None = None  # the same step's earlier file, for prefetch
 
-    def unlink(self) -> None:
-        if self.linked:
-            self.linked = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-    def close(self) -> None:
-        self.unlink()
-        for fd in (self.fd, self.direct_fd):
-            if fd >= 0:
-                os.close(fd)
+    def take_fds(self) -> tuple[int, int]:
+        """Take the descriptors out (the caller closes them): a later take gets (-1, -1)."""
+        fds = (self.fd, self.direct_fd)
         self.fd = self.direct_fd = -1
+        return fds
+
+
+class _Files:
+    """The folder descriptor, the open segments and the lock: what the engine's threads need even
+    after the engine itself was garbage collected (to close every descriptor)."""
+
+    def __init__(self, folder: str, dir_fd: int, tmpfile: bool) -> None:
+        self.folder, self.dir_fd, self.tmpfile = folder, dir_fd, tmpfile
+        self.lock = threading.Lock()
+        self.segments: dict[int, _Segment] = {}
+
+    def take_all(self) -> list[int]:
+        """Take every descriptor out, drop what records hold; the caller closes the result."""
+        fds = [self.dir_fd]
+        self.dir_fd = -1
+        for seg in self.segments.values():
+            fds.extend(seg.take_fds())
+            for rec in seg.records:
+                rec.src = rec.loaded = rec.pinned = None
+        self.segments.clear()
+        return fds
+
+    def close_all(self) -> None:
+        with self.lock:
+            fds = self.take_all()
+        _close_all(fds)
 
 
 class _Record:
     """One storage region written to a segment, shared by the handles of its views."""
 
-    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version", "direct",
-                 "src", "pinned", "event", "write_future", "written", "error", "handles",
-                 "loaded", "load_event", "loading", "read_error", "served")
+    __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
+                 "direct", "step", "src", "pinned", "event", "refs", "queued", "done", "written", "dead",
+                 "failed", "error", "loaded", "load_event", "loading", "read_error", "served", "asked")
 
-    def __init__(self, segment: _Segment, offset: int, nbytes: int, byte_start: int, t: torch.Tensor,
-                 storage: torch.UntypedStorage) -> None:
-        self.segment, self.index, self.offset = segment, len(segment.records), offset
+    def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage, byte_start: int, nbytes: int) -> None:
+        self.segment: _Segment | None = None  # assigned by the writer thread
+        self.index = self.offset = -1
         self.nbytes, self.byte_start, self.device = nbytes, byte_start, t.device
         self.storage_ref, self.version = StorageWeakRef(storage), t._version
+        self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
+        self.step = -1
         self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
         self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
         self.event: Any = None  # CUDA: device-to-host copy done
-        self.write_future: cf.Future[None] | None = None
+        self.refs: list[_HandleRef] = []  # weak references to the handles autograd keeps
+        self.queued = False  # counted in bytes in flight
+        self.done = False  # the writer is finished with it
         self.written = False
-        self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
-        self.error: BaseException | None = None  # modified in place before being written
-        self.handles = 0
+        self.dead = False  # every handle died
+        self.failed: Failure | None = None  # the write failed
+        self.error: str | None = None  # modified in place before being written
         self.loaded: torch.Tensor | None = None  # bytes read back, held until served
         self.load_event: Any = None  # CUDA: host-to-device copy done
-        self.loading: cf.Future[Any] | None = None
-        self.read_error: BaseException | None = None
+        self.loading = False
+        self.read_error: Failure | None = None
         self.served = 0  # unpacks served from ``loaded``
+        self.asked = False  # an unpack waits for it
+
+    def alive(self) -> bool:
+        for ref in self.refs:
+            if ref() is not None:
+                return True
+        return False
 
 
-def _cleanup(folder: str, segments: dict[int, _Segment], executors: tuple[cf.Executor, ...], pid: int) -> None:
-    for executor in executors:
-        executor.shutdown(wait=False, cancel_futures=True)
-    if os.getpid() != pid:  # a forked child must not delete its parent's files
-        return
-    for segment in list(segments.values()):
-        segment.close()
-    segments.clear()
-    shutil.rmtree(folder, ignore_errors=True)
+class _HandleRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a handle that knows its record. Its callback is a queue's C ``put``,
+    so a dying handle runs no Python code: the engine's reader thread does the rest."""
+
+    __slots__ = ("record",)
