@@ -39,6 +39,9 @@ def _loss_scale(trainer: pl.Trainer) -> float | None:
     return float(scaler.get_scale())
 
 
+MAX_HISTOGRAM_BINS = 4096  # TensorBoard shows ~30 buckets; each bin costs bytes in every histogram event
+
+
 def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -62,8 +65,8 @@ class GradHooksLogic:
     With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
     inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for
     backward of at least that many bytes go to disk and come back in backward. Validation,
-    test and prediction are not offloaded. The engine's folder is removed at teardown and when
-    fit raises.
+    test and prediction are not offloaded. The engine's files have no name; they are closed
+    (their space returned) when each step's graph is freed, at teardown and when fit raises.
 
     Tags (one TensorBoard section per statistic): ``grad_output_<stat>/<module>``,
     ``grad_input_<stat>/<module>``, ``param_grad_<stat>/<parameter>``,
@@ -83,11 +86,11 @@ class GradHooksLogic:
         statistics: which statistics to log as scalars; default: all of
             ``["norm", "mean", "std", "absmax", "nonfinite"]``.
         histograms: log histograms of module output gradients and parameter gradients.
-        histogram_bins: number of bins of each histogram.
+        histogram_bins: number of bins of each histogram (1 to 4096).
         offload_threshold_bytes: offload saved activations of at least this many bytes to
             disk; ``None`` (default) turns offload off.
-        offload_dir: folder in which the private offload folder is made; ``None``: a private
-            temporary folder. Needs ``offload_threshold_bytes``.
+        offload_dir: an existing folder in which the offload engine opens files that never
+            have a name; ``None``: the system temporary folder. Needs ``offload_threshold_bytes``.
         sync_dist: under a data-parallel strategy, pool the hook statistics of all ranks into
             those of the global batch (one ``all_gather`` per logged step, see
             :class:`~lightning_gradhooks.distributed.RankReducer`); default: rank 0 logs the
@@ -97,8 +100,9 @@ class GradHooksLogic:
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
             or ``exclude`` pattern that matches no module.
-        DiskOffloadError: at fit start, for an offload folder that cannot be created or
-            written; during a step, when a write fails (full disk), naming folder and bytes.
+        DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold
+            an unnamed file (naming the folder and the reason); during a step, when a write or
+            read fails (full disk, I/O error), naming folder and bytes.
 
     ``GradHooks`` exists once per Lightning namespace, with this same behaviour:
     ``from lightning_gradhooks import GradHooks`` for ``pytorch_lightning``, and
@@ -130,12 +134,16 @@ class GradHooksLogic:
         _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
         if offload_dir is not None and not isinstance(offload_dir, str):
             raise ValueError(f"`offload_dir` expected a str or None, got {offload_dir!r}")
+        if offload_dir is not None and (offload_dir == "" or "\0" in offload_dir):
+            raise ValueError(f"`offload_dir` expected a non-empty path without NUL bytes, got {offload_dir!r}")
         if offload_dir is not None and offload_threshold_bytes is None:
             raise ValueError(
                 f"`offload_dir` expected `offload_threshold_bytes` to be set too, got offload_dir={offload_dir!r} "
                 "with offload_threshold_bytes=None (offload off)"
             )
         _check_positive_int("histogram_bins", histogram_bins)
+        if histogram_bins > MAX_HISTOGRAM_BINS:
+            raise ValueError(f"`histogram_bins` expected at most {MAX_HISTOGRAM_BINS}, got {histogram_bins}")
         check_patterns("include", include)
         check_patterns("exclude", exclude)
         if statistics is None:
@@ -250,7 +258,8 @@ class GradHooksLogic:
     def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
         if self._offload_active:
             self._offload_active = False
-            self._offload.__exit__(exc_type, None, None)
+            if self._offload.active:  # __enter__ may have been interrupted before its hooks were on
+                self._offload.__exit__(exc_type, None, None)
 
     # -- steps -----------------------------------------------------------------------------
     @override
@@ -264,8 +273,8 @@ class GradHooksLogic:
             self._step = trainer.global_step
             monitor.arm()
         if self._offload is not None and not self._offload_active:
+            self._offload_active = True  # first: an interrupt inside __enter__ still gets an exit
             self._offload.__enter__()
-            self._offload_active = True
 
     @override
     def on_before_optimizer_step(

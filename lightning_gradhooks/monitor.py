@@ -148,7 +148,7 @@ def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
     """``patterns`` as a list, or a ValueError saying what is accepted."""
     if patterns is None:
         return []
-    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    if isinstance(patterns, str) or not isinstance(patterns, Iterable) or not all(isinstance(p, str) for p in patterns):
         raise ValueError(f"`{argument}` expected a list of glob patterns, got {patterns!r}")
     return list(patterns)
 
