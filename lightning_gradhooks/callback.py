@@ -163,6 +163,9 @@ class GradHooksLogic:
         self.offload_dir = offload_dir
         self.sync_dist = sync_dist
         self._reducer: RankReducer | None = None
+        self._sharded: list[str] = []  # parameters each rank holds a piece of (FSDP, TP)
+        self._pieces_due = False  # a logged step on which this rank reduces its pieces only
+        self._told_skipped = False
         self._monitor: GradientMonitor | None = None
         self._offload: save_on_disk | None = None
         self._offload_active = False
@@ -203,6 +206,7 @@ class GradHooksLogic:
             return
         self._cleanup()
         self._in_nonfinite_episode = False
+        self._told_skipped = False
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -234,6 +238,12 @@ class GradHooksLogic:
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._monitor is not None:
             self._monitor.attach()
+            # After `configure_model`: `fully_shard` and `parallelize_module` have made their
+            # DTensor parameters. Their statistics need every rank's piece, with or without
+            # `sync_dist`, in the one gather of the logged step.
+            self._sharded = self._monitor.sharded
+            if self._sharded and trainer.world_size > 1 and self._reducer is None:
+                self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device, hooks=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -268,7 +278,8 @@ class GradHooksLogic:
     ) -> None:
         monitor = self._monitor
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
-        observed = trainer.is_global_zero or self._reducer is not None
+        observed = trainer.is_global_zero or (self._reducer is not None and self._reducer.hooks)
+        self._pieces_due = self._reducer is not None and trainer.global_step % self._interval == 0
         if monitor is not None and observed and not monitor.armed and trainer.global_step % self._interval == 0:
             self._step = trainer.global_step
             monitor.arm()
@@ -281,6 +292,12 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         monitor = self._monitor
+        if monitor is not None and not monitor.armed and self._pieces_due:
+            # A rank that logs nothing itself still holds pieces of the sharded parameters.
+            if pl_module.automatic_optimization:
+                self._pieces_due = False
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._write(trainer, monitor.collect_parameters(params))
         if monitor is None or not monitor.armed:
             return
         # One record per optimizer step: the hook statistics of every backward since the last
@@ -319,7 +336,17 @@ class GradHooksLogic:
         if scale is not None:
             record = record.unscaled(scale)
         if reduce and self._reducer is not None:
-            record = self._reducer.reduce(record)  # every rank, even with an empty record
+            record = self._reducer.reduce(record, self._sharded)  # every rank, even with an empty record
+        skipped = self._monitor.skipped if self._monitor is not None else {}
+        if skipped and not self._told_skipped and trainer.is_global_zero:
+            self._told_skipped = True  # silence is a bug: say once what gives no entry, and why
+            reasons: dict[str, list[str]] = {}
+            for name, reason in skipped.items():
+                reasons.setdefault(reason, []).append(name)
+            rank_zero_warn(
+                f"GradHooks: {len(skipped)} chosen parameters give no param_grad entry: "
+                + "; ".join(f"{listed(names)} ({reason})" for reason, names in reasons.items())
+            )
         if record.entries and trainer.is_global_zero:
             self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
 

@@ -6,13 +6,22 @@ a module (:attr:`~lightning_gradhooks.records.GradientEntry.calls`): as if the g
 ranks were one concatenated tensor. It costs one ``all_gather`` per logged step, of one flat
 tensor holding every entry, called after backward and never from inside a hook.
 
-The ranks agree once on the list of names (the layout of the flat tensor); a rank whose record
-holds a name outside the layout (say, an expert that got no tokens until now) flags it in the
-same gather, and all ranks then agree on a new layout and gather again, so nothing is lost.
+Sharded parameters (``DTensor`` parameters of FSDP2 and tensor parallelism, FSDP1
+``use_orig_params`` views) are pooled in the same gather: each rank reduced its own piece of the
+gradient (one rank per group of replicas, see :mod:`lightning_gradhooks._shards`), and the
+pieces partition the whole, so the pooled entry is that of the full logical gradient.
+
+Each rank starts from its own list of names (the layout of the flat tensor) and sends a
+checksum of it in the gather; a rank whose record holds a name outside the layout (say, an
+expert that got no tokens until now) flags it. When a rank flags a name or the checksums
+differ, all ranks agree on a new layout (``all_gather_object``) and gather again, so nothing is
+lost; a model whose ranks see the same names never needs that second collective.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,45 +30,71 @@ import torch.distributed as dist
 from lightning_gradhooks.records import GradientRecord, pool_entries
 from lightning_gradhooks.stats import STATS_WIDTH
 
-# One row per name: calls (0: this rank has no such entry), has-histogram flag, the stats row,
+# The flat tensor starts with: how many names this rank has outside the layout, the layout's
+# checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag, the stats row,
 # then the histogram counts.
 _HEAD = 2
 
 
 class RankReducer:
-    """Pools the ``grad_output``/``grad_input`` entries of every rank's record into rank 0's view.
+    """Pools the entries of every rank's record into the statistics of the whole, on every rank.
 
-    Parameter gradients are taken from the local record: data-parallel strategies have already
-    averaged them across ranks by the time they are read.
+    The ``grad_output``/``grad_input`` entries (with ``hooks=True``) are pooled over the ranks
+    as if concatenated: the global batch of a data-parallel job. The parameters named in
+    ``sharded`` are pooled from their pieces: the full logical gradient. Other parameter
+    gradients are taken from the local record: data-parallel strategies have already averaged
+    them across ranks by the time they are read.
 
     Args:
         bins: the monitor's histogram bin count.
         device: where the flat tensor is gathered (``cuda`` for NCCL, ``cpu`` for gloo).
-        group: the process group; default: the world.
+        group: the process group; default: the world. Sharded parameters need every rank that
+            holds a piece of them in it.
+        hooks: pool the hook entries; False: keep this rank's own (only sharded parameters
+            are gathered).
 
     Every rank must call :meth:`reduce` at the same steps.
     """
 
-    def __init__(self, bins: int, device: torch.device | str = "cpu", group: Any = None) -> None:
+    def __init__(self, bins: int, device: torch.device | str = "cpu", group: Any = None, hooks: bool = True) -> None:
         self.bins = bins
+        self.hooks = hooks
         self.device = torch.device(device)
         self.group = group
         self.layout: list[tuple[str, str]] | None = None
         self._width = _HEAD + STATS_WIDTH + bins  # values per name in the flat tensor
-        #: How many gathers :meth:`reduce` made in total (for tests and the curious).
+        #: How many collectives :meth:`reduce` made in total (for tests and the curious).
         self.collectives = 0
 
-    def reduce(self, record: GradientRecord) -> GradientRecord:
-        """The record with its hook entries pooled over all ranks (the same on every rank)."""
-        local = {(e.kind, e.name): e for e in record.entries if e.kind != "param_grad"}
-        params = [e for e in record.entries if e.kind == "param_grad"]
+    def reduce(self, record: GradientRecord, sharded: Sequence[str] = ()) -> GradientRecord:
+        """The record with its hook entries and ``sharded`` parameters pooled over all ranks.
+
+        Args:
+            record: this rank's record.
+            sharded: names of the parameters whose gradient each rank holds a piece of
+                (:attr:`~lightning_gradhooks.monitor.GradientMonitor.sharded`); the same list on
+                every rank, whether or not this rank reduced a piece of them.
+
+        Returns:
+            The same record on every rank: pooled entries first, then this rank's own.
+        """
+        pooled = set(sharded)
+
+        def gathered_here(e: Any) -> bool:
+            return e.name in pooled if e.kind == "param_grad" else self.hooks
+
+        local = {(e.kind, e.name): e for e in record.entries if gathered_here(e)}
+        kept = [e for e in record.entries if not gathered_here(e)]
+        keys = list(dict.fromkeys([*local, *(("param_grad", name) for name in sharded)]))
+        if not keys and self.layout is None and not self.hooks:
+            return record  # nothing sharded, nothing pooled: no collective
         if self.layout is None:
-            self.layout = self._agree_on_layout(list(local))
+            self.layout = keys
         gathered = self._gather(local)
-        if gathered[:, 0].any():  # some rank had a name outside the layout: agree again
-            self.layout = self._agree_on_layout(list(local))
+        if gathered[:, 0].any() or (gathered[:, 1] != gathered[0, 1]).any():  # the ranks differ: agree
+            self.layout = self._agree_on_layout(keys)
             gathered = self._gather(local)
-        return GradientRecord(self._unpack(gathered) + params)
+        return GradientRecord(self._unpack(gathered) + kept)
 
     def _agree_on_layout(self, keys: list[tuple[str, str]]) -> list[tuple[str, str]]:
         everyone: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size(self.group)
@@ -71,9 +106,10 @@ class RankReducer:
         return list(layout)
 
     def _gather(self, local: dict[tuple[str, str], Any]) -> torch.Tensor:
-        flat = torch.zeros(1 + len(self.layout) * self._width, dtype=torch.float64)
+        flat = torch.zeros(2 + len(self.layout) * self._width, dtype=torch.float64)
         flat[0] = len(set(local) - set(self.layout))
-        rows = flat[1:].view(len(self.layout), self._width)
+        flat[1] = zlib.crc32(repr(self.layout).encode())  # 32 bits: exact in float64
+        rows = flat[2:].view(len(self.layout), self._width)
         for i, key in enumerate(self.layout):
             entry = local.get(key)
             if entry is None:
@@ -93,7 +129,7 @@ class RankReducer:
         return out.cpu().view(world, -1)
 
     def _unpack(self, gathered: torch.Tensor) -> list:
-        ranks = gathered[:, 1:].view(gathered.shape[0], len(self.layout), self._width).tolist()
+        ranks = gathered[:, 2:].view(gathered.shape[0], len(self.layout), self._width).tolist()
         entries = []
         for i, (kind, name) in enumerate(self.layout):
             present = [rows[i] for rows in ranks if rows[i][0] > 0]
@@ -102,6 +138,7 @@ class RankReducer:
             parts = [
                 (row[_HEAD : _HEAD + STATS_WIDTH], row[_HEAD + STATS_WIDTH :] if row[1] else None) for row in present
             ]
-            calls = int(sum(row[0] for row in present))
+            # A parameter is one tensor, however many pieces it came in.
+            calls = 1 if kind == "param_grad" else int(sum(row[0] for row in present))
             entries.append(pool_entries(kind, name, parts, self.bins, calls=calls))
         return entries

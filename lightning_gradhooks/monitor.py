@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gradhooks import _shards
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries
 from lightning_gradhooks.stats import Reducer
 
@@ -163,9 +164,14 @@ def _label(name: str) -> str:
     return name or ROOT_NAME
 
 
+#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
 def _without_compile_wrappers(name: str) -> str:
-    """``net._orig_mod.0`` -> ``net.0``: names as in the model before ``torch.compile``."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    """``net._orig_mod.0`` -> ``net.0``: names as in the model before ``torch.compile``, FSDP1
+    wrapping and checkpoint wrapping."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def _is_compile_wrapper(module: nn.Module) -> bool:
@@ -308,14 +314,10 @@ class GradientMonitor:
             )
         self.histograms = bool(histograms)
         self.bins = bins
-        self.parameters: dict[str, nn.Parameter] = {}
-        if parameters:
-            seen: set[int] = set()  # a tied parameter is reduced once, under its first name
-            for name, module in self.modules.items():
-                for pname, param in module.named_parameters(recurse=False):
-                    if param.requires_grad and id(param) not in seen:
-                        seen.add(id(param))
-                        self.parameters[f"{name}.{pname}" if name else pname] = param
+        self._model = model
+        self._with_parameters = bool(parameters)
+        #: Chosen parameters that gave no entry at the last collect, with the reason.
+        self.skipped: dict[str, str] = {}
         self._armed = False
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
@@ -486,6 +488,10 @@ class GradientMonitor:
         for i, grad in enumerate(grads):
             if grad is None or not grad.is_floating_point():
                 continue
+            if _shards.is_dtensor(grad):  # tensor parallel: this rank's piece, if it reports one
+                grad = _shards.local_piece(grad)[0]
+                if grad is None or grad.numel() == 0:
+                    continue
             reducer = self._reducers.get(grad.device)
             if reducer is None:
                 reducer = self._reducers[grad.device] = Reducer(self.bins)
@@ -505,13 +511,61 @@ class GradientMonitor:
         """
         if not self._armed:
             return GradientRecord()
-        wanted = None if parameters is None else {id(p) for p in parameters}
-        for name, param in self.parameters.items():
-            if param.grad is not None and (wanted is None or id(param) in wanted):
-                self._reduce("param_grad", name, (param.grad,), self.histograms)
+        self._reduce_parameters(parameters)
         pending, reducers = self._pending, self._reducers
         self._pending, self._reducers = [], {}
         self.disarm()
+        return self._finish(pending, reducers)
+
+    def collect_parameters(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
+        """The parameter gradients alone, armed or not; hook statistics stay pending.
+
+        For the ranks of a sharded job that log nothing themselves but hold shards of the
+        parameters: every rank must reduce its pieces for the pooling.
+        """
+        saved, (self._pending, self._reducers) = (self._pending, self._reducers), ([], {})
+        try:
+            self._reduce_parameters(parameters)
+            return self._finish(self._pending, self._reducers)
+        finally:
+            self._pending, self._reducers = saved
+
+    @property
+    def parameters(self) -> dict[str, nn.Parameter]:
+        """The chosen modules' own trainable parameters by qualified name, as they are now.
+
+        Looked up at every call: ``fully_shard`` and ``parallelize_module`` replace a module's
+        parameters with ``DTensor`` parameters after the monitor was made.
+        """
+        found: dict[str, nn.Parameter] = {}
+        if self._with_parameters:
+            seen: set[int] = set()  # a tied parameter is reduced once, under its first name
+            for name, module in self.modules.items():
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.requires_grad and id(param) not in seen:
+                        seen.add(id(param))
+                        found[f"{name}.{pname}" if name else pname] = param
+        return found
+
+    @property
+    def sharded(self) -> list[str]:
+        """Names of the parameters whose gradient each rank holds a piece of (``DTensor``
+        parameters, FSDP1 ``use_orig_params`` views): their statistics need every rank's piece
+        (:class:`~lightning_gradhooks.distributed.RankReducer`)."""
+        views, _ = _shards.fsdp1_sharded(self._model)
+        return [n for n, p in self.parameters.items() if id(p) in views or _shards.is_dtensor(p)]
+
+    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> None:
+        wanted = None if parameters is None else {id(p) for p in parameters}
+        views, flat = _shards.fsdp1_sharded(self._model)
+        self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
+        for name, piece, reason in _shards.pieces(self.parameters, views, wanted):
+            if reason is not None:
+                self.skipped[name] = reason
+            elif piece is not None:
+                self._reduce("param_grad", name, (piece,), self.histograms)
+
+    def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
         results = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
         groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
