@@ -4,6 +4,8 @@
   step 2 (graph alive, everything on disk) and sleeps; the test kills it with SIGKILL.
 - ``ddp_fork``: the same under ``strategy="ddp_fork"`` on two CPU processes; each worker prints
   ``READY`` mid-step and leaves through ``os._exit``, as a failing forked worker does.
+- ``lightning_sigint``: a Lightning fit that would run for hours prints ``READY`` at step 1;
+  the test presses Ctrl-C once, and Lightning's graceful shutdown must end it.
 - ``sigint``: a plain loop under ``save_on_disk`` that counts the KeyboardInterrupts it catches,
   printing ``CAUGHT <n>`` for each, until 40; then ``DONE <files open> <bytes pending>``.
 """
@@ -53,7 +55,7 @@ def sigint_loop() -> None:
     print(f"DONE {stats.files_on_disk} {stats.bytes_pending_write}", flush=True)
 
 
-def lightning_fit(ddp_fork: bool) -> None:
+def lightning_fit(ddp_fork: bool, forever: bool = False) -> None:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,6 +68,10 @@ def lightning_fit(ddp_fork: bool) -> None:
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
             loss = self.net(batch[0]).square().mean()
+            if forever:
+                if self.global_step == 1:
+                    print("READY", flush=True)
+                return loss
             if self.global_step == 2:
                 offload = next(c for c in self.trainer.callbacks if isinstance(c, GradHooks))._offload
                 offload.flush()
@@ -80,7 +86,7 @@ def lightning_fit(ddp_fork: bool) -> None:
 
     data = DataLoader(TensorDataset(torch.randn(4096, 256)), batch_size=1024)
     trainer = pl.Trainer(
-        max_steps=4, accelerator="cpu", devices=2 if ddp_fork else 1, strategy="ddp_fork" if ddp_fork else "auto",
+        max_steps=10**6 if forever else 4, max_epochs=-1, accelerator="cpu", devices=2 if ddp_fork else 1, strategy="ddp_fork" if ddp_fork else "auto",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[GradHooks(offload_threshold_bytes=1 << 16, offload_dir=FOLDER)],
     )
@@ -91,4 +97,4 @@ if __name__ == "__main__":
     if MODE == "sigint":
         sigint_loop()
     else:
-        lightning_fit(ddp_fork=MODE == "ddp_fork")
+        lightning_fit(ddp_fork=MODE == "ddp_fork", forever=MODE == "lightning_sigint")

@@ -801,3 +801,17 @@ def test_cuda_roundtrip_and_grads(engine: save_on_disk) -> None:
         assert back.device == v.device and back.stride() == v.stride() and torch.equal(back, v)
     torch.cuda.synchronize()
     assert engine.stats().files_on_disk == 0
+
+
+def test_engine_collected_without_close_stops_its_threads_and_closes_its_files(tmp_path: Path) -> None:
+    e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path)
+    with e:
+        loss = mlp()(batch()).sum()
+    e.flush()
+    threads = e._engine._threads
+    assert len(open_files(tmp_path)) == 1 and all(t.is_alive() for t in threads)
+    del e, loss
+    gc.collect()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads) and open_files(tmp_path) == []

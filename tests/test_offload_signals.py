@@ -130,3 +130,26 @@ def test_forty_sigints_at_random_moments_none_lost(tmp_path: Path) -> None:
     assert "Exception ignored" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert files_open == 0 and pending == 0
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_ends_lightning_fit_gracefully(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    folders = [tmp_path / str(i) for i in range(3)]
+    victims = []
+    for folder in folders:
+        folder.mkdir()
+        victims.append(Victim("lightning_sigint", folder))
+    try:
+        for victim in victims:
+            victim.expect("READY")
+            threading.Event().wait(rng.uniform(0.0, 0.3))  # somewhere in a later step
+            os.kill(victim.proc.pid, signal.SIGINT)
+        for victim in victims:
+            assert victim.proc.wait(60) == 1  # Lightning's graceful shutdown exits with 1
+    finally:
+        for victim in victims:
+            victim.kill()
+    for victim, folder in zip(victims, folders):
+        stderr = "".join(victim.stderr)
+        assert "Detected KeyboardInterrupt" in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+        assert os.listdir(folder) == []
