@@ -24,6 +24,11 @@ LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK
 
 
 def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
+    return run_script(out, "ddp_train.py", mode)
+
+
+def run_script(out: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``tests/<script> OUT *args`` (a Lightning job that starts its other ranks itself)."""
     # A leaked launcher variable makes Lightning wait for ranks that never come.
     env = {
         k: v for k, v in os.environ.items()
@@ -31,7 +36,7 @@ def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "ddp_train.py"), str(out), mode],
+        [sys.executable, str(ROOT / "tests" / script), str(out), *args],
         cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -39,7 +44,7 @@ def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # rank 1 is a grandchild
         output, _ = process.communicate()
-        pytest.fail(f"DDP run timed out:\n{output[-3000:]}")
+        pytest.fail(f"{script} timed out:\n{output[-3000:]}")
     assert process.returncode == 0, output[-4000:]
     return process
 

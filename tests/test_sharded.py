@@ -1,0 +1,97 @@
+"""Sharded training on CPU (gloo, two processes): FSDP2 and tensor parallelism through a real
+Trainer with Lightning's ``ModelParallelStrategy``; FSDP1 views and placements with plain
+``torch.distributed`` (``tests/sharded_ranks.py``).
+
+The logged ``param_grad_*`` statistics must be those of the same model trained unsharded, in
+this process, on the same global batch.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradhooks.stats import reduce
+
+from conftest import read_events
+from test_ddp import run_script
+
+STATS = ("norm", "mean", "std", "absmax")
+
+
+def unsharded(batches: list[list[torch.Tensor]]) -> tuple[list[dict], list[torch.Tensor]]:
+    """Parameter gradients (by name) and net.0 output gradients of the unsharded model."""
+    from sharded_train import build
+
+    net = build()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    grads, outputs = [], []
+    for x, y in batches:
+        out0 = net[0](x)
+        out0.register_hook(lambda g: outputs.append(g))
+        nn.functional.cross_entropy(net[2](net[1](out0)), y).backward()
+        grads.append({f"net.{n}": p.grad.clone() for n, p in net.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, outputs
+
+
+def check_parameters(events, grads: list[dict]) -> None:
+    for name in grads[0]:
+        for step, step_grads in enumerate(grads):
+            (row, counts), = reduce([step_grads[name]], bins=64)
+            for i, stat in enumerate(STATS):
+                got = events.Scalars(f"param_grad_{stat}/{name}")[step].value
+                assert got == pytest.approx(row[i], rel=1e-5, abs=1e-8), (name, step, stat)
+            histogram = events.Histograms(f"param_grad_hist/{name}")[step].histogram_value
+            assert histogram.num == step_grads[name].numel()  # the total count is exact
+            assert sum(histogram.bucket) == step_grads[name].numel()
+
+
+def load(tmp_path, ranks=(0, 1)) -> tuple[object, list[dict], list[dict]]:
+    files = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert len(files) == 1  # only rank 0 writes
+    seen = [torch.load(tmp_path / f"seen-rank{r}.pt") for r in ranks]
+    facts = [json.loads((tmp_path / f"facts-rank{r}.json").read_text()) for r in ranks]
+    return read_events(str(files[0].parent)), seen, facts
+
+
+def test_fsdp2_data_parallel(tmp_path):
+    run_script(tmp_path, "sharded_train.py", "fsdp2")
+    events, seen, facts = load(tmp_path)
+    # The global batch of each step: both ranks' batches.
+    batches = [[torch.cat(pair) for pair in zip(a, b)] for a, b in zip(seen[0]["batches"], seen[1]["batches"])]
+    grads, _ = unsharded(batches)
+    check_parameters(events, grads)
+    # Module hooks as under DDP with sync_dist: both ranks' batches pooled.
+    assert [e.value for e in events.Scalars("grad_output_calls/net.2")] == [2.0, 2.0, 2.0]
+    for f in facts:
+        # GradHooks' logging makes one gather per step; at the second step grad_input appears
+        # (the first logged step after attach logs grad_output only): agree on names, gather again.
+        assert f["collectives"] == [1, 3, 1]
+        assert f["gathers"] == 5
+        assert not f["hooks_left"]
+        # Plain FSDP2 with save_on_disk: training bitwise equal; nothing written while only
+        # the (16 KiB) unsharded weights were over the threshold, activations written after.
+        assert f["offload_equal"]
+        assert f["offload_written"][0] == 0 and f["offload_written"][-1] > 0
+    assert not any((tmp_path / "offload").iterdir())
+
+
+def test_tensor_parallel(tmp_path):
+    run_script(tmp_path, "sharded_train.py", "tp")
+    events, seen, facts = load(tmp_path)
+    grads, outputs = unsharded(seen[0]["batches"])  # both ranks see the same batch
+    assert all(torch.equal(a, b) for a, b in zip(seen[0]["batches"][0], seen[1]["batches"][0]))
+    check_parameters(events, grads)
+    # Without sync_dist, rank 0 logs its own piece of net.0's output gradient (Colwise: half).
+    for step, full in enumerate(outputs):
+        assert seen[0]["grads"][step].shape == (8, 8)
+        want = reduce([seen[0]["grads"][step]])[0][0]
+        assert events.Scalars("grad_output_norm/net.0")[step].value == pytest.approx(want[0], rel=1e-5)
+        assert torch.allclose(torch.cat([seen[0]["grads"][step], seen[1]["grads"][step]], 1), full, atol=1e-7)
+    for f in facts:
+        assert f["collectives"] == [1, 1, 1]  # the one gather of the sharded parameters, from the first step
+        assert f["gathers"] == 3
+        assert not f["hooks_left"]
