@@ -20,6 +20,11 @@ from test_ddp import run_script
 STATS = ("norm", "mean", "std", "absmax")
 
 
+def close(got: list[float], row: list[float]) -> bool:
+    """rtol 1e-5; a mean that cancels to ~0 (a softmax bias) is compared to the norm's rounding."""
+    return got == pytest.approx(row[:4], rel=1e-5, abs=1e-6 * row[0] / 8 + 1e-12)
+
+
 def unsharded(batches: list[list[torch.Tensor]]) -> tuple[list[dict], list[torch.Tensor]]:
     """Parameter gradients (by name) and net.0 output gradients of the unsharded model."""
     from sharded_train import build
@@ -41,9 +46,8 @@ def check_parameters(events, grads: list[dict]) -> None:
     for name in grads[0]:
         for step, step_grads in enumerate(grads):
             (row, counts), = reduce([step_grads[name]], bins=64)
-            for i, stat in enumerate(STATS):
-                got = events.Scalars(f"param_grad_{stat}/{name}")[step].value
-                assert got == pytest.approx(row[i], rel=1e-5, abs=1e-8), (name, step, stat)
+            got = [events.Scalars(f"param_grad_{stat}/{name}")[step].value for stat in STATS]
+            assert close(got, row), (name, step, got, row)
             histogram = events.Histograms(f"param_grad_hist/{name}")[step].histogram_value
             assert histogram.num == step_grads[name].numel()  # the total count is exact
             assert sum(histogram.bucket) == step_grads[name].numel()
@@ -95,3 +99,52 @@ def test_tensor_parallel(tmp_path):
         assert f["collectives"] == [1, 1, 1]  # the one gather of the sharded parameters, from the first step
         assert f["gathers"] == 3
         assert not f["hooks_left"]
+
+
+def test_fsdp1_views_and_partial_placements(tmp_path):
+    run_script(tmp_path, "sharded_ranks.py")
+    facts = [json.loads((tmp_path / f"ranks-{r}.json").read_text()) for r in (0, 1)]
+    # The flat-parameter views: rank 0 holds all of one parameter and nothing of the others.
+    assert [f["fsdp1"]["local"] for f in facts] == [
+        {"0.weight": 98, "0.bias": 0, "2.weight": 0, "2.bias": 0},
+        {"0.weight": 30, "0.bias": 16, "2.weight": 48, "2.bias": 3},
+    ]
+    assert facts[0]["fsdp1"]["sharded"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # no wrapper prefix
+    batches = [
+        [torch.tensor(a[0] + b[0]), torch.tensor(a[1] + b[1])]
+        for a, b in zip(facts[0]["fsdp1"]["batches"], facts[1]["fsdp1"]["batches"])
+    ]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches):
+        nn.functional.cross_entropy(net(x), y).backward()
+        for f in facts:  # the same pooled entries on both ranks
+            for name, p in net.named_parameters():
+                stats, total = f["fsdp1"]["steps"][step][name]
+                (row, _), = reduce([p.grad])
+                assert close([stats[s] for s in STATS], row), (step, name)
+                assert total == p.numel()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert facts[0]["fsdp1"]["gathers"] == 2  # one per step
+    for f in facts:  # refused, with the reason
+        assert f["partial"]["entries"] == ["bias"]
+        assert "Partial" in f["partial"]["skipped"]["weight"]
+
+
+def test_a_chosen_parameter_without_gradient_is_named_once(tmp_path):
+    from lightning_gradhooks import GradHooks
+
+    from conftest import MLP, loader, make_trainer
+
+    class Unused(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spare = nn.Linear(3, 3)  # chosen (it owns trainable parameters), never called
+
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=3)
+    with pytest.warns(UserWarning, match="give no param_grad entry") as caught:
+        trainer.fit(Unused(), loader())
+    told = [str(w.message) for w in caught if "param_grad entry" in str(w.message)]
+    assert len(told) == 1 and "spare.weight, spare.bias (no gradient" in told[0]

@@ -1,0 +1,71 @@
+"""Plain ``torch.distributed`` on CPU (gloo, two processes): FSDP1 views and a Partial gradient.
+
+Run by ``tests/test_sharded.py`` as ``python sharded_ranks.py OUT_DIR``; starts both ranks
+with ``torch.multiprocessing``. Rank ``r`` writes ``OUT_DIR/ranks-r.json``: the pooled
+parameter entries of each step, the batches it trained on, and what the monitor skipped.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from lightning_gradhooks import GradientMonitor
+from lightning_gradhooks.distributed import RankReducer
+
+STEPS = 2
+
+
+def fsdp1(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    wrapped = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    monitor = GradientMonitor(wrapped)
+    reducer = RankReducer(monitor.bins, hooks=False)
+    g = torch.Generator().manual_seed(rank)
+    steps, batches = [], []
+    with monitor.attach():
+        for _ in range(STEPS):
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            batches.append([x.tolist(), y.tolist()])
+            with monitor.arm():
+                nn.functional.cross_entropy(wrapped(x), y).backward()
+                record = reducer.reduce(monitor.collect(), monitor.sharded)
+            steps.append({e.name: [e.stats, sum(e.histogram.counts)] for e in record.entries if e.kind == "param_grad"})
+            optimizer.step()
+            optimizer.zero_grad()
+    local = {n: p.numel() for n, p in model.named_parameters()}  # this rank's part of each
+    return {"steps": steps, "batches": batches, "local": local, "sharded": monitor.sharded,
+            "gathers": reducer.collectives}
+
+
+def partial() -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh, [Replicate()]))
+    layer.weight.grad = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
+    layer.bias.grad = torch.ones(4)
+    monitor = GradientMonitor(layer)
+    record = monitor.collect_parameters()
+    return {"skipped": monitor.skipped, "entries": [e.name for e in record.entries]}
+
+
+def run(rank: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
+    try:
+        facts = {"fsdp1": fsdp1(rank), "partial": partial()}
+        (out / f"ranks-{rank}.json").write_text(json.dumps(facts))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(Path(sys.argv[1]),), nprocs=2)
