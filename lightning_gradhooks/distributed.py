@@ -11,11 +11,13 @@ Sharded parameters (``DTensor`` parameters of FSDP2 and tensor parallelism, FSDP
 gradient (one rank per group of replicas, see :mod:`lightning_gradhooks._shards`), and the
 pieces partition the whole, so the pooled entry is that of the full logical gradient.
 
-Each rank starts from its own list of names (the layout of the flat tensor) and sends a
-checksum of it in the gather; a rank whose record holds a name outside the layout (say, an
-expert that got no tokens until now) flags it. When a rank flags a name or the checksums
-differ, all ranks agree on a new layout (``all_gather_object``) and gather again, so nothing is
-lost; a model whose ranks see the same names never needs that second collective.
+The ranks agree on the list of names (the layout of the flat tensor) at the first step with
+``all_gather_object``. With sharded parameters only (no hook entries), that list is the
+names of the sharded parameters, the same on every rank of an SPMD program, so no agreement
+is needed: a checksum of the layout travels in the gather. A rank whose record holds a name
+outside the layout (say, an expert that got no tokens until now) flags it; when a rank flags
+a name or the checksums differ, all ranks agree on a new layout and gather again, so nothing
+is lost.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch.distributed as dist
 from lightning_gradhooks.records import GradientRecord, pool_entries
 from lightning_gradhooks.stats import STATS_WIDTH
 
-# The flat tensor starts with: how many names this rank has outside the layout, the layout's
-# checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag, the stats row,
-# then the histogram counts.
+# The flat tensor starts with how many names this rank has outside the layout and the layout's
+# checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag,
+# the stats row, then the histogram counts.
 _HEAD = 2
 
 
@@ -85,11 +87,13 @@ class RankReducer:
 
         local = {(e.kind, e.name): e for e in record.entries if gathered_here(e)}
         kept = [e for e in record.entries if not gathered_here(e)]
-        keys = list(dict.fromkeys([*local, *(("param_grad", name) for name in sharded)]))
+        keys = list(dict.fromkeys([*(("param_grad", name) for name in sharded), *local]))
         if not keys and self.layout is None and not self.hooks:
             return record  # nothing sharded, nothing pooled: no collective
         if self.layout is None:
-            self.layout = keys
+            # Hook names may differ between ranks (a branch one rank did not take): agree. The
+            # sharded parameters are the same on every rank: the flat tensors have one size.
+            self.layout = self._agree_on_layout(keys) if self.hooks else keys
         gathered = self._gather(local)
         if gathered[:, 0].any() or (gathered[:, 1] != gathered[0, 1]).any():  # the ranks differ: agree
             self.layout = self._agree_on_layout(keys)

@@ -76,9 +76,8 @@ def test_ddp_on_two_cpu_processes(tmp_path, mode):
     assert facts[0]["offload_written"] > 0 and facts[1]["offload_written"] > 0
     assert not any((tmp_path / "offload").iterdir())
     if mode == "sync":
-        # One gather per logged step; the ranks see the same names at the first step, so they need
-        # not agree on them; at the second, grad_input appears (the first step after attach logs
-        # grad_output only): one agreement and one more gather.
-        assert facts[0]["collectives"] == steps + 2
+        # One gather per logged step, plus agreeing on the names: at the first step, and again at
+        # the second, where grad_input appears (the first step after attach logs grad_output only).
+        assert facts[0]["collectives"] == steps + 3
     else:
         assert facts[0]["collectives"] == 0
