@@ -1,4 +1,5 @@
-"""Plain ``torch.distributed`` on CPU (gloo, two processes): FSDP1 views and a Partial gradient.
+"""Plain ``torch.distributed`` on CPU (gloo, two processes): FSDP1 views, HSDP on a 2-D mesh
+(replicated across one dim, sharded across the other) and a Partial gradient.
 
 Run by ``tests/test_sharded.py`` as ``python sharded_ranks.py OUT_DIR``; starts both ranks
 with ``torch.multiprocessing``. Rank ``r`` writes ``OUT_DIR/ranks-r.json``: the pooled
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from lightning_gradhooks import GradientMonitor
@@ -39,12 +40,33 @@ def fsdp1(rank: int) -> dict:
             with monitor.arm():
                 nn.functional.cross_entropy(wrapped(x), y).backward()
                 record = reducer.reduce(monitor.collect(), monitor.sharded)
-            steps.append({e.name: [e.stats, sum(e.histogram.counts)] for e in record.entries if e.kind == "param_grad"})
+            steps.append(entries(record))
             optimizer.step()
             optimizer.zero_grad()
     local = {n: p.numel() for n, p in model.named_parameters()}  # this rank's part of each
     return {"steps": steps, "batches": batches, "local": local, "sharded": monitor.sharded,
             "gathers": reducer.collectives}
+
+
+def entries(record) -> dict:  # noqa: ANN001
+    return {e.name: [e.stats, sum(e.histogram.counts)] for e in record.entries if e.kind == "param_grad"}
+
+
+def hsdp(rank: int) -> dict:
+    """FSDP2 on a 2 x 1 mesh: parameters ``(Replicate(), Shard(0))``; one rank reports each."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh)
+    monitor = GradientMonitor(model)
+    reducer = RankReducer(monitor.bins, hooks=False)
+    g = torch.Generator().manual_seed(10 + rank)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+    nn.functional.cross_entropy(model(x), y).backward()
+    local = monitor.collect_parameters()
+    return {"placements": str(model[0].weight.placements), "local": [e.name for e in local.entries],
+            "pooled": entries(reducer.reduce(local, monitor.sharded)), "batch": [x.tolist(), y.tolist()]}
 
 
 def partial() -> dict:
@@ -61,7 +83,7 @@ def partial() -> dict:
 def run(rank: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
     try:
-        facts = {"fsdp1": fsdp1(rank), "partial": partial()}
+        facts = {"fsdp1": fsdp1(rank), "hsdp": hsdp(rank), "partial": partial()}
         (out / f"ranks-{rank}.json").write_text(json.dumps(facts))
     finally:
         dist.destroy_process_group()

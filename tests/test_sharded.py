@@ -1,6 +1,6 @@
 """Sharded training on CPU (gloo, two processes): FSDP2 and tensor parallelism through a real
-Trainer with Lightning's ``ModelParallelStrategy``; FSDP1 views and placements with plain
-``torch.distributed`` (``tests/sharded_ranks.py``).
+Trainer with Lightning's ``ModelParallelStrategy``; FSDP1 views, HSDP on a 2-D mesh and a
+Partial gradient with plain ``torch.distributed`` (``tests/sharded_ranks.py``).
 
 The logged ``param_grad_*`` statistics must be those of the same model trained unsharded, in
 this process, on the same global batch.
@@ -102,7 +102,7 @@ def test_tensor_parallel(tmp_path):
         assert not f["hooks_left"]
 
 
-def test_fsdp1_views_and_partial_placements(tmp_path):
+def test_fsdp1_views_hsdp_on_a_2d_mesh_and_partial_placements(tmp_path):
     run_script(tmp_path, "sharded_ranks.py")
     facts = [json.loads((tmp_path / f"ranks-{r}.json").read_text()) for r in (0, 1)]
     # The flat-parameter views: rank 0 holds all of one parameter and nothing of the others.
@@ -129,6 +129,19 @@ def test_fsdp1_views_and_partial_placements(tmp_path):
         optimizer.step()
         optimizer.zero_grad()
     assert facts[0]["fsdp1"]["gathers"] == 2  # one per step
+    # HSDP on a 2-D mesh: replicated across dim 0, so only the rank at coordinate 0 reduces.
+    assert facts[0]["hsdp"]["placements"] == "(Replicate(), Shard(dim=0))"
+    assert [f["hsdp"]["local"] for f in facts] == [["0.weight", "0.bias", "2.weight", "2.bias"], []]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = (torch.tensor(facts[0]["hsdp"]["batch"][i] + facts[1]["hsdp"]["batch"][i]) for i in (0, 1))
+    nn.functional.cross_entropy(net(x), y).backward()  # the replicas average their gradients
+    for name, p in net.named_parameters():
+        (row, _), = reduce([p.grad])
+        for f in facts:
+            stats, total = f["hsdp"]["pooled"][name]
+            assert close([stats[s] for s in STATS], row), name
+            assert total == p.numel()
     for f in facts:  # refused, with the reason
         assert f["partial"]["entries"] == ["bias"]
         assert "Partial" in f["partial"]["skipped"]["weight"]
