@@ -95,7 +95,9 @@ class GradHooksLogic:
             those of the global batch (one ``all_gather`` per logged step, see
             :class:`~lightning_gradhooks.distributed.RankReducer`); default: rank 0 logs the
             statistics of its own shard and the other ranks' hooks do no work. Parameter
-            gradients are the same on every rank either way. Only rank 0 writes.
+            gradients are the same on every rank either way; sharded ones (FSDP2, tensor
+            parallel ``DTensor`` parameters) are always those of the full gradient, pooled from
+            every rank's piece in one gather per logged step. Only rank 0 writes.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
