@@ -190,7 +190,7 @@ class _Engine:
     # -- steps
     def begin_step(self) -> None:
         resident = {
-            t.untyped_storage().data_ptr()
+            getattr(t, "_local_tensor", t).untyped_storage().data_ptr()  # a DTensor (FSDP2, TP): its shard
             for ref in self._resident_modules if (module := ref()) is not None
             for t in itertools.chain(module.parameters(), module.buffers())
         }
@@ -208,7 +208,7 @@ class _Engine:
                 self._raise_pending()
 
     def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
-        ptrs = {t.untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
+        ptrs = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
         refs = [weakref.ref(m) for m in modules]
         with self._lock:
             self._resident_modules = self._resident_modules + refs
