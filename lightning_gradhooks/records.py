@@ -13,6 +13,10 @@ from dataclasses import dataclass, field, replace
 from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
 
+#: Statistics that do not change when a gradient is multiplied by a loss scale.
+_SCALE_FREE = ("nonfinite", "zero_fraction")
+
+
 @dataclass(frozen=True)
 class Histogram:
     """A histogram of the finite elements of one gradient tensor."""
@@ -63,12 +67,12 @@ class GradientRecord:
         """A copy with the gradients of ``kinds`` divided by a mixed-precision loss scale.
 
         ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
-        gradient; ``nonfinite`` and the bin counts do not.
+        gradient; ``nonfinite``, ``zero_fraction`` and the bin counts do not.
         """
         entries = []
         for e in self.entries:
             if e.kind in kinds:
-                stats = {k: v if k == "nonfinite" else v / scale for k, v in e.stats.items()}
+                stats = {k: v if k in _SCALE_FREE else v / scale for k, v in e.stats.items()}
                 hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
                 e = replace(e, stats=stats, histogram=hist)
             entries.append(e)

@@ -29,19 +29,21 @@ from torch import Tensor
 
 #: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
-#: ``absmax``, ``nonfinite`` (count of NaN/Inf elements).
-Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite"]
+#: ``absmax``, ``nonfinite`` (count of NaN/Inf elements), ``zero_fraction`` (share of all
+#: elements that are exactly zero: dead ReLUs, unused embedding rows).
+Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction"]
 STATISTICS: tuple[str, ...] = get_args(Statistic)
 
 # Behind the public statistics a row holds the finite count and the finite minimum and maximum
 # (the histogram range), used for pooling and histograms.
 _NONFINITE = STATISTICS.index("nonfinite")
+_ZERO_FRACTION = STATISTICS.index("zero_fraction")
 _COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
 #: Moments per tensor on the device: finite count, mean, the sum of squares and the sum of the
-#: values centred on (nearly) the mean, finite minimum and maximum.
-MOMENTS = 6
+#: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
+MOMENTS = 7
 
 #: On the CPU, gradients of at most this many elements are batched; bigger ones are reduced alone.
 CPU_BATCH_TENSOR = 1 << 15
@@ -174,16 +176,18 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor,
         shifted = x - first[row_of, None]
     else:  # one big tensor: no copy
         first, shifted = torch.zeros(m, dtype=x.dtype), x
-    per_row = torch.stack([torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)], 1).to(torch.float64)
+    zeros = (x == 0).sum(1)  # the padding copies the first element: taken out below
+    per_row = torch.stack([torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1), zeros], 1).to(torch.float64)
     per_row[:, 0].square_()
-    sums = torch.zeros(m, 2, dtype=torch.float64).index_add_(0, row_of, per_row).tolist()
+    sums = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).tolist()
     rows = []
-    for t, t0, (squares, offset), (lo, hi) in zip(tensors, first.tolist(), sums, ranges):
+    for t, t0, (squares, offset, zero), (lo, hi), pad in zip(tensors, first.tolist(), sums, ranges, pads):
         n = t.numel()
+        zero -= pad if t0 == 0 else 0
         if 0 < squares and squares - offset * offset / n <= 0.1 * squares:  # the first element is far out
             centred = torch.sub(t, t0 + offset / n)  # centre on the mean instead
             squares, offset, t0 = _squares(centred), centred.sum().item(), t0 + offset / n
-        rows.append([n, t0 + offset / n, squares, offset, lo, hi])  # spread = squares - offset² / n
+        rows.append([n, t0 + offset / n, squares, offset, lo, hi, zero])  # spread = squares - offset² / n
     moments = torch.tensor(rows, dtype=torch.float64)
     if bins is None:
         return moments, None
@@ -248,8 +252,9 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
     m = len(tensors)
     finite = x.abs() < math.inf  # False for NaN, padding included
     zeroed = x.nan_to_num(0.0, 0.0, 0.0)
-    per_row = torch.stack([finite.sum(1), zeroed.sum(1)], 1).to(torch.float64)  # exact over a row
-    count, total = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    # exact over a row; the NaN padding is never zero
+    per_row = torch.stack([finite.sum(1), zeroed.sum(1), (x == 0).sum(1)], 1).to(torch.float64)
+    count, total, zeros = torch.zeros(m, 3, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
     mean = total / count.clamp(min=1)
     # Centred on the mean rounded to the data's precision; the offset this rounding leaves is
     # summed too and taken out on the host (the corrected two-pass formula).
@@ -261,7 +266,7 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
     low.scatter_reduce_(0, row_of, x.nan_to_num(math.inf, math.inf, math.inf).amin(1), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device)
     high.scatter_reduce_(0, row_of, x.nan_to_num(-math.inf, -math.inf, -math.inf).amax(1), "amax")
-    moments = torch.stack([count, mean, *squares.unbind(1), low, high], 1)
+    moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
     if bins is None:
         return moments, None
     # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
@@ -287,13 +292,14 @@ def finish_rows(values: Sequence[float], numels: Sequence[int]) -> list[list[flo
     """
     rows = []
     for k, numel in enumerate(numels):
-        count, mean, squares, offset, low, high = values[k * MOMENTS : (k + 1) * MOMENTS]
+        count, mean, squares, offset, low, high, zeros = values[k * MOMENTS : (k + 1) * MOMENTS]
         if count == 0:
             mean = squares = offset = low = high = 0.0
         spread = max(squares - offset * offset / max(count, 1), 0.0)  # >= 0 despite rounding
         std = math.sqrt(spread / (count - 1)) if count > 1 else 0.0
         norm = math.sqrt(spread + count * mean * mean)
-        rows.append([norm, mean, std, max(abs(low), abs(high)), numel - count, count, low, high])
+        zero_fraction = zeros / numel if numel else 0.0
+        rows.append([norm, mean, std, max(abs(low), abs(high)), numel - count, zero_fraction, count, low, high])
     return rows
 
 
@@ -328,7 +334,7 @@ def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
 
     ``norm`` is the root of the summed squares, ``mean`` and ``std`` are over all finite
     elements (the variances combine exactly, by Chan's formula), ``absmax`` and the range are
-    the extremes and ``nonfinite`` is summed.
+    the extremes, ``nonfinite`` is summed and ``zero_fraction`` is weighted by element counts.
 
     Example:
         >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
@@ -352,6 +358,7 @@ def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
         std,
         max(r[3] for r in rows),
         sum(r[_NONFINITE] for r in rows),
+        sum(r[_ZERO_FRACTION] * (r[_COUNT] + r[_NONFINITE]) for r in rows) / max(count + sum(r[_NONFINITE] for r in rows), 1),
         count,
         low,
         high,

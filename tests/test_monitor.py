@@ -25,6 +25,7 @@ def ref_stats(t: torch.Tensor) -> dict[str, float]:
         "std": t.std().item(),
         "absmax": t.abs().max().item(),
         "nonfinite": 0.0,
+        "zero_fraction": (t == 0).double().mean().item(),  # independent reference
     }
 
 
