@@ -20,16 +20,47 @@ from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
-def scalar_metrics(record: GradientRecord, statistics: Collection[str]) -> dict[str, float]:
+#: The section TensorBoard lists (and opens) first: a leading digit sorts before every letter.
+OVERVIEW = "0_overview"
+
+
+def scalar_metrics(
+    record: GradientRecord, statistics: Collection[str], nonfinite_seen: set[str] | None = None
+) -> dict[str, float]:
     """The scalars of ``record`` under their tags, for the chosen statistics only, and the call
-    count (``grad_output_calls/<name>``) of modules whose entry pools more than one gradient."""
+    count (``grad_output_calls/<name>``) of modules whose entry pools more than one gradient.
+
+    With ``nonfinite_seen`` (a set kept across steps, updated here), a ``*_nonfinite`` tag is
+    written from the first step where it is non-zero on, and the overview section holds the
+    run-level ``0_overview/nonfinite_total`` every step instead. The overview also holds
+    ``0_overview/total_norm``: the L2 norm of all parameter gradients of the record, what
+    ``torch.nn.utils.clip_grad_norm_`` computes (with several optimizers, one per optimizer:
+    ``total_norm_optimizer_<i>``). Entries of kind ``forward`` (output checks) are not logged.
+    """
     metrics = {}
+    nonfinite_total, squares, prefix, params = 0.0, 0.0, "", False
     for entry in record.entries:
+        if entry.kind == "forward":
+            continue
+        if entry.kind == "param_grad":
+            squares, params = squares + entry.stats["norm"] ** 2, True
+            head, _, rest = entry.name.partition("/")
+            prefix = f"_{head}" if rest and head.startswith("optimizer_") else ""
+        nonfinite_total += entry.stats["nonfinite"]
         for stat, value in entry.stats.items():
             if stat in statistics:
-                metrics[f"{entry.kind}_{stat}/{entry.name}"] = value
+                tag = f"{entry.kind}_{stat}/{entry.name}"
+                if stat == "nonfinite" and nonfinite_seen is not None:
+                    if value == 0 and tag not in nonfinite_seen:
+                        continue
+                    nonfinite_seen.add(tag)
+                metrics[tag] = value
         if entry.calls > 1 and entry.kind == "grad_output":
             metrics[f"grad_output_calls/{entry.name}"] = float(entry.calls)
+    if "norm" in statistics and params:
+        metrics[f"{OVERVIEW}/total_norm{prefix}"] = squares**0.5
+    if "nonfinite" in statistics and nonfinite_seen is not None:
+        metrics[f"{OVERVIEW}/nonfinite_total{prefix}"] = nonfinite_total
     return metrics
 
 

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 from typing_extensions import override
 
+from lightning_gradhooks._forward import ForwardChecks
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns, listed
 from lightning_gradhooks.offload import save_on_disk
+from lightning_gradhooks.report import HealthReport, Thresholds
 from lightning_gradhooks.stats import STATISTICS, Statistic
+from lightning_gradhooks.updates import UpdateTracker
+
+#: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
+UPDATE_STATISTICS = ("update_ratio", "param_norm")
+LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 
 
 if TYPE_CHECKING:
@@ -40,6 +47,13 @@ def _loss_scale(trainer: pl.Trainer) -> float | None:
 
 
 MAX_HISTOGRAM_BINS = 4096  # TensorBoard shows ~30 buckets; each bin costs bytes in every histogram event
+
+
+def _thresholds(overrides: dict[str, float]) -> Thresholds:
+    known = Thresholds.__dataclass_fields__
+    if not isinstance(overrides, dict) or not set(overrides) <= set(known):
+        raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
+    return Thresholds(**{k: type(known[k].default)(v) for k, v in overrides.items()})
 
 
 def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
@@ -84,7 +98,13 @@ class GradHooksLogic:
             parameter.
         exclude: glob patterns of modules to leave out.
         statistics: which statistics to log as scalars; default: all of
-            ``["norm", "mean", "std", "absmax", "nonfinite"]``.
+            ``["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction", "update_ratio",
+            "param_norm"]``. ``zero_fraction`` is the share of exactly-zero gradient elements;
+            ``update_ratio`` (‖Δw‖/‖w‖ of the optimizer step, healthy near 1e-3) and
+            ``param_norm`` are measured on logged steps through the optimizers' own step hooks
+            (:class:`~lightning_gradhooks.updates.UpdateTracker`: one copy of the monitored
+            parameters of the optimizer being stepped, held during its ``step()`` only) and
+            logged as ``param_update_ratio/<parameter>`` and ``param_norm/<parameter>``.
         histograms: log histograms of module output gradients and parameter gradients.
         histogram_bins: number of bins of each histogram (1 to 4096).
         offload_threshold_bytes: offload saved activations of at least this many bytes to
@@ -98,6 +118,11 @@ class GradHooksLogic:
             gradients are the same on every rank either way; sharded ones (FSDP2, tensor
             parallel ``DTensor`` parameters) are always those of the full gradient, pooled from
             every rank's piece in one gather per logged step. Only rank 0 writes.
+        report_thresholds: overrides of the health report's thresholds (field names of
+            :class:`~lightning_gradhooks.report.Thresholds`). At the end of fit, and when fit
+            raises, rank 0 prints the report (a table of module, flag, since step, last value,
+            or one line saying nothing was seen) and writes it as Markdown to TensorBoard's
+            Text tab under ``gradhooks/health_report``.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
@@ -125,12 +150,13 @@ class GradHooksLogic:
         every_n_steps: int | None = None,
         include: list[str] | None = None,
         exclude: list[str] | None = None,
-        statistics: list[Statistic] | None = None,
+        statistics: list[LoggedStatistic] | None = None,
         histograms: bool = True,
         histogram_bins: int = DEFAULT_BINS,
         offload_threshold_bytes: int | None = None,
         offload_dir: str | None = None,
         sync_dist: bool = False,
+        report_thresholds: dict[str, float] | None = None,
     ) -> None:
         _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
         _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -149,9 +175,11 @@ class GradHooksLogic:
         check_patterns("include", include)
         check_patterns("exclude", exclude)
         if statistics is None:
-            statistics = list(STATISTICS)
-        if isinstance(statistics, str) or not all(s in STATISTICS for s in statistics):
-            raise ValueError(f"`statistics` expected a list drawn from {list(STATISTICS)}, got {statistics!r}")
+            statistics = [*STATISTICS, *UPDATE_STATISTICS]
+        if isinstance(statistics, str) or not all(s in (*STATISTICS, *UPDATE_STATISTICS) for s in statistics):
+            raise ValueError(
+                f"`statistics` expected a list drawn from {[*STATISTICS, *UPDATE_STATISTICS]}, got {statistics!r}"
+            )
         for argument, value in (("histograms", histograms), ("sync_dist", sync_dist)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{argument}` expected a bool, got {value!r}")
@@ -164,6 +192,12 @@ class GradHooksLogic:
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
         self.sync_dist = sync_dist
+        self.report_thresholds = dict(report_thresholds or {})
+        self._thresholds = _thresholds(self.report_thresholds)
+        self._report: HealthReport | None = None
+        self._updates: UpdateTracker | None = None
+        self._forward = ForwardChecks()
+        self._nonfinite_seen: set[str] = set()
         self._reducer: RankReducer | None = None
         self._sharded: list[str] = []  # parameters each rank holds a piece of (FSDP, TP)
         self._pieces_due = False  # a logged step on which this rank reduces its pieces only
@@ -209,6 +243,8 @@ class GradHooksLogic:
         self._cleanup()
         self._in_nonfinite_episode = False
         self._told_skipped = False
+        self._report = HealthReport(self._thresholds)
+        self._nonfinite_seen = set()
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -244,6 +280,12 @@ class GradHooksLogic:
             # DTensor parameters. Their statistics need every rank's piece, with or without
             # `sync_dist`, in the one gather of the logged step.
             self._sharded = self._monitor.sharded
+            if trainer.is_global_zero and any(s in self.statistics for s in UPDATE_STATISTICS):
+                # Sharded parameters are left out: a local piece's norm is not the parameter's.
+                watched = {n: p for n, p in self._monitor.parameters.items() if n not in self._sharded}
+                self._updates = UpdateTracker(watched)
+                for optimizer in trainer.optimizers:
+                    self._updates.attach(getattr(optimizer, "_optimizer", optimizer))
             if self._sharded and trainer.world_size > 1 and self._reducer is None:
                 self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device, hooks=False)
 
@@ -255,10 +297,17 @@ class GradHooksLogic:
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._cleanup()
+        try:
+            self._print_report(trainer)
+        finally:
+            self._cleanup()
 
     def _cleanup(self) -> None:
         self._reducer = None
+        self._forward.remove()
+        if self._updates is not None:
+            self._updates.remove()
+            self._updates = None
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
@@ -285,6 +334,8 @@ class GradHooksLogic:
         if monitor is not None and observed and not monitor.armed and trainer.global_step % self._interval == 0:
             self._step = trainer.global_step
             monitor.arm()
+            if "nonfinite" in self.statistics:
+                self._forward.register(monitor)  # where NaN/Inf are born, on logged steps only
         if self._offload is not None and not self._offload_active:
             self._offload_active = True  # first: an interrupt inside __enter__ still gets an exit
             self._offload.__enter__()
@@ -307,9 +358,15 @@ class GradHooksLogic:
         # parameters this optimizer is about to step.
         params = [p for group in optimizer.param_groups for p in group["params"]]
         record = monitor.collect(params)
+        prefix = ""
         if len(trainer.optimizers) > 1:
             index = next(i for i, o in enumerate(trainer.optimizers) if o is getattr(optimizer, "_optimizer", optimizer))
             record = record.prefixed(f"optimizer_{index}")
+            prefix = f"optimizer_{index}/"
+        if self._updates is not None:
+            # Lightning runs this hook inside `optimizer.step(closure)`, after the step pre-hook:
+            # the weights are copied now, the post-hook measures the update.
+            self._updates.expect(getattr(optimizer, "_optimizer", optimizer), self._step, prefix, now=True)
         if not pl_module.automatic_optimization:
             monitor.arm()  # later backward passes of this training step are logged too
         self._write(trainer, record)
@@ -319,9 +376,11 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._leave_offload()
+        self._write_updates(trainer, wait=False)
         # Hook statistics waiting for an optimizer step (accumulation) keep the monitor armed.
         if self._monitor is not None and not self._monitor.pending:
             self._monitor.disarm()
+            self._forward.remove()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -329,6 +388,39 @@ class GradHooksLogic:
         if self._monitor is not None and self._monitor.pending:
             # Ranks may differ here, so this is rank 0's own record, with no collective.
             self._write(trainer, self._monitor.collect(parameters=()), reduce=False)
+        self._write_updates(trainer, wait=True)
+        self._print_report(trainer)
+
+    def _write_updates(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Log the update ratios and parameter norms of the measured steps that reached the host."""
+        if self._updates is None:
+            return
+        tensorboards = _tensorboard_loggers(trainer)
+        for step, values in self._updates.ready(wait):
+            metrics = {}
+            for name, (ratio, norm) in values.items():
+                if "update_ratio" in self.statistics:
+                    metrics[f"param_update_ratio/{name}"] = ratio
+                if "param_norm" in self.statistics:
+                    metrics[f"param_norm/{name}"] = norm
+            for logger in trainer.loggers:
+                if logger not in tensorboards:
+                    logger.log_metrics(metrics, step=step)
+            for logger in tensorboards:
+                write_step(logger.experiment, metrics, None, step)
+            if self._report is not None:
+                stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
+                self._report.add_stats(step, stats, new_step=False)
+
+    def _print_report(self, trainer: pl.Trainer) -> None:
+        """Rank 0 prints the health report and writes it to TensorBoard's Text tab, once per fit."""
+        report, self._report = self._report, None
+        if report is None or not trainer.is_global_zero or not report.steps:
+            return
+        self._logger().info(report.table())
+        for logger in _tensorboard_loggers(trainer):
+            logger.experiment.add_text("gradhooks/health_report", report.markdown(), self._step)
+            logger.experiment.flush()
 
     def _write(self, trainer: pl.Trainer, record: GradientRecord, reduce: bool = True) -> None:
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
@@ -353,15 +445,23 @@ class GradHooksLogic:
             self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
 
     def _log(self, trainer: pl.Trainer, record: GradientRecord, extra: dict[str, float]) -> None:
-        metrics = {**scalar_metrics(record, self.statistics), **extra}
+        metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen), **extra}
         tensorboards = _tensorboard_loggers(trainer)
         for logger in trainer.loggers:
             if logger not in tensorboards:
                 logger.log_metrics(metrics, step=self._step)
         for logger in tensorboards:
             write_step(logger.experiment, metrics, record, self._step)  # histograms only if collected
+        if self._report is not None:
+            self._report.add(self._step, record)
         first = record.first_nonfinite
-        if first is not None and not self._in_nonfinite_episode:
+        if first is not None and not self._in_nonfinite_episode and first.kind == "forward":
+            rank_zero_warn(
+                f"GradHooks: non-finite values at step {self._step}; first made in the forward of "
+                f"`{first.name}` (its output holds NaN/Inf; the first module in forward order whose "
+                "output does)."
+            )
+        elif first is not None and not self._in_nonfinite_episode:
             rank_zero_warn(
                 f"GradHooks: non-finite gradients at step {self._step}; first seen in backward "
                 f"order in {first.kind} of `{first.name}` ({int(first.stats['nonfinite'])} "

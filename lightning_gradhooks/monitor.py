@@ -498,6 +498,12 @@ class GradientMonitor:
             reducer.add(grad, hist)
             self._pending.append((kind, name if len(grads) == 1 else f"{name}/{i}", grad.device))
 
+    def observe(self, kind: str, name: str, tensor: Tensor) -> None:
+        """Reduce ``tensor`` with this step's gradients, read in the same transfer: an entry of
+        ``kind`` and ``name`` in the next record. Nothing happens while the monitor is not armed."""
+        if self._armed:
+            self._reduce(kind, name, (tensor,), False)
+
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """Reduce parameter gradients, move everything to the host at once, and disarm.

@@ -25,7 +25,9 @@ def test_events_hold_expected_tags_at_expected_steps(tmp_path):
     trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2))
     events = read_events(trainer.logger.log_dir)
     scalars, histograms = set(events.Tags()["scalars"]), set(events.Tags()["histograms"])
-    for stat in ("norm", "mean", "std", "absmax", "nonfinite"):
+    assert {"0_overview/total_norm", "0_overview/nonfinite_total"} <= scalars
+    assert not [t for t in scalars if t.endswith("_nonfinite")]  # written from the first non-zero step only
+    for stat in ("norm", "mean", "std", "absmax", "zero_fraction"):
         assert {f"grad_output_{stat}/{m}" for m in LAYERS} <= scalars
         assert {f"grad_input_{stat}/{m}" for m in ("net.2", "net.4")} <= scalars
         assert {f"param_grad_{stat}/{p}" for p in PARAMS} <= scalars
@@ -100,8 +102,9 @@ def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
         trainer = make_trainer(tmp_path, [callback, counter], max_steps=max_steps)
         trainer.fit(model, loader())
         assert hook_snapshot(model) == before
-    # Each fit has its own trainer, from step 0: forward probes in step 0, then one hook.
-    assert counter.counts == [2, 1] + [2, 1, 1, 1]
+    # Each fit has its own trainer, from step 0: forward probes in step 0, then one hook; every
+    # logged step adds the forward check (non-finite outputs).
+    assert counter.counts == [3, 2] + [3, 2, 2, 2]
     callback.teardown(trainer, model, "fit")  # cleanup is safe to run again
 
 
@@ -129,8 +132,9 @@ def test_steps_that_are_not_logged_carry_no_hook_and_no_hook_node(tmp_path):
     checker.on_train_batch_start = lambda *a: snapshots.append(hook_snapshot(model) == before)
     trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=3), counter, checker], max_steps=7)
     trainer.fit(model, loader())
-    # Step 0 probes for in-place use (forward hooks only), steps 3 and 6 carry one full hook.
-    assert counter.counts == [2, 0, 0, 1, 0, 0, 1]
+    # Step 0 probes for in-place use (forward hooks only), steps 3 and 6 carry one full hook;
+    # logged steps carry the forward check (non-finite outputs) too.
+    assert counter.counts == [3, 0, 0, 2, 0, 0, 2]
     assert snapshots == [False, True, True, False, True, True, False]
     assert model.hooked_graphs == [False, False, False, True, False, False, True]
     assert hook_snapshot(model) == before
@@ -151,7 +155,9 @@ def test_nonfinite_gradients_are_counted_and_warned_once(tmp_path):
     assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
     events = read_events(trainer.logger.log_dir)
     counts = {e.step: e.value for e in events.Scalars("grad_output_nonfinite/net.4")}
-    assert counts[0] == counts[1] == 0 and counts[2] == 3  # one sample's 3 logits
+    assert min(counts) == 2 and counts[2] == 3  # one sample's 3 logits, charted from that step on
+    totals = {e.step: e.value for e in events.Scalars("0_overview/nonfinite_total")}
+    assert totals[0] == totals[1] == 0 and totals[2] > 3  # every logged step
     # Histograms are built from the finite values of that step.
     hist = {e.step: e.histogram_value for e in events.Histograms("grad_output_hist/net.4")}
     assert hist[2].num == 8 * 3 - 3

@@ -35,3 +35,230 @@ def test_zero_fraction_equals_reference_whatever_the_padding(batched):
     pooled = pool_stats([row for row, _ in rows[:4]])
     whole = torch.cat(tensors[:4])
     assert pooled[index] == pytest.approx((whole == 0).double().mean().item(), abs=1e-12)
+
+
+# -- the report on pathologies built on purpose, through real Lightning fits ----------------
+
+import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytorch_lightning as pl  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_gradhooks import GradHooks  # noqa: E402
+from lightning_gradhooks.report import HealthReport  # noqa: E402
+
+from conftest import loader, make_trainer, read_events  # noqa: E402
+
+
+class Net(pl.LightningModule):
+    """``net`` on 8 features to 3 classes; ``groups(net)`` gives the optimizer's parameter groups."""
+
+    def __init__(self, net: nn.Module, groups=None, nan_in: str | None = None, nan_from: int = 0) -> None:  # noqa: ANN001
+        super().__init__()
+        self.net, self.groups = net, groups
+        self.nan_in, self.nan_from = nan_in, nan_from
+        if nan_in is not None:
+            net.get_submodule(nan_in).register_forward_hook(self._poison)
+
+    def _poison(self, module, args, output):  # noqa: ANN001, ANN202
+        if self.training and self.global_step >= self.nan_from:
+            output = output.clone()
+            output[0, 0] = float("nan")
+            return output
+        return None
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        groups = self.groups(self.net) if self.groups else self.net.parameters()
+        return torch.optim.SGD(groups, lr=0.05)
+
+
+def fit_report(tmp_path, model, steps=12, **kwargs):  # noqa: ANN001, ANN201
+    pl.seed_everything(0, verbose=False)
+    callback = GradHooks(every_n_steps=2, histograms=False, **kwargs)
+    reports = []
+    original = callback._print_report
+
+    def keep(trainer):  # noqa: ANN001, ANN202
+        reports.append(callback._report)
+        original(trainer)
+
+    callback._print_report = keep
+    trainer = make_trainer(tmp_path, [callback], max_steps=steps)
+    trainer.fit(model, loader(n=256))
+    return trainer, reports[0]
+
+
+def mlp(*layers: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*layers)
+
+
+def flags_of(report: HealthReport, flag: str) -> dict[str, int]:
+    return {f.name: f.since for f in report.flags() if f.flag == flag}
+
+
+def test_healthy_model_gets_no_flag_and_the_report_reaches_the_text_tab(tmp_path, caplog):
+    model = Net(mlp(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)))
+    lightning_logger = logging.getLogger("pytorch_lightning")
+    lightning_logger.addHandler(caplog.handler)
+    try:
+        trainer, report = fit_report(tmp_path, model)
+    finally:
+        lightning_logger.removeHandler(caplog.handler)
+    assert report.flags() == []
+    assert "GradHooks: no gradient problems seen in 6 logged steps." in caplog.text
+    events = read_events(trainer.logger.log_dir)
+    assert "gradhooks/health_report/text_summary" in events.Tags()["tensors"]
+
+
+def test_deep_sigmoid_stack_is_flagged_vanishing_from_the_first_step(tmp_path):
+    layers = []
+    for _ in range(12):
+        layers += [nn.Linear(16, 16), nn.Sigmoid()]
+    model = Net(mlp(nn.Linear(8, 16), *layers, nn.Linear(16, 3)))
+    _, report = fit_report(tmp_path, model)
+    vanishing = flags_of(report, "vanishing")
+    assert vanishing.get("grad_output net.0") == 0
+    assert "grad_output net.24" not in vanishing  # the head is healthy
+
+
+def test_relu_layer_with_bias_minus_50_is_flagged_dead(tmp_path):
+    net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[2].bias.fill_(-50.0)
+    _, report = fit_report(tmp_path, Net(net))
+    dead = flags_of(report, "dead")
+    assert dead.get("grad_output net.2") == 0 and dead.get("param_grad net.2.weight") == 0
+    assert "grad_output net.4" not in dead
+
+
+def test_nan_injected_mid_network_is_flagged_at_its_first_step(tmp_path):
+    net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    _, report = fit_report(tmp_path, Net(net, nan_in="2", nan_from=4))
+    (first,) = [f for f in report.flags() if f.flag == "nonfinite"]
+    assert first.since == 4
+    assert first.name == "forward net.2"  # where it was born, not where backward first saw it
+
+
+# -- update_ratio against an independent reference -------------------------------------------
+
+from conftest import MLP, ManualGAN  # noqa: E402
+
+
+class UpdateReference(pl.Callback):
+    """A copy of the weights before each optimizer step; ‖after - before‖ / ‖after‖ at batch end."""
+
+    def __init__(self) -> None:
+        self.ratios: dict[tuple[int, str], float] = {}
+        self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        self.step = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        index = [getattr(o, "_optimizer", o) for o in trainer.optimizers].index(getattr(optimizer, "_optimizer", optimizer))
+        prefix = f"optimizer_{index}/" if len(trainer.optimizers) > 1 else ""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for name, p in pl_module.named_parameters():
+            if id(p) in ids:
+                self._before[prefix + name] = (p, p.detach().clone())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        for name, (p, old) in self._before.items():
+            self.ratios[(self.step, name)] = ((p.detach() - old).norm() / p.detach().norm()).item()
+        self._before.clear()
+
+
+@pytest.mark.parametrize(
+    "case", ["sgd", "adam_accumulation", "two_optimizers_manual"]
+)
+def test_update_ratio_equals_a_copy_of_the_weights_before_the_step(tmp_path, case):
+    pl.seed_everything(0, verbose=False)
+    kwargs = {}
+    if case == "sgd":
+        model = MLP()
+    elif case == "adam_accumulation":
+        model = MLP()
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=1e-3)
+        kwargs["accumulate_grad_batches"] = 2
+    else:
+        model = ManualGAN()
+    reference = UpdateReference()
+    callback = GradHooks(every_n_steps=2, histograms=False)
+    trainer = make_trainer(tmp_path, [callback, reference], max_steps=8, **kwargs)
+    trainer.fit(model, loader(n=128))
+    events = read_events(trainer.logger.log_dir)
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("param_update_ratio/")]
+    assert len(tags) == (8 if case == "two_optimizers_manual" else 6)
+    compared = 0
+    for tag in tags:
+        name = tag.split("/", 1)[1]
+        for event in events.Scalars(tag):
+            assert event.value == pytest.approx(reference.ratios[(event.step, name)], rel=1e-4)
+            compared += 1
+        norms = events.Scalars(f"param_norm/{name}")
+        assert [e.step for e in norms] == [e.step for e in events.Scalars(tag)]
+    assert compared >= len(tags) * 2
+    assert not callback._updates and not any(o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks for o in trainer.optimizers)
+
+
+def test_update_ratio_and_norm_are_chosen_through_statistics(tmp_path):
+    trainer = make_trainer(tmp_path, [GradHooks(statistics=["norm"], histograms=False)], max_steps=2)
+    trainer.fit(MLP(), loader())
+    tags = read_events(trainer.logger.log_dir).Tags()["scalars"]
+    assert not [t for t in tags if t.startswith(("param_update_ratio/", "param_norm/"))]
+    with pytest.raises(ValueError, match="expected a list drawn from .*update_ratio"):
+        GradHooks(statistics=["update_rate"])
+
+
+def test_huge_learning_rate_is_flagged_exploding_and_a_frozen_lr_group_stalled(tmp_path):
+    net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def groups(net):  # noqa: ANN001, ANN202
+        return [
+            {"params": net[0].parameters(), "lr": 0.0},  # frozen learning rate
+            {"params": net[2].parameters(), "lr": 500.0},  # huge learning rate
+            {"params": net[4].parameters()},
+        ]
+
+    _, report = fit_report(tmp_path, Net(net, groups=groups), steps=6)
+    exploding, stalled = flags_of(report, "exploding"), flags_of(report, "stalled")
+    assert exploding.get("param net.2.weight") == 0
+    assert stalled == {"param net.0.weight": 0, "param net.0.bias": 0}
+    assert not [n for n in exploding if "net.0" in n or "net.4" in n]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_gradhooks", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
+    net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[2].bias.fill_(-50.0)
+    _, report = fit_report(tmp_path, Net(net))
+    logdir = str(tmp_path / "logs")
+    printed = run_cli("report", logdir)
+    assert printed.returncode == 0, printed.stderr
+    assert "module" in printed.stdout and "since step" in printed.stdout
+    dead = [line.split() for line in printed.stdout.splitlines() if " dead " in line]
+    assert ["grad_output", "net.2", "dead", "0", "1"] in dead
+    # The same flags as the report the callback printed (which saw exact element counts).
+    assert {(f.name, f.flag, f.since) for f in report.flags()} == {
+        (f"{row[0]} {row[1]}", row[2], int(row[3])) for row in map(str.split, printed.stdout.splitlines()[2:]) if len(row) == 5
+    }
+    failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")
+    assert failing.returncode == 1 and "failing on: dead" in failing.stderr
+    assert run_cli("report", logdir, "--fail-on", "nonfinite").returncode == 0
+    assert run_cli("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead").returncode == 0
+    wrong = run_cli("report", logdir, "--fail-on", "nan")
+    assert wrong.returncode == 2 and "expected flags from nonfinite" in wrong.stderr
+    missing = run_cli("report", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "LOGDIR expected an existing folder" in missing.stderr
+    assert "--fail-on" in run_cli("report", "--help").stdout

@@ -51,7 +51,8 @@ def test_tensorboard_server_serves_our_tags(tmp_path):
             if scalars and histograms:
                 break
             time.sleep(0.5)
-        assert {"grad_output_norm/net.0", "grad_input_std/net.4", "param_grad_nonfinite/net.2.weight"} <= set(scalars)
+        assert {"grad_output_norm/net.0", "grad_input_std/net.4", "param_grad_zero_fraction/net.2.weight",
+                "0_overview/total_norm", "0_overview/nonfinite_total", "param_update_ratio/net.0.weight"} <= set(scalars)
         assert {"grad_output_hist/net.0", "param_grad_hist/net.4.bias"} <= set(histograms)
         points = get_json(f"{base}/scalars/scalars?run=version_0&tag=grad_output_norm/net.0")
         assert [p[1] for p in points] == [0, 2]

@@ -1,0 +1,133 @@
+"""``UpdateTracker``: ‖Δw‖/‖w‖ of an optimizer step, from the optimizer's own step hooks. Pure torch.
+
+On a step marked with :meth:`UpdateTracker.expect`, the step pre-hook copies the watched
+parameters of that optimizer (one copy of them, on their device: the snapshot memory is the
+size of the watched parameters of the one optimizer being stepped, held only between its pre-
+and post-hook, on marked steps only), and the post-hook turns the copy into two numbers per
+parameter, ``‖w_after - w_before‖`` and ``‖w_after‖``, in a few foreach ops, and frees it. Those
+numbers go to the host in one copy per step: on CUDA a non-blocking copy into pinned memory, read
+once it has landed, so the tracker adds no synchronisation; elsewhere at once.
+
+Any optimizer, AMP included (a step the gradient scaler skips calls neither hook, so nothing is
+measured), gradient accumulation (the step is what is measured) and manual optimization.
+
+Example:
+    >>> model = torch.nn.Linear(2, 1)
+    >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> tracker = UpdateTracker({"weight": model.weight, "bias": model.bias})
+    >>> tracker.attach(sgd)
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> tracker.expect(sgd, step=0)
+    >>> sgd.step()
+    >>> [(step, sorted(values)) for step, values in tracker.ready(wait=True)]
+    [(0, ['bias', 'weight'])]
+    >>> tracker.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _ratio(update: float, norm: float) -> float:
+    if norm > 0:
+        return update / norm
+    return 0.0 if update == 0 else float("inf")
+
+
+class UpdateTracker:
+    """Measures the update of the watched parameters on the optimizer steps it is told to expect.
+
+    Args:
+        parameters: the parameters to watch, by name.
+    """
+
+    def __init__(self, parameters: Mapping[str, nn.Parameter]) -> None:
+        self._names = {id(p): n for n, p in parameters.items()}
+        self._handles: list[Any] = []
+        self._due: dict[int, tuple[int, str]] = {}  # id(optimizer) -> (step, prefix)
+        self._snapshot: tuple[int, str, list[str], list[Tensor], list[Tensor]] | None = None
+        self._landing: list[tuple[int, list[str], Tensor, Any]] = []
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Register the step pre- and post-hook on ``optimizer`` (removed by :meth:`remove`)."""
+        self._handles.append(optimizer.register_step_pre_hook(self._before))
+        self._handles.append(optimizer.register_step_post_hook(self._after))
+
+    def expect(self, optimizer: torch.optim.Optimizer, step: int, prefix: str = "", now: bool = False) -> None:
+        """Measure the next step of ``optimizer``, reported as ``step``, names with ``prefix``.
+
+        With ``now``, the weights are copied at once instead of in the step pre-hook: for a
+        call made inside ``optimizer.step(closure)``, from the closure (Lightning calls
+        ``on_before_optimizer_step`` there), after the pre-hook has run.
+        """
+        self._due[id(optimizer)] = (step, prefix)
+        if now:
+            self._before(optimizer, (), {})
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        due = self._due.pop(id(optimizer), None)
+        if due is None:
+            return
+        names, params = [], []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self._names:
+                    names.append(due[1] + self._names[id(p)])
+                    params.append(p)
+        if params:
+            with torch.no_grad():
+                self._snapshot = (id(optimizer), due[0], names, params, [p.detach().clone() for p in params])
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._snapshot is None or self._snapshot[0] != id(optimizer):
+            return
+        _, step, names, params, before = self._snapshot
+        self._snapshot = None
+        with torch.no_grad():
+            now = [p.detach() for p in params]
+            torch._foreach_sub_(before, now)  # in place: no second copy
+            values = torch.stack([*torch._foreach_norm(before), *torch._foreach_norm(now)]).double()
+        del before
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._landing.append((step, names, host, event))
+        else:
+            self._landing.append((step, names, values.cpu(), None))
+
+    def ready(self, wait: bool = False) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+        """The measured steps whose numbers have reached the host (all of them with ``wait``):
+        ``(step, {name: (update_ratio, param_norm)})``, in step order. A copy whose step never
+        came (a step the gradient scaler skipped) is dropped here."""
+        self._snapshot = None
+        out, keep = [], []
+        for step, names, host, event in self._landing:
+            if event is not None and not wait and not event.query():
+                keep.append((step, names, host, event))
+                continue
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
+            n = len(names)
+            out.append((step, {
+                name: (_ratio(values[k], values[n + k]), values[n + k])
+                for k, name in enumerate(names)
+            }))
+        self._landing = keep
+        return out
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks and drop what was not read; idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._due.clear()
+        self._snapshot = None
+        self._landing.clear()
