@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_gradhooks._forward import ForwardChecks
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
+from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns, listed
 from lightning_gradhooks.offload import save_on_disk
@@ -197,6 +198,8 @@ class GradHooksLogic:
         self._report: HealthReport | None = None
         self._updates: UpdateTracker | None = None
         self._forward = ForwardChecks()
+        self._flow: GradientFlow | None = None
+        self._layouts: set[int] = set()  # writers that hold the custom-scalars layout
         self._nonfinite_seen: set[str] = set()
         self._reducer: RankReducer | None = None
         self._sharded: list[str] = []  # parameters each rank holds a piece of (FSDP, TP)
@@ -245,6 +248,12 @@ class GradHooksLogic:
         self._told_skipped = False
         self._report = HealthReport(self._thresholds)
         self._nonfinite_seen = set()
+        self._flow = GradientFlow() if have_matplotlib() and _tensorboard_loggers(trainer) else None
+        if self._flow is None and _tensorboard_loggers(trainer) and trainer.is_global_zero:
+            self._logger().info(
+                "GradHooks: `pip install lightning-gradhooks[plots]` (matplotlib) to get the gradient-flow "
+                "picture in TensorBoard's Images tab."
+            )
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -452,6 +461,15 @@ class GradHooksLogic:
                 logger.log_metrics(metrics, step=self._step)
         for logger in tensorboards:
             write_step(logger.experiment, metrics, record, self._step)  # histograms only if collected
+            if id(logger.experiment) not in self._layouts:  # once per run
+                self._layouts.add(id(logger.experiment))
+                logger.experiment.add_custom_scalars(custom_scalars_layout(self.statistics))
+        if self._flow is not None:
+            self._flow.add(self._step, record)
+            if self._flow.steps and self._flow.steps[-1] == self._step:
+                image = self._flow.image()
+                for logger in tensorboards:
+                    logger.experiment.add_image("gradient_flow", image, self._step, dataformats="HWC")
         if self._report is not None:
             self._report.add(self._step, record)
         first = record.first_nonfinite

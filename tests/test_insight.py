@@ -262,3 +262,41 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     missing = run_cli("report", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "LOGDIR expected an existing folder" in missing.stderr
     assert "--fail-on" in run_cli("report", "--help").stdout
+
+
+# -- the gradient-flow picture and the custom-scalars layout ---------------------------------
+
+from lightning_gradhooks.flow import WIDTH, image_height  # noqa: E402
+
+
+def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    model = Net(mlp(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)))
+    trainer, _ = fit_report(tmp_path, model, steps=6)
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    images = events.Images("gradient_flow")
+    assert [i.step for i in images] == [0, 2, 4]
+    assert {(i.width, i.height) for i in images} == {(WIDTH, image_height(3))}
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert charts["grad_output_norm"] == ["^grad_output_norm/"]
+    assert charts["param_update_ratio"] == ["^param_update_ratio/"]
+    assert len(charts) == 3 * 6 + 2
+
+
+def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    lightning_logger = logging.getLogger("pytorch_lightning")
+    lightning_logger.addHandler(caplog.handler)
+    try:
+        trainer, report = fit_report(tmp_path, Net(mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))), steps=4)
+    finally:
+        lightning_logger.removeHandler(caplog.handler)
+    assert caplog.text.count("lightning-gradhooks[plots]") == 1
+    events = read_events(trainer.logger.log_dir)
+    assert events.Tags()["images"] == [] and "grad_output_norm/net.0" in events.Tags()["scalars"]
+    assert report.steps == 2

@@ -39,21 +39,25 @@ def test_tensorboard_server_serves_our_tags(tmp_path):
     )
     base = f"http://127.0.0.1:{port}/data/plugin"
     try:
-        scalars = histograms = {}
+        scalars = histograms = images = texts = {}
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert server.poll() is None, server.stderr.read().decode()
             try:
                 scalars = get_json(f"{base}/scalars/tags").get("version_0", {})
                 histograms = get_json(f"{base}/histograms/tags").get("version_0", {})
+                images = get_json(f"{base}/images/tags").get("version_0", {})
+                texts = get_json(f"{base}/text/tags").get("version_0", [])
             except OSError:
                 pass
-            if scalars and histograms:
+            if scalars and histograms and images and texts:
                 break
             time.sleep(0.5)
         assert {"grad_output_norm/net.0", "grad_input_std/net.4", "param_grad_zero_fraction/net.2.weight",
                 "0_overview/total_norm", "0_overview/nonfinite_total", "param_update_ratio/net.0.weight"} <= set(scalars)
         assert {"grad_output_hist/net.0", "param_grad_hist/net.4.bias"} <= set(histograms)
+        assert "gradient_flow" in images  # the gradient-flow picture (matplotlib is in the test extra)
+        assert "gradhooks/health_report/text_summary" in texts  # the health report
         points = get_json(f"{base}/scalars/scalars?run=version_0&tag=grad_output_norm/net.0")
         assert [p[1] for p in points] == [0, 2]
     finally:
