@@ -127,7 +127,8 @@ class GradHooksLogic:
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
-            or ``exclude`` pattern that matches no module.
+            pattern that matches no module (an ``exclude`` pattern that matches none is one
+            warning: it excludes nothing).
         DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold
             an unnamed file (naming the folder and the reason); during a step, when a write or
             read fails (full disk, I/O error), naming folder and bytes.

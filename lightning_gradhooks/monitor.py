@@ -213,9 +213,13 @@ def select_modules(
     module's name is the empty string. Names are those of the model before ``torch.compile``
     (no ``_orig_mod.``).
 
+    An ``exclude`` pattern that matches no module excludes nothing, which is harmless: it is
+    warned about once (a ``UserWarning`` naming it), so a shared configuration such as
+    ``exclude=["*.dropout"]`` works on a model without dropout.
+
     Raises:
-        ValueError: a pattern matches no module (the message shows names that exist), or the
-            selection is empty.
+        ValueError: an ``include`` pattern matches no module (the message shows names that
+            exist), or the selection is empty.
     """
     include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
     names = _named_modules(model)
@@ -223,10 +227,14 @@ def select_modules(
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
                 shown = ", ".join(repr(n) for n in list(names)[:12])
-                raise ValueError(
+                message = (
                     f"`{argument}` pattern {pattern!r} matches no module of "
                     f"{type(model).__name__}; module names look like: {shown}"
                 )
+                if argument == "exclude":
+                    warnings.warn(f"{message}. It excludes nothing.", UserWarning, stacklevel=2)
+                    continue
+                raise ValueError(message)
 
     def chosen(name: str, module: nn.Module) -> bool:
         if include:

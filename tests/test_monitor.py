@@ -155,11 +155,17 @@ def test_default_selection_is_modules_owning_trainable_parameters():
     assert list(select_modules(net, include=["*"], exclude=["", "1"])) == ["0", "2", "3", "4"]
 
 
+def test_exclude_matching_nothing_is_one_warning_and_excludes_nothing():
+    with pytest.warns(UserWarning, match=r"`exclude` pattern '\*.dropout' matches no module.*excludes nothing") as caught:
+        monitor = GradientMonitor(model(), exclude=["*.dropout"])
+    assert len([w for w in caught if "matches no module" in str(w.message)]) == 1
+    assert list(monitor.modules) == ["0", "2", "3", "4"]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(include=["encoder.*"]), "'encoder.\\*' matches no module.*'0'"),
-        (dict(exclude=["nope"]), "`exclude` pattern 'nope'"),
         (dict(include="0"), "expected a list of glob patterns"),
         (dict(include=["1"]), None),
         (dict(bins=0), "`bins` expected a positive int, got 0"),
