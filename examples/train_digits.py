@@ -1,15 +1,18 @@
 """Train a small classifier on scikit-learn's bundled digits (no download) with GradHooks.
 
     python examples/train_digits.py            # logs to ./lightning_logs
+    python examples/train_digits.py --offload  # and saved activations go to disk
     tensorboard --logdir lightning_logs        # then open the printed address
 
-Every 10 optimizer steps, per-module gradient norms, means, stds, abs-max and non-finite counts,
-and histograms of module output gradients and parameter gradients, land in TensorBoard.
+Every 10 optimizer steps, per-module gradient statistics (norm, mean, std, abs-max, zero
+fraction, non-finite counts), update ratios, the total gradient norm, histograms and the
+gradient-flow picture land in TensorBoard; at the end the gradient-health report is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -19,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks
+from lightning_gradhooks.__main__ import read_run
+from lightning_gradhooks.report import Thresholds
 
 
 class DigitsClassifier(pl.LightningModule):
@@ -60,28 +65,54 @@ def digits_loaders(batch_size: int = 64) -> tuple[DataLoader, DataLoader]:
     )
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--logdir", default="lightning_logs")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--every-n-steps", type=int, default=10)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--logdir", default="lightning_logs", help="folder of the TensorBoard runs")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="training epochs (24 steps each)")
+    parser.add_argument("--every-n-steps", type=positive_int, default=10, help="log gradients every this many steps")
+    parser.add_argument(
+        "--offload", action="store_true", help="offload saved activations of at least 1 KiB to disk and print what went"
+    )
     args = parser.parse_args()
 
     pl.seed_everything(0, verbose=False)
     train_loader, val_loader = digits_loaders()
     logger = TensorBoardLogger(save_dir=".", name=args.logdir)
+    hooks = GradHooks(every_n_steps=args.every_n_steps, offload_threshold_bytes=1024 if args.offload else None)
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
         logger=logger,
-        callbacks=[GradHooks(every_n_steps=args.every_n_steps)],
+        log_every_n_steps=5,  # train_loss: 4 points per epoch of 24 steps (the default, 50, is longer than an epoch)
+        callbacks=[hooks],
         enable_checkpointing=False,
         enable_model_summary=False,
     )
     trainer.fit(DigitsClassifier(), train_loader, val_loader)
     print(f"\nval_acc: {trainer.callback_metrics['val_acc']:.3f}")
-    print(f"Gradient statistics and histograms written to: {logger.log_dir}")
+    if hooks.offload_stats is not None:
+        s = hooks.offload_stats
+        print(
+            f"Offload: {s.bytes_offloaded / 2**20:.1f} MiB of saved activations went to disk in "
+            f"{s.tensors_offloaded} tensors ({s.tensors_kept} small ones kept in memory), "
+            f"{s.bytes_read / 2**20:.1f} MiB read back; {s.files_on_disk} files left open at the end."
+        )
+    print(f"Gradient statistics, histograms and the gradient-flow picture written to: {logger.log_dir}")
     print(f"Open them with:  tensorboard --logdir {args.logdir}")
+    print(f"\nGradient health (the same as `python -m lightning_gradhooks report {args.logdir}`):")
+    print(read_run(Path(logger.log_dir), Thresholds()).table())
 
 
 if __name__ == "__main__":

@@ -208,6 +208,9 @@ class GradHooksLogic:
         self._told_skipped = False
         self._monitor: GradientMonitor | None = None
         self._offload: save_on_disk | None = None
+        #: The offload engine's counters (:class:`~lightning_gradhooks.offload.OffloadStats`)
+        #: when the last fit ended; None without offload.
+        self.offload_stats: Any = None
         self._offload_active = False
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
@@ -323,6 +326,7 @@ class GradHooksLogic:
             self._monitor = None
         if self._offload is not None:
             self._leave_offload(exc_type=RuntimeError)
+            self.offload_stats = self._offload.stats()  # what the engine did, kept after fit
             self._offload.close()
             self._offload = None
 

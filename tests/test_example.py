@@ -18,3 +18,21 @@ def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
     assert "grad_output_norm/net.0" in events.Tags()["scalars"]
     assert "param_grad_hist/net.4.weight" in events.Tags()["histograms"]
     assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [0, 10, 20]
+    assert len(events.Scalars("train_loss")) > 2  # log_every_n_steps follows --every-n-steps
+    assert "smaller than the logging interval" not in done.stderr
+    assert "Gradient health (the same as `python -m lightning_gradhooks report runs`):" in done.stdout
+    assert done.stdout.rstrip().endswith("no gradient problems seen in 3 logged steps.")
+
+
+def test_digits_example_with_offload_prints_what_went_to_disk_and_refuses_bad_values(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs", "--offload"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Offload: " in done.stdout and "MiB of saved activations went to disk" in done.stdout
+    bad = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "-1"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "argument --epochs: expected a positive integer, got '-1'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    helped = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True, timeout=60)
+    assert "(default: 10)" in helped.stdout and "--offload" in helped.stdout
