@@ -311,6 +311,7 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         try:
+            self._draw_flow(trainer, final=True)
             self._print_report(trainer)
         finally:
             self._cleanup()
@@ -403,6 +404,7 @@ class GradHooksLogic:
             # Ranks may differ here, so this is rank 0's own record, with no collective.
             self._write(trainer, self._monitor.collect(parameters=()), reduce=False)
         self._write_updates(trainer, wait=True)
+        self._draw_flow(trainer, final=True)
         self._print_report(trainer)
 
     def _write_updates(self, trainer: pl.Trainer, wait: bool) -> None:
@@ -425,6 +427,16 @@ class GradHooksLogic:
             if self._report is not None:
                 stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
                 self._report.add_stats(step, stats, new_step=False)
+
+    def _draw_flow(self, trainer: pl.Trainer, final: bool = False) -> None:
+        """Write the gradient-flow picture of the latest logged step (at the end: if not yet drawn)."""
+        if self._flow is None or not trainer.is_global_zero or not self._flow.steps:
+            return
+        if final and self._flow.drawn == self._flow.steps[-1]:
+            return
+        image = self._flow.image()
+        for logger in _tensorboard_loggers(trainer):
+            logger.experiment.add_image("gradient_flow", image, self._flow.steps[-1], dataformats="HWC")
 
     def _print_report(self, trainer: pl.Trainer) -> None:
         """Rank 0 prints the health report and writes it to TensorBoard's Text tab, once per fit."""
@@ -471,10 +483,8 @@ class GradHooksLogic:
                 logger.experiment.add_custom_scalars(custom_scalars_layout(self.statistics))
         if self._flow is not None:
             self._flow.add(self._step, record)
-            if self._flow.steps and self._flow.steps[-1] == self._step:
-                image = self._flow.image()
-                for logger in tensorboards:
-                    logger.experiment.add_image("gradient_flow", image, self._step, dataformats="HWC")
+            if self._flow.steps and self._flow.steps[-1] == self._step and self._flow.due():
+                self._draw_flow(trainer)
         if self._report is not None:
             self._report.add(self._step, record)
         first = record.first_nonfinite

@@ -11,11 +11,18 @@
 
 Drawing needs matplotlib (``pip install lightning-gradhooks[plots]``); :func:`have_matplotlib`
 says whether it is there. The image is ``WIDTH`` pixels wide and :func:`image_height` high.
+
+Drawing is host work of 0.1 s to 1 s (more modules, more tick labels), so the picture is not
+drawn at every logged step: :meth:`GradientFlow.due` allows a drawing while the time spent
+drawing stays within :data:`DRAW_BUDGET` of the time since the first logged step, and the
+callback draws the last logged step at the end of fit. The heatmap holds every logged step, so
+a skipped drawing loses no data.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from lightning_gradhooks.records import GradientRecord
@@ -25,6 +32,8 @@ WIDTH = 960
 DPI = 96
 #: Steps the heatmap keeps; older columns are dropped (the scalars keep everything).
 MAX_STEPS = 400
+#: Share of the wall time since the first logged step that drawing may take.
+DRAW_BUDGET = 0.02
 
 
 def have_matplotlib() -> bool:
@@ -47,6 +56,17 @@ class GradientFlow:
         self.modules: list[str] = []  # forward order
         self.steps: list[int] = []
         self.rms: list[dict[str, float]] = []
+        #: The last step drawn, and the time spent drawing so far.
+        self.drawn: int | None = None
+        self.draw_seconds = 0.0
+        self._started: float | None = None
+
+    def due(self) -> bool:
+        """Whether the latest step should be drawn now: the first one always, later ones while
+        the drawing time stays within :data:`DRAW_BUDGET` of the time since the first."""
+        if not self.steps or self.drawn == self.steps[-1]:
+            return False
+        return self._started is None or self.draw_seconds <= DRAW_BUDGET * (time.perf_counter() - self._started)
 
     def add(self, step: int, record: GradientRecord) -> None:
         """Take in a logged step's record (its ``grad_output`` entries, in backward order)."""
@@ -64,7 +84,17 @@ class GradientFlow:
         del self.steps[:-MAX_STEPS], self.rms[:-MAX_STEPS]
 
     def image(self) -> Any:
-        """The picture as an ``(height, WIDTH, 3)`` uint8 numpy array (needs matplotlib)."""
+        """The picture of the latest step as an ``(height, WIDTH, 3)`` uint8 numpy array (needs
+        matplotlib); the time it takes counts against :data:`DRAW_BUDGET`."""
+        begin = time.perf_counter()
+        self._started = begin if self._started is None else self._started
+        try:
+            return self._draw()
+        finally:
+            self.drawn = self.steps[-1]
+            self.draw_seconds += time.perf_counter() - begin
+
+    def _draw(self) -> Any:
         import numpy as np
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

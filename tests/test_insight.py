@@ -278,7 +278,9 @@ def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp
     events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     images = events.Images("gradient_flow")
-    assert [i.step for i in images] == [0, 2, 4]
+    # The first logged step is drawn, later ones within the drawing budget, the last one at the end.
+    steps = [i.step for i in images]
+    assert steps[0] == 0 and steps[-1] == 4 and set(steps) <= {0, 2, 4}
     assert {(i.width, i.height) for i in images} == {(WIDTH, image_height(3))}
     (config,) = events.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
@@ -300,3 +302,43 @@ def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, mon
     events = read_events(trainer.logger.log_dir)
     assert events.Tags()["images"] == [] and "grad_output_norm/net.0" in events.Tags()["scalars"]
     assert report.steps == 2
+
+
+def test_gradient_flow_is_drawn_within_its_time_budget(monkeypatch):
+    from lightning_gradhooks import flow
+    from lightning_gradhooks.records import GradientEntry, GradientRecord
+
+    clock = [100.0]
+    monkeypatch.setattr(flow.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(flow.GradientFlow, "_draw", lambda self: clock.__setitem__(0, clock[0] + 1.0))
+    picture = flow.GradientFlow()
+    stats = dict.fromkeys(STATISTICS, 0.0) | {"norm": 2.0}
+    drawn = []
+    for step in range(0, 2000, 10):  # 200 logged steps
+        picture.add(step, GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)]))
+        if picture.due():
+            picture.image()
+            drawn.append(step)
+        clock[0] += 1.0  # one second of training per logged step; a drawing takes one second
+    # The first step is drawn; afterwards drawings stay within DRAW_BUDGET of the elapsed time.
+    assert drawn[0] == 0 and 3 <= len(drawn) <= 6  # at 0, ~50 s, ~100 s, ...
+    assert picture.draw_seconds <= flow.DRAW_BUDGET * (clock[0] - 100.0) + 1.0
+    assert not picture.due()  # the latest step was drawn or is not due yet
+
+
+def test_gradient_flow_of_the_last_logged_step_is_drawn_when_fit_fails(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Failing(Net):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 5:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    model = Failing(mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    with pytest.raises(RuntimeError, match="boom"):
+        fit_report(tmp_path, model, steps=8)
+    log_dir = next(p.parent for p in tmp_path.rglob("events.out.tfevents.*"))
+    events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    events.Reload()
+    assert [i.step for i in events.Images("gradient_flow")][-1] == 4
