@@ -19,7 +19,6 @@ import time
 import torch
 from torch import nn
 
-MODE, FOLDER = sys.argv[1], sys.argv[2]
 
 
 def mlp() -> nn.Sequential:
@@ -27,12 +26,12 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
 
 
-def sigint_loop() -> None:
+def sigint_loop(folder: str) -> None:
     from lightning_gradhooks.offload import save_on_disk
 
     # Small budgets, so that interrupts also land while the forward waits for the writer and
     # the backward waits for the reader.
-    offload = save_on_disk(1 << 16, FOLDER, max_bytes_in_flight=1 << 20, prefetch_bytes=1 << 20)
+    offload = save_on_disk(1 << 16, folder, max_bytes_in_flight=1 << 20, prefetch_bytes=1 << 20)
     model, x = mlp(), torch.randn(512, 256)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     caught = 0
@@ -55,7 +54,7 @@ def sigint_loop() -> None:
     print(f"DONE {stats.files_on_disk} {stats.bytes_pending_write}", flush=True)
 
 
-def lightning_fit(ddp_fork: bool, forever: bool = False) -> None:
+def lightning_fit(folder: str, ddp_fork: bool, forever: bool = False) -> None:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -88,13 +87,14 @@ def lightning_fit(ddp_fork: bool, forever: bool = False) -> None:
     trainer = pl.Trainer(
         max_steps=10**6 if forever else 4, max_epochs=-1, accelerator="cpu", devices=2 if ddp_fork else 1, strategy="ddp_fork" if ddp_fork else "auto",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[GradHooks(offload_threshold_bytes=1 << 16, offload_dir=FOLDER)],
+        callbacks=[GradHooks(offload_threshold_bytes=1 << 16, offload_dir=folder)],
     )
     trainer.fit(Model(), data)
 
 
-if __name__ == "__main__":
-    if MODE == "sigint":
-        sigint_loop()
+if __name__ == "__main__":  # imported (pytest's doctest collection), it runs nothing
+    mode, folder = sys.argv[1], sys.argv[2]
+    if mode == "sigint":
+        sigint_loop(folder)
     else:
-        lightning_fit(ddp_fork=MODE == "ddp_fork", forever=MODE == "lightning_sigint")
+        lightning_fit(folder, ddp_fork=mode == "ddp_fork", forever=mode == "lightning_sigint")
