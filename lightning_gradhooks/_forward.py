@@ -17,23 +17,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradhooks.monitor import GradientMonitor
-
-
-def _floating(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _floating(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floating(v)]
-    return []
+from lightning_gradhooks.monitor import GradientMonitor, _tensor_leaves
 
 
 def _check(monitor: GradientMonitor, name: str, module: nn.Module, args: tuple, output: Any) -> None:
     if not (module.training and torch.is_grad_enabled()):
         return
-    sums = [t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in _floating(output)]
+    floating = [t.detach() for _, t in _tensor_leaves(output) if t.is_floating_point()]
+    sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
     if sums:
         monitor.observe("forward", name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1))
 

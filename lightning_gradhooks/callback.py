@@ -360,18 +360,18 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         monitor = self._monitor
-        if monitor is not None and not monitor.armed and self._pieces_due:
+        if monitor is None or not (monitor.armed or self._pieces_due):
+            return  # steps that are not logged end here
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.
             if pl_module.automatic_optimization:
                 self._pieces_due = False
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             self._write(trainer, monitor.collect_parameters(params))
-        if monitor is None or not monitor.armed:
             return
         # One record per optimizer step: the hook statistics of every backward since the last
         # one (micro-batches, several manual_backward calls) pooled, and the gradients of the
         # parameters this optimizer is about to step.
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         record = monitor.collect(params)
         prefix = ""
         if len(trainer.optimizers) > 1:

@@ -168,7 +168,7 @@ def _label(name: str) -> str:
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
-def _without_compile_wrappers(name: str) -> str:
+def _without_wrappers(name: str) -> str:
     """``net._orig_mod.0`` -> ``net.0``: names as in the model before ``torch.compile``, FSDP1
     wrapping and checkpoint wrapping."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
@@ -181,7 +181,7 @@ def _is_compile_wrapper(module: nn.Module) -> bool:
 def _named_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``model.named_modules()``, named as before ``torch.compile`` (wrappers left out)."""
     return {
-        _without_compile_wrappers(name): module
+        _without_wrappers(name): module
         for name, module in model.named_modules()
         if not _is_compile_wrapper(module)
     }
