@@ -10,7 +10,6 @@ import pytorch_lightning
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 from typing_extensions import override
 
-from lightning_gradhooks._forward import ForwardChecks
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.distributed import RankReducer
@@ -198,7 +197,6 @@ class GradHooksLogic:
         self._thresholds = _thresholds(self.report_thresholds)
         self._report: HealthReport | None = None
         self._updates: UpdateTracker | None = None
-        self._forward = ForwardChecks()
         self._flow: GradientFlow | None = None
         self._layouts: set[int] = set()  # writers that hold the custom-scalars layout
         self._nonfinite_seen: set[str] = set()
@@ -264,6 +262,7 @@ class GradHooksLogic:
             exclude=self.exclude,
             histograms=self.histograms,
             bins=self.histogram_bins,
+            forward_checks="nonfinite" in self.statistics,  # where NaN/Inf are born
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
         if self.sync_dist and trainer.world_size > 1:
@@ -318,7 +317,6 @@ class GradHooksLogic:
 
     def _cleanup(self) -> None:
         self._reducer = None
-        self._forward.remove()
         if self._updates is not None:
             self._updates.remove()
             self._updates = None
@@ -349,8 +347,6 @@ class GradHooksLogic:
         if monitor is not None and observed and not monitor.armed and trainer.global_step % self._interval == 0:
             self._step = trainer.global_step
             monitor.arm()
-            if "nonfinite" in self.statistics:
-                self._forward.register(monitor)  # where NaN/Inf are born, on logged steps only
         if self._offload is not None and not self._offload_active:
             self._offload_active = True  # first: an interrupt inside __enter__ still gets an exit
             self._offload.__enter__()
@@ -395,7 +391,6 @@ class GradHooksLogic:
         # Hook statistics waiting for an optimizer step (accumulation) keep the monitor armed.
         if self._monitor is not None and not self._monitor.pending:
             self._monitor.disarm()
-            self._forward.remove()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

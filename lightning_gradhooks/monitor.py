@@ -1,10 +1,14 @@
-"""``GradientMonitor``: per-module gradient statistics from full backward hooks, in plain PyTorch.
+"""``GradientMonitor``: per-module gradient statistics of the backward pass, in plain PyTorch.
 
-The monitor chooses modules, attaches one ``register_full_backward_hook`` to each and gives back
-one handle that removes them all. Hooks return at once unless the monitor is *armed*; armed,
-they reduce ``grad_output`` and ``grad_input`` to statistics on the device and append them to a
-list. :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the
-host in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
+The monitor chooses modules and gives back one handle that removes everything it registers.
+Between logged steps nothing of it is in the modules. When it is *armed*, a forward hook on each
+chosen module hooks the autograd nodes that made the module's outputs, and a forward pre-hook
+passes each input through a view whose node is hooked too: backward then hands the hooks
+``grad_output`` and ``grad_input``, the same tensors a full backward hook
+(``register_full_backward_hook``) receives, without the two Python autograd functions per call
+that a full backward hook wraps around every forward. The hooks reduce them to statistics on
+the device; :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything
+to the host in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
 """
 
 from __future__ import annotations
@@ -31,12 +35,6 @@ ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
 
 
-# PyTorch warns on every backward in which a hooked module had no input requiring grad (the
-# first layer, modules after frozen ones). For us that is expected: such modules simply have no
-# ``grad_input`` statistics. The filter lives exactly as long as the hooks.
-_NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
-
-
 class MonitorHandle:
     """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager.
 
@@ -46,37 +44,19 @@ class MonitorHandle:
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
-        self._flags: list[tuple[nn.Module, bool | None]] = []
-        warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
-        self._filter: tuple | None = warnings.filters[0]
-
-    @property
-    def active(self) -> bool:
-        return self._filter is not None
+        self.active = True
 
     def add(self, handle: Any) -> None:
         self._handles.append(handle)
 
-    def add_full_backward_hook(self, module: nn.Module, hook: Any) -> None:
-        self._flags.append((module, module._is_full_backward_hook))
-        self._handles.append(module.register_full_backward_hook(hook))
-
     def park(self) -> None:
         """Take every hook out of the modules; the monitor registers them again when armed."""
-        handles, flags, self._handles, self._flags = self._handles, self._flags, [], []
+        handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        # Registering a full backward hook marks the module for good; undo that mark when no
-        # hook is left, so the module can take any kind of backward hook again.
-        for module, flag in reversed(flags):
-            if not module._backward_hooks:
-                module._is_full_backward_hook = flag
 
     def remove(self) -> None:
-        if self._filter in warnings.filters:
-            warnings.filters.remove(self._filter)
-            getattr(warnings, "_filters_mutated", lambda: None)()
-        self._filter = None
+        self.active = False
         self.park()
 
     def __enter__(self) -> MonitorHandle:
@@ -254,7 +234,8 @@ def select_modules(
 
 
 class GradientMonitor:
-    """Collects per-module gradient statistics through full backward hooks.
+    """Collects per-module gradient statistics: each module's ``grad_output`` and ``grad_input``
+    (what a full backward hook receives) and its parameters' gradients.
 
     Works in any PyTorch loop; it never imports Lightning. Attach once, arm it for the steps you
     want to see, and :meth:`collect` after backward (before ``optimizer.zero_grad``).
@@ -268,6 +249,10 @@ class GradientMonitor:
         bins: number of histogram bins.
         parameters: also reduce each selected module's own parameter gradients in
             :meth:`collect`.
+        forward_checks: on armed steps, also sum each module's floating outputs in forward
+            (one op per output) into entries of kind ``"forward"``, first in the record and in
+            forward order, so that :attr:`GradientRecord.first_nonfinite` names the module in
+            whose forward NaN or Inf were born.
 
     Raises:
         ValueError: bad arguments, or a pattern that matches no module.
@@ -292,6 +277,7 @@ class GradientMonitor:
         histograms: bool = True,
         bins: int = DEFAULT_BINS,
         parameters: bool = True,
+        forward_checks: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
@@ -324,6 +310,7 @@ class GradientMonitor:
         self.bins = bins
         self._model = model
         self._with_parameters = bool(parameters)
+        self._forward_checks = bool(forward_checks)
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -332,10 +319,11 @@ class GradientMonitor:
         self._reducers: dict[torch.device, Reducer] = {}
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None
-        #: Per hooked module, after the first armed step: whether it takes tensor hooks (True)
-        #: or a full backward hook (False). None until that step has shown in-place use.
-        self._plan: dict[str, bool] | None = None
-        #: Modules whose grad_output is read through tensor hooks (found modified in place).
+        #: The hooked modules whose inputs are watched too (``grad_input``), once the first armed
+        #: step has shown which modules are safe for it. None until then.
+        self._plan: set[str] | None = None
+        #: Modules whose grad_output alone is read (modified in place, structured outputs, or not
+        #: run in the first armed step).
         self.fallback: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -346,13 +334,12 @@ class GradientMonitor:
         when it disarms (:meth:`collect`, :meth:`disarm`): steps that are not logged run exactly
         as without the monitor.
 
-        Full backward hooks break on modules whose output (or input) is modified in place, as
-        ``ReLU(inplace=True)`` after a norm layer or ``out += identity`` do. So the first armed
-        forward runs with forward hooks only, which watch tensor version counters and read
-        ``grad_output`` through tensor hooks on the outputs (that step has no ``grad_input``).
-        When its backward starts, modules seen modified in place keep that mechanism
-        (``grad_output`` only; reported once in a warning) and every other module gets its
-        full backward hook.
+        Reading ``grad_input`` passes a module's inputs through a view, which breaks on modules
+        whose output (or input) is modified in place, as ``ReLU(inplace=True)`` after a norm
+        layer or ``out += identity`` do. So the first armed forward only watches tensor version
+        counters and reads ``grad_output`` (that step has no ``grad_input``). When its backward
+        starts, modules seen modified in place keep to ``grad_output`` (reported once in a
+        warning) and every other module has its inputs watched too.
         """
         if self._handle is None or not self._handle.active:
             self._handle = MonitorHandle()
@@ -373,10 +360,9 @@ class GradientMonitor:
                 self._handle.add(handle)
             return
         for label, module in self._hooked.items():
-            if self._plan.get(label):
-                self._handle.add(module.register_forward_hook(functools.partial(self._fallback_forward, label)))
-            elif label in self._plan:
-                self._handle.add_full_backward_hook(module, functools.partial(self._full_hook, label))
+            if label in self._plan:
+                self._handle.add(module.register_forward_pre_hook(functools.partial(self._watch_inputs, label)))
+            self._handle.add(module.register_forward_hook(functools.partial(self._watch_forward, label)))
 
     def _park(self) -> None:
         self._probe = None  # a probe whose backward never came is run again at the next arm
@@ -397,24 +383,20 @@ class GradientMonitor:
         if outputs and not _full_hook_sees(output):
             self._probe.structured.add(name)
         self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
-        self._watch_outputs(name, outputs)
+        self._watch_forward(name, module, args, output)
 
     def _finish_probe(self) -> None:
         """Plan each module's lasting hook, once the first armed backward has started."""
         probe, self._probe = self._probe, None
         for handle in probe.handles:
             handle.remove()
-        in_place, skipped = probe.modified_in_place(), []
+        in_place = probe.modified_in_place()
         # A module that did not run yet (a branch taken later) might meet an in-place
-        # operation when it does: only tensor hooks are safe for it.
+        # operation when it does: only its outputs are safe to watch. Inputs of a module with
+        # structured outputs are not watched either, as a full backward hook could not.
         unseen = set(self._hooked) - {name for name, _ in probe.outputs}
         fallback = in_place | probe.structured | unseen
-        self._plan = {}
-        for label, module in self._hooked.items():
-            if label not in fallback and module._is_full_backward_hook is False:
-                skipped.append(label)
-            else:
-                self._plan[label] = label in fallback
+        self._plan = set(self._hooked) - fallback
         self.fallback = sorted(fallback)
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
@@ -422,12 +404,6 @@ class GradientMonitor:
             warnings.warn(
                 "in-place operations touch these modules' outputs or inputs, so their grad_output is "
                 f"read with tensor hooks and grad_input is not logged: {', '.join(sorted(in_place))}",
-                stacklevel=2,
-            )
-        if skipped:
-            warnings.warn(
-                "these modules already carry legacy `register_backward_hook` hooks and are not "
-                f"monitored: {', '.join(skipped)}",
                 stacklevel=2,
             )
 
@@ -469,48 +445,72 @@ class GradientMonitor:
         self._reducers.clear()
         self._park()
 
-    # -- hot path --------------------------------------------------------------------------
-    def _full_hook(self, name: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-        if not self._armed:
+    # -- hot path: armed steps only ----------------------------------------------------------
+    def _watch_inputs(self, name: str, module: nn.Module, args: tuple) -> tuple | None:
+        """Pass each input that requires grad through a view of its own, whose node's gradient
+        is this module's ``grad_input``: what reaches the input through this module alone."""
+        if not (self._armed and torch.is_grad_enabled()):
+            return None
+        watched = None
+        for i, arg in enumerate(args):
+            if isinstance(arg, Tensor) and arg.requires_grad:
+                if watched is None:
+                    watched = list(args)
+                watched[i] = arg.view_as(arg)
+                self._hook(watched[i], "grad_input", name if len(args) == 1 else f"{name}/{i}", False)
+        return None if watched is None else tuple(watched)
+
+    def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        if not (self._armed and torch.is_grad_enabled()):
             return
-        self._reduce("grad_output", name, grad_output, self.histograms)
-        self._reduce("grad_input", name, grad_input, False)
+        if isinstance(output, Tensor):
+            if output.requires_grad:
+                self._hook(output, "grad_output", name, self.histograms)
+        else:
+            for path, t in _grad_tensors(output):
+                self._hook(t, "grad_output", "/".join((name, *path)), self.histograms)
+        if self._forward_checks and module.training:
+            self._check_forward(name, output)
 
-    def _fallback_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._armed and torch.is_grad_enabled():
-            self._watch_outputs(name, _grad_tensors(output))
+    def _hook(self, t: Tensor, kind: str, label: str, histogram: bool) -> None:
+        """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made
+        ``t`` fires with the gradient of this version of ``t``, even if ``t`` is modified in place
+        later, and lives as long as the step's graph."""
+        node = t.grad_fn
+        if node is None:  # a leaf: a module that returns a parameter
+            t.register_hook(functools.partial(self._leaf_grad, kind, label, histogram))
+        else:
+            node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr))
 
-    def _watch_outputs(self, name: str, outputs: list[tuple[tuple[str, ...], Tensor]]) -> None:
-        # A tensor hook registered now fires with the gradient of this version of the tensor,
-        # even if it is modified in place later.
-        for path, t in outputs:
-            t.register_hook(functools.partial(self._output_grad, "/".join((name, *path))))
-
-    def _output_grad(self, label: str, grad: Tensor) -> None:
+    def _node_grad(self, kind: str, label: str, histogram: bool, index: int, grads: tuple) -> None:
         if self._probe is not None:
             self._finish_probe()
         if self._armed:
-            self._reduce("grad_output", label, (grad,), self.histograms)
+            self._reduce(kind, label, grads[index], histogram)
 
-    def _reduce(self, kind: str, name: str, grads: tuple[Tensor | None, ...], hist: bool) -> None:
-        for i, grad in enumerate(grads):
-            if grad is None or not grad.is_floating_point():
-                continue
-            if _shards.is_dtensor(grad):  # tensor parallel: this rank's piece, if it reports one
-                grad = _shards.local_piece(grad)[0]
-                if grad is None or grad.numel() == 0:
-                    continue
-            reducer = self._reducers.get(grad.device)
-            if reducer is None:
-                reducer = self._reducers[grad.device] = Reducer(self.bins)
-            reducer.add(grad, hist)
-            self._pending.append((kind, name if len(grads) == 1 else f"{name}/{i}", grad.device))
+    def _leaf_grad(self, kind: str, label: str, histogram: bool, grad: Tensor) -> None:
+        self._node_grad(kind, label, histogram, 0, (grad,))
 
-    def observe(self, kind: str, name: str, tensor: Tensor) -> None:
-        """Reduce ``tensor`` with this step's gradients, read in the same transfer: an entry of
-        ``kind`` and ``name`` in the next record. Nothing happens while the monitor is not armed."""
-        if self._armed:
-            self._reduce(kind, name, (tensor,), False)
+    def _check_forward(self, name: str, output: Any) -> None:
+        """One sum per floating output: NaN or Inf exactly when an element is (barring a float32
+        overflow of a sum of finite values)."""
+        floating = [t.detach() for _, t in _tensor_leaves(output) if t.is_floating_point()]
+        sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
+        if sums:
+            self._reduce("forward", name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)
+
+    def _reduce(self, kind: str, name: str, grad: Tensor | None, histogram: bool) -> None:
+        if grad is None or not grad.is_floating_point():
+            return
+        if _shards.is_dtensor(grad):  # tensor parallel: this rank's piece, if it reports one
+            grad = _shards.local_piece(grad)[0]
+            if grad is None or grad.numel() == 0:
+                return
+        reducer = self._reducers.get(grad.device)
+        if reducer is None:
+            reducer = self._reducers[grad.device] = Reducer(self.bins)
+        reducer.add(grad, histogram)
+        self._pending.append((kind, name, grad.device))
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
@@ -577,7 +577,7 @@ class GradientMonitor:
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
-                self._reduce("param_grad", name, (piece,), self.histograms)
+                self._reduce("param_grad", name, piece, self.histograms)
 
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).

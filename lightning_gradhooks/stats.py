@@ -5,14 +5,17 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
 
 - small gradients are gathered and reduced together, a batch at a time, with a fixed number of
   ops per batch (segment reductions over rows, one scatter for all their histograms);
-- on the CPU, big gradients are reduced on their own in four passes with a host-side finite
-  check; on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a
-  batch, because there the launch count, not the bytes, is what costs.
+- on the CPU, big gradients are reduced on their own in five passes (minimum and maximum,
+  sum, row norms, zero count), the finite check read from the minimum and maximum, and their
+  histogram in three more (scale, convert, count); on accelerators every gradient up to
+  :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch, because there the launch count, not the
+  bytes, is what costs.
 
-The device holds five *moments* per tensor (finite count, mean, centred sum of squares, finite
-minimum and maximum); :func:`finish_rows` turns them into :data:`STATISTICS` on the host. Every
-statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that one
-NaN does not hide the shape of the rest of the gradient.
+The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
+values centred on a point near the mean, finite minimum and maximum, zero count);
+:func:`finish_rows` turns them into :data:`STATISTICS` on the host, for all tensors at once.
+Every statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that
+one NaN does not hide the shape of the rest of the gradient.
 """
 
 from __future__ import annotations
@@ -84,6 +87,24 @@ def _shrunk(bins: int) -> float:
     return bins * (1 - 1e-6)
 
 
+class _Scratch:
+    """Buffers that the CPU reductions of one step write their big temporaries into.
+
+    A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
+    than the arithmetic; reused, it costs nothing. The buffers grow to the largest tensor
+    reduced and are dropped with the :class:`Reducer` state at :meth:`Reducer.finish`.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
+        buffer = self._buffers.get((name, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name, dtype] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel]
+
+
 class Reducer:
     """Reduces the gradients of one step on one device: statistics, and histograms where asked.
 
@@ -104,52 +125,104 @@ class Reducer:
         self._batch_elements = 0
         self._numels: list[int] = []
         self._histogram: list[bool] = []
+        self._scratch = _Scratch()
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
         x = _as_float(tensor)
+        n = x.numel()
         position = len(self._numels)
-        self._numels.append(x.numel())
+        self._numels.append(n)
         self._histogram.append(histogram)
         on_device = _branch_free or x.device.type != "cpu"
-        if not on_device and x.numel() > CPU_BATCH_TENSOR:
-            self._blocks.append((*_reduce_on_cpu([x], self.bins if histogram else None), [position]))
+        if not on_device and n > CPU_BATCH_TENSOR:
+            self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
             return
-        capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
-        if self._batch_elements + x.numel() > capacity or (self._batch and self._batch[0].device != x.device):
+        full = self._batch_elements + n > (DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS)
+        if full or (self._batch and self._batch[0].device != x.device):
             self._flush()
         self._batch.append(x)
         self._batch_positions.append(position)
-        self._batch_elements += x.numel()
+        self._batch_elements += n
 
     def _flush(self) -> None:
         if self._batch:
             bins = self.bins if any(self._histogram[p] for p in self._batch_positions) else None
             on_device = _branch_free or self._batch[0].device.type != "cpu"
-            moments, counts = (reduce_batch if on_device else _reduce_on_cpu)(self._batch, bins)
+            if on_device:
+                moments, counts = reduce_batch(self._batch, bins)
+            else:
+                moments, counts = _reduce_on_cpu(self._batch, bins, self._scratch)
             self._blocks.append((moments, counts, self._batch_positions))
             self._batch, self._batch_positions, self._batch_elements = [], [], 0
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
         """The statistics row and histogram counts (or None) of each tensor, in the order added."""
         self._flush()
-        if not self._blocks:
-            return []
-        parts = [m.reshape(-1) for m, _, _ in self._blocks] + [c.reshape(-1) for _, c, _ in self._blocks if c is not None]
-        host = torch.cat(parts).tolist()  # the one transfer
-        results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(self._numels)
-        first, offset = 0, len(self._numels) * MOMENTS
-        for _, counts, positions in self._blocks:
-            rows = finish_rows(host[first * MOMENTS : (first + len(positions)) * MOMENTS], [self._numels[p] for p in positions])
-            first += len(positions)
-            for k, (p, row) in enumerate(zip(positions, rows)):
-                wanted = counts is not None and self._histogram[p]
-                results[p] = (row, host[offset + k * self.bins : offset + (k + 1) * self.bins] if wanted else None)
-            offset += 0 if counts is None else counts.numel()
+        blocks, numels, wanted = self._blocks, self._numels, self._histogram
         self.__init__(self.bins)
+        if not blocks:
+            return []
+        parts = [m.reshape(-1) for m, _, _ in blocks] + [c.reshape(-1) for _, c, _ in blocks if c is not None]
+        host = torch.cat(parts).to("cpu", torch.float64)  # the one transfer
+        positions = [p for _, _, block in blocks for p in block]
+        k = len(positions)
+        rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
+        rows = rows.tolist()
+        # One list of every count (tolist is slow on a view that starts inside its storage).
+        counts = host[k * MOMENTS :].clone().tolist()
+        results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(numels)
+        first, offset, bins = 0, 0, self.bins
+        for _, block_counts, block in blocks:
+            for j, p in enumerate(block):
+                hist = counts[offset + j * bins : offset + (j + 1) * bins] if block_counts is not None and wanted[p] else None
+                results[p] = (rows[first + j], hist)
+            first += len(block)
+            offset += 0 if block_counts is None else len(block) * bins
         return results
 
 
-def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
+    """Moments (and histogram) of one big flat CPU tensor in as few passes as they allow.
+
+    One read of ``aminmax``, the sum, the row norms and the count of non-zeros: NaN and Inf show
+    in the minimum and maximum, and only then does the tensor take the masked path of
+    :func:`reduce_batch`. The sums are not centred (no copy): a tensor whose mean is far from
+    zero against its spread (rare for gradients) is centred on its mean and summed again.
+    """
+    n = x.numel()
+    whole = n - n % ROW
+    squares = torch.linalg.vector_norm(x[:whole].view(-1, ROW), dim=1).to(torch.float64).square_().sum()
+    if whole < n:
+        squares = squares + x[whole:].to(torch.float64).square().sum()
+    low, high = torch.aminmax(x)
+    lo, hi, total, squares, nonzero = torch.stack(
+        [low.double(), high.double(), x.sum().double(), squares, torch.count_nonzero(x).double()]
+    ).tolist()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return reduce_batch([x], bins)
+    centre = 0.0
+    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
+        centre = total / n
+        shifted = torch.sub(x, centre)
+        squares, total = _squares(shifted), shifted.sum().item()
+    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
+    if bins is None:
+        return moments, None
+    counts = torch.zeros(bins, dtype=torch.float64)
+    if hi > lo:
+        index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))  # in [0, span]
+        scale = _shrunk(bins) / (hi - lo)  # keeps the maximum inside the last bin
+        if scale < torch.finfo(x.dtype).max:
+            index.mul_(scale)
+        else:  # a denormal span: divide first
+            index.div_(hi - lo).mul_(_shrunk(bins))
+        counts += _count(scratch.get("index", n, torch.uint8 if bins <= 256 else torch.int32).copy_(index), bins)
+    else:
+        counts[0] = n
+    return moments, counts.view(1, bins)
+
+
+def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for CPU tensors, in a few plain passes when every value is finite.
 
     On the CPU, reading a reduced value is not a device synchronisation, so the code can
@@ -163,45 +236,66 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor,
     if len(tensors) == 1 and not pads[0]:
         x = tensors[0].view(-1, ROW)
     else:
-        x = torch.cat([p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))])
-        x = x.view(-1, ROW)
+        pieces = [p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))]
+        x = torch.cat(pieces, out=scratch.get("rows", len(row_of) * ROW, tensors[0].dtype)).view(-1, ROW)
     m = len(tensors)
+    work = scratch.get("float", x.numel(), x.dtype).view(-1, ROW)
     low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")
     high = torch.full((m,), -math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amax(1), "amax")
-    ranges = torch.stack([low, high], 1).tolist()
-    if not all(math.isfinite(v) for pair in ranges for v in pair):
+    if not torch.stack([low, high]).isfinite().all():
         return reduce_batch(tensors, bins)
-    if any(pads):  # centred on each tensor's first element, the padding adds exactly nothing
-        first = x.view(-1)[firsts]
-        shifted = x - first[row_of, None]
-    else:  # one big tensor: no copy
-        first, shifted = torch.zeros(m, dtype=x.dtype), x
-    zeros = (x == 0).sum(1)  # the padding copies the first element: taken out below
-    per_row = torch.stack([torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1), zeros], 1).to(torch.float64)
+    first = x.view(-1)[firsts]  # centred on each tensor's first element, the padding adds nothing
+    shifted = torch.sub(x, first[row_of, None], out=work)
+    per_row = [torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)]
+    per_row.append(torch.sign(x, out=work).abs_().sum(1))  # exact: at most ROW nonzeros per row
+    per_row = torch.stack(per_row, 1).to(torch.float64)
     per_row[:, 0].square_()
-    sums = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).tolist()
-    rows = []
-    for t, t0, (squares, offset, zero), (lo, hi), pad in zip(tensors, first.tolist(), sums, ranges, pads):
-        n = t.numel()
-        zero -= pad if t0 == 0 else 0
-        if 0 < squares and squares - offset * offset / n <= 0.1 * squares:  # the first element is far out
-            centred = torch.sub(t, t0 + offset / n)  # centre on the mean instead
-            squares, offset, t0 = _squares(centred), centred.sum().item(), t0 + offset / n
-        rows.append([n, t0 + offset / n, squares, offset, lo, hi, zero])  # spread = squares - offset² / n
-    moments = torch.tensor(rows, dtype=torch.float64)
+    squares, offset, nonzero = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).unbind(1)
+    numel = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)
+    centre = first.to(torch.float64)
+    zeros = numel - nonzero + torch.tensor(pads, dtype=torch.float64) * (centre != 0)
+    far = (squares > 0) & (squares - offset * offset / numel <= 0.1 * squares)
+    for k in far.nonzero().view(-1).tolist():  # the first element is far out: centre on the mean
+        centre[k] += offset[k] / numel[k]
+        centred = torch.sub(tensors[k], centre[k].item())
+        squares[k], offset[k] = _squares(centred), centred.sum().item()
+    moments = torch.stack([numel, centre + offset / numel, squares, offset, low.double(), high.double(), zeros], 1)
     if bins is None:
         return moments, None
     span = (high - low).clamp_(min=torch.finfo(x.dtype).smallest_normal * 2**-23)
-    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins))
-    if m == 1:  # bincount counts bytes fastest
-        index = index.to(torch.uint8 if bins < 255 else torch.int32).view(-1)
+    scale = _shrunk(bins) / span
+    index = torch.sub(x, low[row_of, None], out=work)
+    if scale.isfinite().all():
+        index.mul_(scale[row_of, None])
+    else:  # a denormal span: divide first
+        index.div_(span[row_of, None]).mul_(_shrunk(bins))
+    if m == 1:  # bincount reads the minimum and maximum of its input first: bytes are read fastest
+        index = scratch.get("index", x.numel(), torch.uint8 if bins < 255 else torch.int32).copy_(index.view(-1))
     else:
-        index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
+        index = scratch.get("index", x.numel(), torch.int32).view(-1, ROW).copy_(index)
+        index = index.add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
     counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     # The padding copies the first element of its tensor: take it out of that element's bin.
     if any(pads):
         counts.index_add_(0, index[firsts].int(), -torch.tensor(pads, dtype=torch.float64))
     return moments, counts.view(m, bins + 1)[:, :bins]
+
+
+#: Four lanes, one per byte of an int32 (little-endian): added to a uint8 index viewed as int32,
+#: it moves the k-th of every four elements into lane k, never carrying (every byte is below 64).
+_LANES = int.from_bytes(bytes([192, 128, 64, 0]), "little")
+
+
+def _count(index: Tensor, bins: int) -> Tensor:
+    """``bincount`` of a flat index in ``[0, bins)``, as float64. A uint8 index with at most 64
+    bins is counted in four interleaved sub-histograms: bincount adds one to a counter per
+    element, and when neighbours share a bin (ReLU zeros, a vanishing layer) each addition waits
+    for the last one; in four lanes neighbours never do. The index is modified in place."""
+    if bins > 64 or index.dtype != torch.uint8:
+        return torch.bincount(index, minlength=bins)[:bins].to(torch.float64)
+    whole = index.numel() - index.numel() % 4
+    index[:whole].view(torch.int32).add_(_LANES)
+    return torch.bincount(index, minlength=256).view(4, 64).sum(0)[:bins].to(torch.float64)
 
 
 def _squares(x: Tensor) -> float:
@@ -283,24 +377,25 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
     return moments, counts.view(m, bins + 1)[:, :bins]
 
 
-def finish_rows(values: Sequence[float], numels: Sequence[int]) -> list[list[float]]:
-    """Statistics rows (:data:`STATISTICS`, count, low, high) from moments read to the host.
+def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
+    """Statistics rows (:data:`STATISTICS`, count, low, high) from moments, for many tensors at once.
 
     Args:
-        values: ``len(numels) * MOMENTS`` floats, as :meth:`Reducer.finish` lays them out.
-        numels: the element count of each tensor.
+        moments: float64, shape ``(k, MOMENTS)``, as :class:`Reducer` lays them out.
+        numels: float64, the element count of each tensor.
+
+    Returns:
+        float64, shape ``(k, STATS_WIDTH)``.
     """
-    rows = []
-    for k, numel in enumerate(numels):
-        count, mean, squares, offset, low, high, zeros = values[k * MOMENTS : (k + 1) * MOMENTS]
-        if count == 0:
-            mean = squares = offset = low = high = 0.0
-        spread = max(squares - offset * offset / max(count, 1), 0.0)  # >= 0 despite rounding
-        std = math.sqrt(spread / (count - 1)) if count > 1 else 0.0
-        norm = math.sqrt(spread + count * mean * mean)
-        zero_fraction = zeros / numel if numel else 0.0
-        rows.append([norm, mean, std, max(abs(low), abs(high)), numel - count, zero_fraction, count, low, high])
-    return rows
+    count, mean, squares, offset, low, high, zeros = moments.unbind(1)
+    empty = count == 0  # no finite element: every moment is 0
+    mean, squares, offset, low, high = (v.masked_fill(empty, 0.0) for v in (mean, squares, offset, low, high))
+    spread = (squares - offset * offset / count.clamp(min=1)).clamp_(min=0.0)  # >= 0 despite rounding
+    std = (spread / (count - 1)).sqrt_().masked_fill_(count <= 1, 0.0)
+    norm = (spread + count * mean * mean).sqrt_()
+    zero_fraction = (zeros / numels).masked_fill_(numels == 0, 0.0)
+    absmax = torch.maximum(low.abs(), high.abs())
+    return torch.stack([norm, mean, std, absmax, numels - count, zero_fraction, count, low, high], 1)
 
 
 def reduce(tensors: Sequence[Tensor], bins: int | None = None) -> list[tuple[list[float], list[float] | None]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
+from collections.abc import Callable
 
 import pytest
 import pytorch_lightning as pl
@@ -142,6 +145,35 @@ def hook_snapshot(model: nn.Module) -> dict[str, tuple]:
         )
         for name, module in model.named_modules()
     }
+
+
+def graph_nodes(loss: torch.Tensor) -> collections.Counter:
+    """How many autograd nodes of each type the graph of ``loss`` holds (``grad_fn.next_functions``)."""
+    seen, stack, found = set(), [loss.grad_fn], collections.Counter()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found[type(node).__name__] += 1
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def calls_into_the_library(run: Callable[[], object]) -> tuple[list[str], object]:
+    """The functions of lightning_gradhooks that Python enters while ``run()`` runs, and what it returns."""
+    calls = []
+
+    def profile(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call" and "lightning_gradhooks" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = run()
+    finally:
+        sys.setprofile(None)
+    return calls, result
 
 
 def read_events(log_dir: str):  # noqa: ANN201
