@@ -5,9 +5,9 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
 
 - small gradients are gathered and reduced together, a batch at a time, with a fixed number of
   ops per batch (segment reductions over rows, one scatter for all their histograms);
-- on the CPU, big gradients are reduced on their own in five passes (minimum and maximum,
-  sum, row norms, zero count), the finite check read from the minimum and maximum, and their
-  histogram in three more (scale, convert, count); on accelerators every gradient up to
+- on the CPU, big gradients are reduced on their own in four passes (minimum and maximum,
+  sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
+  their histogram in three more (shift and scale, convert to bytes, count); on accelerators every gradient up to
   :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch, because there the launch count, not the
   bytes, is what costs.
 
@@ -191,12 +191,19 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
     """
     n = x.numel()
     whole = n - n % ROW
-    squares = torch.linalg.vector_norm(x[:whole].view(-1, ROW), dim=1).to(torch.float64).square_().sum()
+    head = x[:whole].view(-1, ROW)
+    # Non-zeros as 1.0 summed by rows, exactly: count_nonzero branches on every element, and
+    # a gradient with random zeros (ReLU) makes it ten times slower.
+    ones = torch.ne(head, 0, out=scratch.get("float", whole, x.dtype).view(-1, ROW))
+    per_row = torch.stack([torch.linalg.vector_norm(head, dim=1), ones.sum(1)], 1).to(torch.float64)
+    per_row[:, 0].square_()
+    squares, nonzero = per_row.sum(0)
     if whole < n:
-        squares = squares + x[whole:].to(torch.float64).square().sum()
+        tail = x[whole:].to(torch.float64)
+        squares, nonzero = squares + tail.square().sum(), nonzero + torch.count_nonzero(tail)
     low, high = torch.aminmax(x)
     lo, hi, total, squares, nonzero = torch.stack(
-        [low.double(), high.double(), x.sum().double(), squares, torch.count_nonzero(x).double()]
+        [low.double(), high.double(), x.sum().double(), squares, nonzero.double()]
     ).tolist()
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return reduce_batch([x], bins)
@@ -208,17 +215,8 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
     moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
     if bins is None:
         return moments, None
-    counts = torch.zeros(bins, dtype=torch.float64)
-    if hi > lo:
-        index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))  # in [0, span]
-        scale = _shrunk(bins) / (hi - lo)  # keeps the maximum inside the last bin
-        if scale < torch.finfo(x.dtype).max:
-            index.mul_(scale)
-        else:  # a denormal span: divide first
-            index.div_(hi - lo).mul_(_shrunk(bins))
-        counts += _count(scratch.get("index", n, torch.uint8 if bins <= 256 else torch.int32).copy_(index), bins)
-    else:
-        counts[0] = n
+    index = _to_bins(torch.sub(x, lo, out=scratch.get("float", n, x.dtype)), torch.tensor(hi - lo, dtype=torch.float64), bins)
+    counts = _count(scratch.get("index", n, torch.uint8 if bins <= 256 else torch.int32).copy_(index), bins)
     return moments, counts.view(1, bins)
 
 
@@ -237,7 +235,7 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
         x = tensors[0].view(-1, ROW)
     else:
         pieces = [p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))]
-        x = torch.cat(pieces, out=scratch.get("rows", len(row_of) * ROW, tensors[0].dtype)).view(-1, ROW)
+        x = torch.cat(pieces).view(-1, ROW)
     m = len(tensors)
     work = scratch.get("float", x.numel(), x.dtype).view(-1, ROW)
     low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")
@@ -247,7 +245,7 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     first = x.view(-1)[firsts]  # centred on each tensor's first element, the padding adds nothing
     shifted = torch.sub(x, first[row_of, None], out=work)
     per_row = [torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)]
-    per_row.append(torch.sign(x, out=work).abs_().sum(1))  # exact: at most ROW nonzeros per row
+    per_row.append(torch.ne(x, 0, out=work).sum(1))  # exact: at most ROW non-zeros per row
     per_row = torch.stack(per_row, 1).to(torch.float64)
     per_row[:, 0].square_()
     squares, offset, nonzero = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).unbind(1)
@@ -262,13 +260,8 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     moments = torch.stack([numel, centre + offset / numel, squares, offset, low.double(), high.double(), zeros], 1)
     if bins is None:
         return moments, None
-    span = (high - low).clamp_(min=torch.finfo(x.dtype).smallest_normal * 2**-23)
-    scale = _shrunk(bins) / span
-    index = torch.sub(x, low[row_of, None], out=work)
-    if scale.isfinite().all():
-        index.mul_(scale[row_of, None])
-    else:  # a denormal span: divide first
-        index.div_(span[row_of, None]).mul_(_shrunk(bins))
+    span = (high.double() - low.double())[row_of, None]
+    index = _to_bins(torch.sub(x, low[row_of, None], out=work), span, bins)
     if m == 1:  # bincount reads the minimum and maximum of its input first: bytes are read fastest
         index = scratch.get("index", x.numel(), torch.uint8 if bins < 255 else torch.int32).copy_(index.view(-1))
     else:
@@ -296,6 +289,31 @@ def _count(index: Tensor, bins: int) -> Tensor:
     whole = index.numel() - index.numel() % 4
     index[:whole].view(torch.int32).add_(_LANES)
     return torch.bincount(index, minlength=256).view(4, 64).sum(0)[:bins].to(torch.float64)
+
+
+def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
+    """The two factors, in ``dtype``, that take values minus their tensor's minimum (in
+    ``[0, span]``) to bin positions in ``[0, bins)``: ``bins / span``, computed in float64 and
+    shrunk so that the maximum lands just inside the last bin (no clamp pass).
+
+    The first factor is 1, or an exact 2**64 where a denormal span makes the scale too big for
+    ``dtype``. A span of 0 (a constant tensor, or denormals flushed to zero under
+    ``torch.set_flush_denormal``) gives a scale of 0: every element in bin 0, never NaN.
+
+    Returns:
+        shape ``(2, *span.shape)``.
+    """
+    scale = torch.where(span > 0, _shrunk(bins) / span, 0.0)
+    step = torch.where(scale > torch.finfo(dtype).max / 2.0**64, 2.0**64, 1.0).to(torch.float64)
+    return torch.stack([step, scale / step]).to(dtype)
+
+
+def _to_bins(shifted: Tensor, span: Tensor, bins: int) -> Tensor:
+    """:func:`_bin_scale` applied in place; the exact first step only where it is needed."""
+    step, scale = _bin_scale(span, bins, shifted.dtype)
+    if (step != 1).any():
+        shifted.mul_(step)
+    return shifted.mul_(scale)
 
 
 def _squares(x: Tensor) -> float:
@@ -366,8 +384,8 @@ def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, T
     # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
     # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones and
     # the padding land in the extra bin `bins` of their tensor.
-    span = (high - low).clamp_(min=torch.finfo(dtype).smallest_normal * 2**-23)
-    index = (x - low[row_of, None]).div_(span[row_of, None]).mul_(_shrunk(bins)).nan_to_num_(bins, bins, bins)
+    scale = _bin_scale(high.double() - low.double(), bins, dtype)
+    index = (x - low[row_of, None]).mul_(scale[0, row_of, None]).mul_(scale[1, row_of, None]).nan_to_num_(bins, bins, bins)
     index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
     if device.type == "cpu":
         counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)

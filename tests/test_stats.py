@@ -118,6 +118,37 @@ def test_denormal_and_constant_gradients(n):
             assert row[3] == t.abs().max().item()  # squares underflow in float32: std and norm may not
 
 
+@pytest.fixture
+def flush_denormal():
+    torch.set_flush_denormal(True)
+    yield
+    torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("n", [100, CPU_BATCH_TENSOR * 2])
+def test_histograms_count_every_element_when_the_user_flushes_denormals(n, flush_denormal):
+    """Under ``torch.set_flush_denormal(True)`` a denormal span reads as 0: one full bin, no NaN."""
+    g = torch.Generator().manual_seed(3)
+    for t in (torch.linspace(0, 1, n) * 1e-42, torch.randn(n, generator=g) * 1e-39, torch.randn(n, generator=g)):
+        for context in (torch.no_grad(), branch_free()):
+            with context:
+                together = reduce([t, torch.randn(50, generator=g)], bins=8)
+            assert [sum(counts) for _, counts in together] == [n, 50]
+
+
+@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2, CPU_BATCH_TENSOR * 2 + 3])
+@pytest.mark.parametrize("bins", [7, 64, 65])
+def test_big_histograms_of_gradients_crowded_in_a_few_bins(n, bins):
+    """Half zeros and a heavy tail (a ReLU layer's gradient): big tensors count in lanes."""
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
+    counts = torch.tensor(counts_of(t, bins))
+    low, high = t.min().double(), t.max().double()
+    expected = torch.bincount(((t.double() - low) / (high - low) * bins).long().clamp(max=bins - 1), minlength=bins)
+    assert counts.sum().item() == n
+    assert (counts - expected).abs().sum().item() <= 4 * n / 10_000  # elements on a bin edge may fall either side
+
+
 def test_constant_tensor_histogram_has_one_full_bin():
     counts = counts_of(torch.zeros(100), bins=10)
     assert sum(counts) == 100 and max(counts) == 100
