@@ -9,7 +9,7 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
   sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
   their histogram in three more (shift and scale, convert to bytes, count); on accelerators every gradient up to
   :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch, because there the launch count, not the
-  bytes, is what costs.
+  bytes, is what costs (a batch holds at most that many elements of gradients and their copy).
 
 The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
 values centred on a point near the mean, finite minimum and maximum, zero count);
@@ -50,8 +50,9 @@ MOMENTS = 7
 
 #: On the CPU, gradients of at most this many elements are batched; bigger ones are reduced alone.
 CPU_BATCH_TENSOR = 1 << 15
-#: On accelerators, gradients of at most this many elements are batched.
-DEVICE_BATCH_ELEMENTS = 1 << 22
+#: On accelerators, gradients of at most this many elements are batched, and a batch is reduced
+#: once it holds this many (64 MiB of float32: fewer, bigger batches launch fewer kernels).
+DEVICE_BATCH_ELEMENTS = 1 << 24
 #: A batch is reduced once it holds this many elements (CPU: this many, or the tensor limit).
 CPU_BATCH_ELEMENTS = 1 << 20
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
@@ -303,9 +304,9 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     Returns:
         shape ``(2, *span.shape)``.
     """
-    scale = torch.where(span > 0, _shrunk(bins) / span, 0.0)
-    step = torch.where(scale > torch.finfo(dtype).max / 2.0**64, 2.0**64, 1.0).to(torch.float64)
-    return torch.stack([step, scale / step]).to(dtype)
+    scale = (_shrunk(bins) / span).nan_to_num_(0.0, 0.0, 0.0)  # a span of 0 (or -inf: nothing finite)
+    step = torch.where(scale > torch.finfo(dtype).max / 2.0**64, 2.0**64, 1.0)
+    return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
 
 
 def _to_bins(shifted: Tensor, span: Tensor, bins: int) -> Tensor:
