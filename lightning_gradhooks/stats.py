@@ -53,7 +53,7 @@ CPU_BATCH_TENSOR = 1 << 15
 #: On accelerators, gradients of at most this many elements are batched, and a batch is reduced
 #: once it holds this many (64 MiB of float32: fewer, bigger batches launch fewer kernels).
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: A batch is reduced once it holds this many elements (CPU: this many, or the tensor limit).
+#: On the CPU, a batch is reduced once it holds this many elements.
 CPU_BATCH_ELEMENTS = 1 << 20
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
@@ -119,11 +119,12 @@ class Reducer:
     def __init__(self, bins: int) -> None:
         self.bins = bins
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batch; what was added.
+        # tensors in the order added); the open batches (on the CPU, one with histograms and one
+        # without: a histogram costs more than the statistics; on accelerators one: launches
+        # cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
-        self._batch: list[Tensor] = []
-        self._batch_positions: list[int] = []
-        self._batch_elements = 0
+        self._open: dict[bool, tuple[list[Tensor], list[int]]] = {}
+        self._elements: dict[bool, int] = {}
         self._numels: list[int] = []
         self._histogram: list[bool] = []
         self._scratch = _Scratch()
@@ -138,27 +139,30 @@ class Reducer:
         if not on_device and n > CPU_BATCH_TENSOR:
             self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
             return
-        full = self._batch_elements + n > (DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS)
-        if full or (self._batch and self._batch[0].device != x.device):
-            self._flush()
-        self._batch.append(x)
-        self._batch_positions.append(position)
-        self._batch_elements += n
+        key = histogram or on_device
+        capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
+        if key in self._open and (self._elements[key] + n > capacity or self._open[key][0][0].device != x.device):
+            self._flush(key)
+        batch, positions = self._open.setdefault(key, ([], []))
+        batch.append(x)
+        positions.append(position)
+        self._elements[key] = self._elements.get(key, 0) + n
 
-    def _flush(self) -> None:
-        if self._batch:
-            bins = self.bins if any(self._histogram[p] for p in self._batch_positions) else None
-            on_device = _branch_free or self._batch[0].device.type != "cpu"
-            if on_device:
-                moments, counts = reduce_batch(self._batch, bins)
+    def _flush(self, key: bool) -> None:
+        batch, positions = self._open.pop(key, ([], []))
+        self._elements.pop(key, None)
+        if batch:
+            bins = self.bins if any(self._histogram[p] for p in positions) else None
+            if _branch_free or batch[0].device.type != "cpu":
+                moments, counts = reduce_batch(batch, bins)
             else:
-                moments, counts = _reduce_on_cpu(self._batch, bins, self._scratch)
-            self._blocks.append((moments, counts, self._batch_positions))
-            self._batch, self._batch_positions, self._batch_elements = [], [], 0
+                moments, counts = _reduce_on_cpu(batch, bins, self._scratch)
+            self._blocks.append((moments, counts, positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
         """The statistics row and histogram counts (or None) of each tensor, in the order added."""
-        self._flush()
+        for key in list(self._open):
+            self._flush(key)
         blocks, numels, wanted = self._blocks, self._numels, self._histogram
         self.__init__(self.bins)
         if not blocks:
