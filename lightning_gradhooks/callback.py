@@ -67,14 +67,15 @@ def _check_positive_int(argument: str, value: object, allow_none: bool = False) 
 class GradHooksLogic:
     r"""Log per-module gradient statistics and histograms to TensorBoard.
 
-    At fit start, hooks are attached to every selected module: a full backward hook
-    (``register_full_backward_hook``) wherever it is safe, and tensor hooks on the outputs of
-    modules that the first training step shows to be modified in place (see docs/usage.md).
-    On logging steps the hooks reduce each module's ``grad_output`` and
-    ``grad_input`` to statistics on the device, and before the optimizer step the selected
-    modules' parameter gradients are reduced too; the numbers reach the host once per logged
-    step. Scalars go to every logger, histograms to every ``TensorBoardLogger``. Every hook is
-    removed at teardown and when fit raises.
+    At fit start the modules are chosen (see :class:`~lightning_gradhooks.GradientMonitor`). On
+    logging steps only, forward hooks on them hook the autograd graph, and backward hands the
+    hooks each module's ``grad_output`` and ``grad_input`` (what a full backward hook receives;
+    ``grad_output`` only for modules that the first logged step shows to be modified in place,
+    see docs/usage.md), which they reduce to statistics on the device; before the optimizer step
+    the selected modules' parameter gradients are reduced too; the numbers reach the host once
+    per logged step. Steps that are not logged run exactly as without the callback. Scalars go
+    to every logger, histograms to every ``TensorBoardLogger``. Every hook is removed after
+    each logged step, at teardown and when fit raises.
 
     With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
     inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for

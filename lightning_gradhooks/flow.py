@@ -32,6 +32,8 @@ WIDTH = 960
 DPI = 96
 #: Steps the heatmap keeps; older columns are dropped (the scalars keep everything).
 MAX_STEPS = 400
+#: Module names on the heatmap's axis at most (every k-th module past that: 1,600 px hold ~110).
+MAX_LABELS = 100
 #: Share of the wall time since the first logged step that drawing may take.
 DRAW_BUDGET = 0.02
 
@@ -112,7 +114,8 @@ class GradientFlow:
         heat, bars = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1]})
         shown = heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=(-0.5, len(self.steps) - 0.5, n - 0.5, -0.5))
         figure.colorbar(shown, ax=bars, label="log10 RMS of grad_output")
-        heat.set_yticks(range(n), self.modules, fontsize=max(5, min(9, 700 // max(n, 1))))
+        every = -(-n // MAX_LABELS)  # more labels than fit would overlap, and cost seconds to lay out
+        heat.set_yticks(range(0, n, every), self.modules[::every], fontsize=max(5, min(9, 700 // max(n, 1))))
         ticks = sorted({0, len(self.steps) - 1, *range(0, len(self.steps), max(1, len(self.steps) // 8))})
         heat.set_xticks(ticks, [str(self.steps[t]) for t in ticks], fontsize=8)
         heat.set_xlabel("logged step")

@@ -68,6 +68,54 @@ def test_statistics_equal_autograd_reference():
     assert len(record.entries) == 2 * len(names) + len(list(net.parameters()))
 
 
+class Residual(nn.Module):
+    """An input used twice (a module and a skip), a module called twice, a two-input module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.shared, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Bilinear(6, 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x)) + x  # x also feeds the skip
+        h = self.shared(self.shared(h))
+        return self.head(h, h * 2)
+
+
+def test_grad_input_and_grad_output_equal_what_full_backward_hooks_receive():
+    torch.manual_seed(3)
+    net, x = Residual(), torch.randn(5, 6, requires_grad=True)
+    monitor = GradientMonitor(net, parameters=False)
+    with monitor.attach():
+        for _ in range(2):  # the probe step, then the planned hooks
+            monitor.arm()
+            (net(x) ** 2).sum().backward()
+            record = monitor.collect()
+    total, = torch.autograd.grad((net(x) ** 2).sum(), x)  # through inner and through the skip
+    # The reference: what full backward hooks on the same modules receive.
+    seen = collections.defaultdict(list)
+    for name in ("inner", "shared", "head"):
+        getattr(net, name).register_full_backward_hook(
+            lambda m, gi, go, name=name: seen[name].append((gi, go))
+        )
+    (net(x) ** 2).sum().backward()
+
+    def pooled(tensors):  # the monitor pools the calls of one module as if concatenated
+        return ref_stats(torch.cat([t.flatten() for t in tensors]))
+
+    got = {(e.kind, e.name): e for e in record.entries}
+    for name, calls in seen.items():
+        outputs = [go[0] for _, go in calls]
+        assert got["grad_output", name].calls == len(calls)
+        assert_stats(got["grad_output", name].stats, pooled(outputs))
+        n_inputs = len(calls[0][0])
+        for i in range(n_inputs):
+            label = name if n_inputs == 1 else f"{name}/{i}"
+            assert_stats(got["grad_input", label].stats, pooled([gi[i] for gi, _ in calls]))
+    # inner's share, not the input's total gradient (which a hook on x itself would see)
+    assert got["grad_input", "inner"].stats["norm"] != pytest.approx(total.norm().item(), rel=1e-2)
+    assert {k for k, _ in got} == {"grad_output", "grad_input"}
+
+
 def test_backward_order_and_histograms():
     net = model()
     monitor = GradientMonitor(net, bins=16)
