@@ -2,6 +2,7 @@
 
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
+    python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10]
 
 Models, on the CPU with torch's default threads, SGD lr 1e-4, the same initial weights for every
 window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64x64, cross-entropy),
@@ -20,6 +21,11 @@ the run; ``run.log({})`` commits the row each logging step. A check counts them 
 B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
 collect) over a bare one, on the CPU path and on the accelerator path forced on the CPU
 (``lightning_gradhooks.stats.branch_free``), and of an attached, unarmed step.
+D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
+optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
+replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
+``armed + collect``; ``--rounds`` rounds of 3-step windows, interleaved; then the top aten ops of
+one ``collect`` (torch.profiler, self CPU time, profiler overhead included).
 C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 
@@ -419,6 +425,48 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         timings.table("plain")
 
 
+def part_d(names: list[str], args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for case in (cases()[n] for n in names):
+        torch.manual_seed(0)
+        model = case.make()
+        monitor = GradientMonitor(model)
+
+        def step(stage: str) -> float:
+            start = time.perf_counter()
+            if stage != "bare":
+                monitor.arm()
+            if stage == "hooks only":  # the hooks fire, their reductions are left out
+                monitor._reduce = lambda *a: None
+            try:
+                case.loss(model, case.batch).backward()
+            finally:
+                monitor.__dict__.pop("_reduce", None)
+            if stage == "armed + collect":
+                monitor.collect()
+            else:
+                monitor.disarm()
+            model.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+
+        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect"]
+        timings = Timings(f"{case.name} (stages)", stages)
+        with monitor.attach():
+            for stage in ("armed + collect", *stages):  # the probe step, then warm-up
+                step(stage)
+            windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}
+            timings.rounds(windows, args.rounds)
+            print(f"\n{case.name}, where an armed step's time goes ({case.modules} hooked modules, no optimizer)")
+            timings.table("bare")
+            monitor.arm()
+            case.loss(model, case.batch).backward()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                monitor.collect()
+            model.zero_grad(set_to_none=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def start_wandb(disabled: bool, logdir: str) -> Any:
     if disabled:
         print("wandb variants left out (--no-wandb)")
@@ -443,6 +491,7 @@ def main() -> None:
     parser.add_argument("--no-wandb", action="store_true", help="leave the wandb.watch variants out")
     parser.add_argument("--skip-lightning", action="store_true")
     parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--stages", action="store_true", help="part D only: where an armed step's time goes")
     args = parser.parse_args()
     names = args.models.split(",")
     unknown = set(names) - set(cases())
@@ -456,6 +505,10 @@ def main() -> None:
     for message in ("does not have many workers", "smaller than the logging interval", "in-place operations", "LeafSpec"):
         warnings.filterwarnings("ignore", message=f".*{message}")
     start = time.perf_counter()
+    if args.stages:
+        part_d(names, args)
+        print(f"Wall time: {time.perf_counter() - start:.0f} s")
+        return
     with tempfile.TemporaryDirectory() as logdir:
         run = start_wandb(args.no_wandb, logdir)
         part_a(names, args, run)
