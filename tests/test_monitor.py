@@ -484,3 +484,22 @@ def test_hooks_stay_in_through_every_backward_until_collect():
     assert entry.calls == 3
     assert entry.stats["norm"] == pytest.approx(want.norm().item(), rel=1e-5)
     assert entry.stats["std"] == pytest.approx(want.std().item(), rel=1e-5)
+
+
+def test_forward_checks_name_the_module_where_nan_is_born():
+    net = model()
+    net[2].register_forward_hook(lambda m, i, o: o.index_fill(1, torch.tensor([0]), float("nan")))
+    for checks in (False, True):
+        monitor = GradientMonitor(net, forward_checks=checks)
+        with monitor.attach():
+            for _ in range(2):  # the probe step, then the planned hooks
+                monitor.arm()
+                net(torch.randn(4, 6)).sum().backward()
+                record = monitor.collect()
+        forward = [e.name for e in record.entries if e.kind == "forward"]
+        first = record.first_nonfinite
+        if checks:
+            assert forward == ["0", "2", "3", "4"]  # forward order, first in the record
+            assert (first.kind, first.name) == ("forward", "2")
+        else:
+            assert forward == [] and first.kind != "forward"  # backward names a later module
