@@ -7,9 +7,10 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
   ops per batch (segment reductions over rows, one scatter for all their histograms);
 - on the CPU, big gradients are reduced on their own in four passes (minimum and maximum,
   sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
-  their histogram in three more (shift and scale, convert to bytes, count); on accelerators every gradient up to
-  :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch, because there the launch count, not the
-  bytes, is what costs (a batch holds at most that many elements of gradients and their copy).
+  their histogram in three more (shift and scale, convert to bytes, count);
+- on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch,
+  because there the launch count, not the bytes, is what costs (a batch holds at most that many
+  elements of gradients and their copy).
 
 The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
 values centred on a point near the mean, finite minimum and maximum, zero count);
@@ -25,6 +26,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
@@ -106,6 +108,15 @@ class _Scratch:
         return buffer[:numel]
 
 
+@dataclass(slots=True)
+class _Batch:
+    """Tensors waiting to be reduced together, their positions in the order added, their size."""
+
+    tensors: list[Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    elements: int = 0
+
+
 class Reducer:
     """Reduces the gradients of one step on one device: statistics, and histograms where asked.
 
@@ -123,8 +134,7 @@ class Reducer:
         # without: a histogram costs more than the statistics; on accelerators one: launches
         # cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
-        self._open: dict[bool, tuple[list[Tensor], list[int]]] = {}
-        self._elements: dict[bool, int] = {}
+        self._open: dict[bool, _Batch] = {}
         self._numels: list[int] = []
         self._histogram: list[bool] = []
         self._scratch = _Scratch()
@@ -141,23 +151,22 @@ class Reducer:
             return
         key = histogram or on_device
         capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
-        if key in self._open and (self._elements[key] + n > capacity or self._open[key][0][0].device != x.device):
+        batch = self._open.get(key)
+        if batch is not None and (batch.elements + n > capacity or batch.tensors[0].device != x.device):
             self._flush(key)
-        batch, positions = self._open.setdefault(key, ([], []))
-        batch.append(x)
-        positions.append(position)
-        self._elements[key] = self._elements.get(key, 0) + n
+        batch = self._open.setdefault(key, _Batch())
+        batch.tensors.append(x)
+        batch.positions.append(position)
+        batch.elements += n
 
     def _flush(self, key: bool) -> None:
-        batch, positions = self._open.pop(key, ([], []))
-        self._elements.pop(key, None)
-        if batch:
-            bins = self.bins if any(self._histogram[p] for p in positions) else None
-            if _branch_free or batch[0].device.type != "cpu":
-                moments, counts = reduce_batch(batch, bins)
-            else:
-                moments, counts = _reduce_on_cpu(batch, bins, self._scratch)
-            self._blocks.append((moments, counts, positions))
+        batch = self._open.pop(key)
+        bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
+        if _branch_free or batch.tensors[0].device.type != "cpu":
+            moments, counts = reduce_batch(batch.tensors, bins)
+        else:
+            moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch)
+        self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
         """The statistics row and histogram counts (or None) of each tensor, in the order added."""
@@ -215,8 +224,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
     centre = 0.0
     if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
         centre = total / n
-        shifted = torch.sub(x, centre)
-        squares, total = _squares(shifted), shifted.sum().item()
+        squares, total = _centred_sums(x, centre)
     moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
     if bins is None:
         return moments, None
@@ -260,8 +268,7 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     far = (squares > 0) & (squares - offset * offset / numel <= 0.1 * squares)
     for k in far.nonzero().view(-1).tolist():  # the first element is far out: centre on the mean
         centre[k] += offset[k] / numel[k]
-        centred = torch.sub(tensors[k], centre[k].item())
-        squares[k], offset[k] = _squares(centred), centred.sum().item()
+        squares[k], offset[k] = _centred_sums(tensors[k], centre[k].item())
     moments = torch.stack([numel, centre + offset / numel, squares, offset, low.double(), high.double(), zeros], 1)
     if bins is None:
         return moments, None
@@ -319,6 +326,13 @@ def _to_bins(shifted: Tensor, span: Tensor, bins: int) -> Tensor:
     if (step != 1).any():
         shifted.mul_(step)
     return shifted.mul_(scale)
+
+
+def _centred_sums(x: Tensor, centre: float) -> tuple[float, float]:
+    """The sum of squares and the sum of ``x - centre``: the moments of a tensor whose mean lies
+    far from the point its sums were first centred on."""
+    centred = torch.sub(x, centre)
+    return _squares(centred), centred.sum().item()
 
 
 def _squares(x: Tensor) -> float:
