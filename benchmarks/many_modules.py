@@ -2,9 +2,11 @@
 
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
-    python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10]
+        [--device cuda]
+    python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10] [--device cuda]
 
-Models, on the CPU with torch's default threads, SGD lr 1e-4, the same initial weights for every
+Models, on the CPU with torch's default threads (or with ``--device cuda`` on the GPU, every
+step timed to ``torch.cuda.synchronize()``), SGD lr 1e-4, the same initial weights for every
 window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64x64, cross-entropy),
 ``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (overhead.py's
 4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
@@ -132,15 +134,26 @@ def cross_entropy(model: nn.Module, batch: Batch) -> Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def cases() -> dict[str, Case]:
+def cases(device: str = "cpu") -> dict[str, Case]:
+    """The three models, made on ``device``, with their batches there (the same values on any device)."""
     g = torch.Generator().manual_seed(0)
     mlp = lambda: nn.Sequential(*(m for _ in range(500) for m in (nn.Linear(64, 64), nn.Tanh())))  # noqa: E731
     resnet_batch = (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))
-    return {
+    found = {
         "resnet18": Case("resnet18", ResNet18, resnet_batch, cross_entropy, 41),
         "mlp500": Case("mlp500", mlp, (torch.randn(32, 64, generator=g),), squares, 500),
         "encoder": Case("encoder", encoder, (torch.randn(16, 128, 256, generator=g),), squares, 24),
     }
+    for case in found.values():
+        case.make = functools.partial(lambda make: make().to(device), case.make)
+        case.batch = tuple(t.to(device) for t in case.batch)
+    return found
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so that a step's time is its whole time (a no-op on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # -- part A: a plain loop --------------------------------------------------------------------
@@ -163,12 +176,14 @@ class Loop:
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:
+        synchronize()
         start = time.perf_counter()
         variant.before()
         self.case.loss(self.model, self.case.batch).backward()
         variant.after()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        synchronize()
         return time.perf_counter() - start
 
     def window(self, setup: Callable[[], contextlib.AbstractContextManager[Variant]], steps: int) -> float:
@@ -277,7 +292,7 @@ class Timings:
 
 
 def part_a(names: list[str], args: argparse.Namespace, run: Any) -> None:
-    for case in (cases()[n] for n in names):
+    for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         loop = Loop(case, {k: v.clone() for k, v in case.make().state_dict().items()})
         setups = loop.variants(run)
@@ -380,15 +395,29 @@ class Wrapped(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
+class SyncedStepTimer(StepTimer):
+    """Step times that include the GPU's queued work."""
+
+    def on_train_batch_start(self, *args: object) -> None:
+        synchronize()
+        super().on_train_batch_start(*args)
+
+    def on_train_batch_end(self, *args: object) -> None:
+        synchronize()
+        super().on_train_batch_end(*args)
+
+
 def fit_once(
     case: Case, state: dict[str, Tensor], callbacks: Callable[[], list[pl.Callback]], steps: int, logdir: str
 ) -> float:
     module = Wrapped(case)
     module.net.load_state_dict(state)
-    timer = StepTimer()
+    timer = SyncedStepTimer()
+    on_gpu = case.batch[0].device.type == "cuda"
     trainer = pl.Trainer(
         max_steps=steps,
-        accelerator="cpu",
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
         logger=TensorBoardLogger(logdir, name=case.name),
         callbacks=[*callbacks(), timer],
         enable_checkpointing=False,
@@ -406,7 +435,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         "GradHooks every step": lambda: [GradHooks(every_n_steps=1)],
         "GradHooks every 50 steps": lambda: [GradHooks(every_n_steps=50)],
     }
-    for case in (cases()[n] for n in names):
+    for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         state = case.make().state_dict()
         timings = Timings(f"{case.name} (Lightning)", list(variants))
@@ -428,12 +457,13 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
 def part_d(names: list[str], args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for case in (cases()[n] for n in names):
+    for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         model = case.make()
         monitor = GradientMonitor(model)
 
         def step(stage: str) -> float:
+            synchronize()
             start = time.perf_counter()
             if stage != "bare":
                 monitor.arm()
@@ -448,6 +478,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             else:
                 monitor.disarm()
             model.zero_grad(set_to_none=True)
+            synchronize()
             return time.perf_counter() - start
 
         stages = ["bare", "hooks only", "hooks + reductions", "armed + collect"]
@@ -492,13 +523,16 @@ def main() -> None:
     parser.add_argument("--skip-lightning", action="store_true")
     parser.add_argument("--skip-ops", action="store_true")
     parser.add_argument("--stages", action="store_true", help="part D only: where an armed step's time goes")
+    parser.add_argument("--device", default="cpu", help="where parts A, C and D run: cpu or cuda (part B counts ops on the CPU)")
     args = parser.parse_args()
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device expected cpu, or cuda where a GPU is present; got {args.device!r}")
     names = args.models.split(",")
     unknown = set(names) - set(cases())
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {list(cases())}")
 
-    print(f"Machine: {machine()}")
+    print(f"Machine: {machine()}" + (f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     print("Command: python " + " ".join(sys.argv) + "\n")
     # Keep the tables readable: Lightning's info lines and the expected warnings go.
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)

@@ -24,19 +24,23 @@ def test_hooks_never_synchronise_with_the_host():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)).cuda()
     x = torch.randn(512, 64, device="cuda", requires_grad=True)
-    monitor = GradientMonitor(model)
+    monitor = GradientMonitor(model, forward_checks=True)
     with monitor.attach():
-        monitor.arm()
-        loss = model(x).square().mean()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss.backward()  # every hook runs here: any host read would raise
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        record = monitor.collect()
-    assert {e.kind for e in record.entries} == {"grad_output", "grad_input", "param_grad"}
-    assert all(e.stats["nonfinite"] == 0 for e in record.entries)
+        records = []
+        for _ in range(2):  # the first armed step is the in-place probe (no grad_input); the second is planned
+            monitor.arm()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = model(x).square().mean()  # forward hooks and forward checks run here
+                loss.backward()  # every backward hook runs here: any host read would raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            records.append(monitor.collect())
+            model.zero_grad(set_to_none=True)
+    assert {e.kind for e in records[0].entries} == {"forward", "grad_output", "param_grad"}
+    assert {e.kind for e in records[1].entries} == {"forward", "grad_output", "grad_input", "param_grad"}
+    assert all(e.stats["nonfinite"] == 0 for record in records for e in record.entries)
 
 
 def test_16_mixed_on_gpu_logs_unscaled_statistics(tmp_path):
