@@ -48,8 +48,8 @@ def fsdp1_sharded(model: nn.Module) -> tuple[set[int], set[int]]:
     Parameters under ``NO_SHARD`` are whole on every rank (as under DDP) and under the
     hybrid strategies replicated across nodes: neither is listed.
     """
-    if not torch.distributed.is_available():
-        return set(), set()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return set(), set()  # FSDP1 needs a process group: no walk over the modules without one
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     views: set[int] = set()

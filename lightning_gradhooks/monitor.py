@@ -502,7 +502,7 @@ class GradientMonitor:
     def _reduce(self, kind: str, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():
             return
-        if _shards.is_dtensor(grad):  # tensor parallel: this rank's piece, if it reports one
+        if type(grad) is not Tensor and _shards.is_dtensor(grad):  # tensor parallel: this rank's piece
             grad = _shards.local_piece(grad)[0]
             if grad is None or grad.numel() == 0:
                 return
@@ -555,8 +555,8 @@ class GradientMonitor:
         if self._with_parameters:
             seen: set[int] = set()  # a tied parameter is reduced once, under its first name
             for name, module in self.modules.items():
-                for pname, param in module.named_parameters(recurse=False):
-                    if param.requires_grad and id(param) not in seen:
+                for pname, param in module._parameters.items():  # named_parameters(recurse=False), faster
+                    if param is not None and param.requires_grad and id(param) not in seen:
                         seen.add(id(param))
                         found[f"{name}.{pname}" if name else pname] = param
         return found
@@ -581,8 +581,16 @@ class GradientMonitor:
 
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
-        results = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
+        if len(reducers) == 1:
+            results = reducers.popitem()[1].finish()
+        else:
+            by_device = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
+            results = [next(by_device[device]) for _, _, device in pending]
         groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
-        for kind, label, device in pending:
-            groups.setdefault((kind, label), []).append(next(results[device]))
+        for (kind, label, _), result in zip(pending, results):
+            parts = groups.get((kind, label))
+            if parts is None:
+                groups[kind, label] = [result]
+            else:
+                parts.append(result)
         return GradientRecord([pool_entries(kind, label, parts, self.bins) for (kind, label), parts in groups.items()])

@@ -60,6 +60,12 @@ CPU_BATCH_ELEMENTS = 1 << 20
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
+
+def _width(n: int) -> int:
+    """The row width of a CPU batch for a tensor of ``n`` elements: :data:`ROW`, or for a smaller
+    tensor the power of two that holds it, so that a 64-element bias is not padded to 1024."""
+    return ROW if n >= ROW else 1 << max(n - 1, 0).bit_length()
+
 _branch_free = False
 
 
@@ -130,42 +136,47 @@ class Reducer:
     def __init__(self, bins: int) -> None:
         self.bins = bins
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches (on the CPU, one with histograms and one
-        # without: a histogram costs more than the statistics; on accelerators one: launches
-        # cost more); what was added.
+        # tensors in the order added); the open batches (on the CPU, by histogram or not, since
+        # a histogram costs more than the statistics, and by row width, so that small tensors
+        # are padded at most to twice their size; on accelerators one: launches cost more);
+        # what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
-        self._open: dict[bool, _Batch] = {}
+        self._open: dict[tuple[bool, int], _Batch] = {}
         self._numels: list[int] = []
         self._histogram: list[bool] = []
         self._scratch = _Scratch()
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
+        """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
         x = _as_float(tensor)
         n = x.numel()
         position = len(self._numels)
         self._numels.append(n)
         self._histogram.append(histogram)
-        on_device = _branch_free or x.device.type != "cpu"
-        if not on_device and n > CPU_BATCH_TENSOR:
+        if _branch_free or x.device.type != "cpu":
+            key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
+        elif n > CPU_BATCH_TENSOR:
             self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
             return
-        key = histogram or on_device
-        capacity = DEVICE_BATCH_ELEMENTS if on_device else CPU_BATCH_ELEMENTS
+        else:
+            key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
         batch = self._open.get(key)
-        if batch is not None and (batch.elements + n > capacity or batch.tensors[0].device != x.device):
+        if batch is None:
+            batch = self._open[key] = _Batch()
+        elif batch.elements + n > capacity:
             self._flush(key)
-        batch = self._open.setdefault(key, _Batch())
+            batch = self._open[key] = _Batch()
         batch.tensors.append(x)
         batch.positions.append(position)
         batch.elements += n
 
-    def _flush(self, key: bool) -> None:
+    def _flush(self, key: tuple[bool, int]) -> None:
         batch = self._open.pop(key)
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
         if _branch_free or batch.tensors[0].device.type != "cpu":
             moments, counts = reduce_batch(batch.tensors, bins)
         else:
-            moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch)
+            moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
@@ -233,8 +244,12 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
     return moments, counts.view(1, bins)
 
 
-def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
+def _reduce_on_cpu(
+    tensors: Sequence[Tensor], bins: int | None, scratch: _Scratch, width: int = ROW
+) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for CPU tensors, in a few plain passes when every value is finite.
+
+    The tensors are laid out in rows of ``width`` elements (each tensor on rows of its own).
 
     On the CPU, reading a reduced value is not a device synchronisation, so the code can
     branch: rows are padded with copies of their tensor's first element instead of NaN, which
@@ -243,14 +258,14 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     through :func:`reduce_batch`; a tensor whose first element lies far from its mean is
     centred again on the mean.
     """
-    row_of, pads, firsts = _layout(tuple(t.numel() for t in tensors), torch.device("cpu"))
+    row_of, pads, firsts = _layout(tuple(t.numel() for t in tensors), torch.device("cpu"), width)
     if len(tensors) == 1 and not pads[0]:
-        x = tensors[0].view(-1, ROW)
+        x = tensors[0].view(-1, width)
     else:
         pieces = [p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))]
-        x = torch.cat(pieces).view(-1, ROW)
+        x = torch.cat(pieces).view(-1, width)
     m = len(tensors)
-    work = scratch.get("float", x.numel(), x.dtype).view(-1, ROW)
+    work = scratch.get("float", x.numel(), x.dtype).view(-1, width)
     low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")
     high = torch.full((m,), -math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amax(1), "amax")
     if not torch.stack([low, high]).isfinite().all():
@@ -258,7 +273,7 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     first = x.view(-1)[firsts]  # centred on each tensor's first element, the padding adds nothing
     shifted = torch.sub(x, first[row_of, None], out=work)
     per_row = [torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)]
-    per_row.append(torch.ne(x, 0, out=work).sum(1))  # exact: at most ROW non-zeros per row
+    per_row.append(torch.ne(x, 0, out=work).sum(1))  # exact: at most `width` non-zeros per row
     per_row = torch.stack(per_row, 1).to(torch.float64)
     per_row[:, 0].square_()
     squares, offset, nonzero = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).unbind(1)
@@ -277,7 +292,7 @@ def _reduce_on_cpu(tensors: Sequence[Tensor], bins: int | None, scratch: _Scratc
     if m == 1:  # bincount reads the minimum and maximum of its input first: bytes are read fastest
         index = scratch.get("index", x.numel(), torch.uint8 if bins < 255 else torch.int32).copy_(index.view(-1))
     else:
-        index = scratch.get("index", x.numel(), torch.int32).view(-1, ROW).copy_(index)
+        index = scratch.get("index", x.numel(), torch.int32).view(-1, width).copy_(index)
         index = index.add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
     counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     # The padding copies the first element of its tensor: take it out of that element's bin.
@@ -343,19 +358,19 @@ def _squares(x: Tensor) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], Tensor]:
+def _layout(lengths: tuple[int, ...], device: torch.device, width: int = ROW) -> tuple[Tensor, list[int], Tensor]:
     """Rows of a batch: the tensor each row belongs to, each tensor's padding, its first element.
 
-    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows, the last one padded to :data:`ROW` elements.
+    Tensor ``k`` fills ``ceil(n_k / width)`` rows, the last one padded to ``width`` elements.
     Built once per layout (a model gives the same layouts every logged step) and copied to the
     device once.
     """
-    rows = torch.tensor([max(1, -(-n // ROW)) for n in lengths])
+    rows = torch.tensor([max(1, -(-n // width)) for n in lengths])
     row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
-    firsts = (rows.cumsum(0) - rows) * ROW
+    firsts = (rows.cumsum(0) - rows) * width
     if device.type == "cuda":
         row_of, firsts = row_of.pin_memory(), firsts.pin_memory()
-    pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
+    pads = [r * width - n for r, n in zip(rows.tolist(), lengths)]
     return row_of.to(device, non_blocking=True), pads, firsts.to(device, non_blocking=True)
 
 
