@@ -239,7 +239,13 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
     moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
     if bins is None:
         return moments, None
-    index = _to_bins(torch.sub(x, lo, out=scratch.get("float", n, x.dtype)), torch.tensor(hi - lo, dtype=torch.float64), bins)
+    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
+    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
+    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
+    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
+    if step != 1:
+        index.mul_(step)
+    index.mul_(scale / step)
     counts = _count(scratch.get("index", n, torch.uint8 if bins <= 256 else torch.int32).copy_(index), bins)
     return moments, counts.view(1, bins)
 
