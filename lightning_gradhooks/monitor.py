@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import gc
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,9 @@ class MonitorHandle:
     step that is not logged runs exactly as without the monitor.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_remove: Callable[[], None] = lambda: None) -> None:
         self._handles: list[Any] = []
+        self._on_remove = on_remove
         self.active = True
 
     def add(self, handle: Any) -> None:
@@ -56,8 +58,10 @@ class MonitorHandle:
             handle.remove()
 
     def remove(self) -> None:
+        """Take every hook out for good, and disarm the monitor."""
         self.active = False
         self.park()
+        self._on_remove()
 
     def __enter__(self) -> MonitorHandle:
         return self
@@ -314,6 +318,7 @@ class GradientMonitor:
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
+        self._gc_paused = False  # whether arm() switched Python's cyclic garbage collector off
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
@@ -328,7 +333,7 @@ class GradientMonitor:
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
-        """Prepare the hooks and return the handle that removes all of them.
+        """Prepare the hooks and return the handle that removes all of them (and disarms).
 
         Nothing is registered until the monitor is armed, and everything is taken out again
         when it disarms (:meth:`collect`, :meth:`disarm`): steps that are not logged run exactly
@@ -342,7 +347,7 @@ class GradientMonitor:
         warning) and every other module has its inputs watched too.
         """
         if self._handle is None or not self._handle.active:
-            self._handle = MonitorHandle()
+            self._handle = MonitorHandle(on_remove=self.disarm)
             if self._armed:
                 self._register()
         return self._handle
@@ -431,9 +436,20 @@ class GradientMonitor:
             with monitor.arm():
                 loss_fn(model(x), y).backward()
                 record = monitor.collect()
+
+        While armed, Python's cyclic garbage collector is paused (if it was on; :meth:`collect`
+        and :meth:`disarm` switch it back on). An armed step makes a few short-lived Python
+        objects per module (hook handles, the hooks of autograd nodes, rows and entries), and in
+        a process holding a few hundred thousand objects (torch, Lightning and TensorBoard
+        imported) the full collections they would set off cost more than the step's own work:
+        on 500 modules, about 45 ms a logged step. Objects freed by reference counting are freed
+        as always; only collecting reference cycles waits until the monitor disarms.
         """
         if not self._armed:
             self._armed = True
+            if gc.isenabled():
+                gc.disable()
+                self._gc_paused = True
             if self._handle is not None and self._handle.active:
                 self._register()
         return _Armed(self)
@@ -444,6 +460,9 @@ class GradientMonitor:
         self._pending.clear()
         self._reducers.clear()
         self._park()
+        if self._gc_paused:
+            self._gc_paused = False
+            gc.enable()
 
     # -- hot path: armed steps only ----------------------------------------------------------
     def _watch_inputs(self, name: str, module: nn.Module, args: tuple) -> tuple | None:
@@ -525,11 +544,13 @@ class GradientMonitor:
         """
         if not self._armed:
             return GradientRecord()
-        self._reduce_parameters(parameters)
-        pending, reducers = self._pending, self._reducers
-        self._pending, self._reducers = [], {}
-        self.disarm()
-        return self._finish(pending, reducers)
+        try:
+            self._reduce_parameters(parameters)
+            pending, reducers = self._pending, self._reducers
+            self._pending, self._reducers = [], {}
+            return self._finish(pending, reducers)
+        finally:
+            self.disarm()
 
     def collect_parameters(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """The parameter gradients alone, armed or not; hook statistics stay pending.

@@ -503,3 +503,34 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert (first.kind, first.name) == ("forward", "2")
         else:
             assert forward == [] and first.kind != "forward"  # backward names a later module
+
+
+def test_armed_steps_pause_the_cyclic_garbage_collector_and_always_restore_it():
+    """Python's GC is off from arm() to collect()/disarm(), back on after, also when the step
+    raises; a collector the user switched off stays off."""
+    import gc
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    monitor = GradientMonitor(model)
+    assert gc.isenabled()
+    with monitor.attach():
+        monitor.arm()
+        assert not gc.isenabled()
+        model(torch.randn(3, 4)).sum().backward()
+        assert monitor.collect().entries
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="mid-step"):
+            with monitor.arm():
+                assert not gc.isenabled()
+                raise RuntimeError("mid-step")
+        assert gc.isenabled() and not monitor.armed
+        monitor.arm()
+    assert gc.isenabled() and not monitor.armed  # leaving attach() removes and disarms
+    gc.disable()
+    try:
+        with monitor.attach(), monitor.arm():
+            model(torch.randn(3, 4)).sum().backward()
+            monitor.collect()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
