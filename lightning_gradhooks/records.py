@@ -12,8 +12,6 @@ from dataclasses import dataclass, field, replace
 
 from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
-_COUNT = len(STATISTICS)  # where a statistics row holds the finite count
-
 
 #: Statistics that do not change when a gradient is multiplied by a loss scale.
 _SCALE_FREE = ("nonfinite", "zero_fraction")
@@ -107,4 +105,6 @@ def pool_entries(
         histogram = None
         if all(h is not None for _, h in parts):
             histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
-    return GradientEntry(kind, name, dict(zip(STATISTICS, row)), histogram, calls or len(parts), int(row[_COUNT]))
+    return GradientEntry(
+        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
+    )

@@ -66,6 +66,7 @@ def _width(n: int) -> int:
     tensor the power of two that holds it, so that a 64-element bias is not padded to 1024."""
     return ROW if n >= ROW else 1 << max(n - 1, 0).bit_length()
 
+
 _branch_free = False
 
 
