@@ -609,9 +609,5 @@ class GradientMonitor:
             results = [next(by_device[device]) for _, _, device in pending]
         groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
         for (kind, label, _), result in zip(pending, results):
-            parts = groups.get((kind, label))
-            if parts is None:
-                groups[kind, label] = [result]
-            else:
-                parts.append(result)
+            groups.setdefault((kind, label), []).append(result)
         return GradientRecord([pool_entries(kind, label, parts, self.bins) for (kind, label), parts in groups.items()])
