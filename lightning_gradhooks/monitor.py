@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_gradhooks import _shards
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries
-from lightning_gradhooks.stats import Reducer
+from lightning_gradhooks.stats import Reducer, Scratch
 
 __all__ = ["GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "select_modules"]
 
@@ -322,6 +322,8 @@ class GradientMonitor:
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
+        # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
+        self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None
         #: The hooked modules whose inputs are watched too (``grad_input``), once the first armed
@@ -347,7 +349,7 @@ class GradientMonitor:
         warning) and every other module has its inputs watched too.
         """
         if self._handle is None or not self._handle.active:
-            self._handle = MonitorHandle(on_remove=self.disarm)
+            self._handle = MonitorHandle(on_remove=self._release)
             if self._armed:
                 self._register()
         return self._handle
@@ -413,14 +415,27 @@ class GradientMonitor:
             )
 
     def remove(self) -> None:
-        """Remove every hook and drop pending statistics; safe to call any number of times."""
-        self.disarm()
+        """Remove every hook, drop pending statistics and free scratch memory; safe to call any
+        number of times."""
+        self._release()
         if self._handle is not None:
             self._handle.remove()
+
+    def _release(self) -> None:
+        self.disarm()
+        self._scratch = Scratch()
 
     @property
     def armed(self) -> bool:
         return self._armed
+
+    @property
+    def scratch_bytes(self) -> int:
+        """CPU memory the monitor keeps between logged steps to reduce the next one into: buffers
+        of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT` elements each (a fresh buffer
+        of megabytes costs more in page faults than its reduction). Freed when the hooks are
+        removed."""
+        return self._scratch.nbytes
 
     @property
     def pending(self) -> bool:
@@ -527,7 +542,7 @@ class GradientMonitor:
                 return
         reducer = self._reducers.get(grad.device)
         if reducer is None:
-            reducer = self._reducers[grad.device] = Reducer(self.bins)
+            reducer = self._reducers[grad.device] = Reducer(self.bins, self._scratch)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, grad.device))
 

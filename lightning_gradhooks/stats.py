@@ -97,12 +97,18 @@ def _shrunk(bins: int) -> float:
     return bins * (1 - 1e-6)
 
 
-class _Scratch:
-    """Buffers that the CPU reductions of one step write their big temporaries into.
+#: CPU scratch buffers of at most this many elements outlive a logged step (see :class:`Scratch`).
+SCRATCH_KEPT = 1 << 22
+
+
+class Scratch:
+    """Buffers that the CPU reductions write their big temporaries (and batches) into.
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
-    than the arithmetic; reused, it costs nothing. The buffers grow to the largest tensor
-    reduced and are dropped with the :class:`Reducer` state at :meth:`Reducer.finish`.
+    than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
+    needs it. :meth:`trim`, at the end of each step, drops those bigger than
+    :data:`SCRATCH_KEPT` elements, so what is kept between logged steps is bounded (a few tens
+    of MiB at most), whatever the model.
     """
 
     def __init__(self) -> None:
@@ -113,6 +119,15 @@ class _Scratch:
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[name, dtype] = torch.empty(numel, dtype=dtype)
         return buffer[:numel]
+
+    def trim(self) -> None:
+        """Drop the buffers bigger than :data:`SCRATCH_KEPT` elements."""
+        for key in [k for k, b in self._buffers.items() if b.numel() > SCRATCH_KEPT]:
+            del self._buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 @dataclass(slots=True)
@@ -129,12 +144,14 @@ class Reducer:
 
     Args:
         bins: histogram bins.
+        scratch: where CPU reductions write their temporaries; pass the same one every step
+            to reuse its buffers (by default each reducer has its own).
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer.
     """
 
-    def __init__(self, bins: int) -> None:
+    def __init__(self, bins: int, scratch: Scratch | None = None) -> None:
         self.bins = bins
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
         # tensors in the order added); the open batches (on the CPU, by histogram or not, since
@@ -145,7 +162,7 @@ class Reducer:
         self._open: dict[tuple[bool, int], _Batch] = {}
         self._numels: list[int] = []
         self._histogram: list[bool] = []
-        self._scratch = _Scratch()
+        self._scratch = Scratch() if scratch is None else scratch
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
         """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
@@ -185,7 +202,8 @@ class Reducer:
         for key in list(self._open):
             self._flush(key)
         blocks, numels, wanted = self._blocks, self._numels, self._histogram
-        self.__init__(self.bins)
+        self.__init__(self.bins, self._scratch)
+        self._scratch.trim()
         if not blocks:
             return []
         parts = [m.reshape(-1) for m, _, _ in blocks] + [c.reshape(-1) for _, c, _ in blocks if c is not None]
@@ -207,7 +225,7 @@ class Reducer:
         return results
 
 
-def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
+def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
     """Moments (and histogram) of one big flat CPU tensor in as few passes as they allow.
 
     One read of ``aminmax``, the sum, the row norms and the count of non-zeros: NaN and Inf show
@@ -252,7 +270,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: _Scratch) -> tupl
 
 
 def _reduce_on_cpu(
-    tensors: Sequence[Tensor], bins: int | None, scratch: _Scratch, width: int = ROW
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch, width: int = ROW
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for CPU tensors, in a few plain passes when every value is finite.
 
@@ -270,7 +288,8 @@ def _reduce_on_cpu(
         x = tensors[0].view(-1, width)
     else:
         pieces = [p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))]
-        x = torch.cat(pieces).view(-1, width)
+        dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+        x = torch.cat(pieces, out=scratch.get("batch", len(row_of) * width, dtype)).view(-1, width)
     m = len(tensors)
     work = scratch.get("float", x.numel(), x.dtype).view(-1, width)
     low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")

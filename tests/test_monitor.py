@@ -534,3 +534,40 @@ def test_armed_steps_pause_the_cyclic_garbage_collector_and_always_restore_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remove():
+    """CPU buffers outlive a logged step only up to SCRATCH_KEPT elements each; reusing them
+    changes no statistic; removing the hooks frees them."""
+    from lightning_gradhooks.stats import SCRATCH_KEPT, reduce
+
+    class Big(nn.Module):  # a parameter reduced alone, into buffers too big to keep
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(SCRATCH_KEPT + 4096))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum() * (self.weight * torch.linspace(-1, 1, self.weight.numel())).sum()
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), "big": Big()})
+    monitor = GradientMonitor(model)
+    handle = monitor.attach()
+    assert monitor.scratch_bytes == 0
+    for step in range(3):
+        with monitor.arm():
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+            (model["mlp"](x).sum() + model["big"](x)).backward()
+            record = monitor.collect()
+        # Small buffers are kept; a float buffer for the big gradient alone would be 4 * SCRATCH_KEPT.
+        assert 0 < monitor.scratch_bytes < 4 * SCRATCH_KEPT
+        params = dict(model.named_parameters())
+        assert {e.name for e in record.entries if e.kind == "param_grad"} == set(params)
+        for e in record.entries:
+            if e.kind == "param_grad":
+                (row, counts), = reduce([params[e.name].grad], bins=monitor.bins)
+                assert [e.stats[s] for s in STATISTICS] == row[: len(STATISTICS)]
+                assert e.histogram.counts == counts
+        model.zero_grad()
+    handle.remove()
+    assert monitor.scratch_bytes == 0
