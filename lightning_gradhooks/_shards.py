@@ -95,5 +95,8 @@ def pieces(
             # An empty FSDP1 view holds nothing here; the other ranks report the parameter.
             yield name, None, None if id(param) in views and param.numel() == 0 else NO_GRAD
             continue
+        if type(grad) is Tensor:  # the common case, without local_piece's checks
+            yield name, grad if grad.numel() else None, None
+            continue
         piece, reason = local_piece(grad)
         yield name, None if piece is not None and piece.numel() == 0 else piece, reason

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_gradhooks import _shards
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries
@@ -36,6 +37,18 @@ ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
 
 
+#: A hook as the monitor puts it in a module: the module's hook dict, a key and the hook.
+_Slot = tuple[dict, int, Callable]
+
+
+def _slot(hooks: dict, hook: Callable) -> _Slot:
+    """A slot for ``hook`` in ``hooks`` (a module's ``_forward_hooks`` or ``_forward_pre_hooks``),
+    keyed by an id from torch's own handle counter, as ``register_forward_hook`` would key it:
+    :class:`MonitorHandle` puts it in and takes it out with one dict operation each, where
+    registering would make a handle every logged step."""
+    return hooks, RemovableHandle(hooks).id, hook
+
+
 class MonitorHandle:
     """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager.
 
@@ -44,18 +57,21 @@ class MonitorHandle:
     """
 
     def __init__(self, on_remove: Callable[[], None] = lambda: None) -> None:
-        self._handles: list[Any] = []
+        self._slots: list[_Slot] = []
         self._on_remove = on_remove
         self.active = True
 
-    def add(self, handle: Any) -> None:
-        self._handles.append(handle)
+    def put(self, slots: Sequence[_Slot]) -> None:
+        """Put hooks in their modules, until :meth:`park`."""
+        for hooks, key, hook in slots:
+            hooks[key] = hook
+        self._slots += slots
 
     def park(self) -> None:
-        """Take every hook out of the modules; the monitor registers them again when armed."""
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        """Take every hook out of the modules; the monitor puts them in again when armed."""
+        slots, self._slots = self._slots, []
+        for hooks, key, _ in slots:
+            hooks.pop(key, None)
 
     def remove(self) -> None:
         """Take every hook out for good, and disarm the monitor."""
@@ -87,7 +103,6 @@ class _Armed:
 class _Probe:
     """What the first forward after :meth:`GradientMonitor.attach` saw of in-place use."""
 
-    handles: list[Any] = field(default_factory=list)
     inputs: dict[str, list[list[tuple[Tensor, int]]]] = field(default_factory=dict)
     outputs: list[tuple[str, list[tuple[Tensor, int]]]] = field(default_factory=list)
     unsafe: set[str] = field(default_factory=set)
@@ -329,6 +344,7 @@ class GradientMonitor:
         #: The hooked modules whose inputs are watched too (``grad_input``), once the first armed
         #: step has shown which modules are safe for it. None until then.
         self._plan: set[str] | None = None
+        self._slots: list[_Slot] | None = None  # the planned hooks, once planned
         #: Modules whose grad_output alone is read (modified in place, structured outputs, or not
         #: run in the first armed step).
         self.fallback: list[str] = []
@@ -358,18 +374,24 @@ class GradientMonitor:
         """Put the hooks in the modules: the in-place probe at first, the planned hooks after."""
         if self._plan is None:
             self._probe = _Probe()
-            for label, module in self._hooked.items():
-                self._probe.handles += [
-                    module.register_forward_pre_hook(functools.partial(self._probe_inputs, label)),
-                    module.register_forward_hook(functools.partial(self._probe_outputs, label)),
+            self._handle.put(
+                [
+                    slot
+                    for label, module in self._hooked.items()
+                    for slot in (
+                        _slot(module._forward_pre_hooks, functools.partial(self._probe_inputs, label)),
+                        _slot(module._forward_hooks, functools.partial(self._probe_outputs, label)),
+                    )
                 ]
-            for handle in self._probe.handles:
-                self._handle.add(handle)
+            )
             return
-        for label, module in self._hooked.items():
-            if label in self._plan:
-                self._handle.add(module.register_forward_pre_hook(functools.partial(self._watch_inputs, label)))
-            self._handle.add(module.register_forward_hook(functools.partial(self._watch_forward, label)))
+        if self._slots is None:  # made once, put in and taken out at every logged step
+            self._slots = []
+            for label, module in self._hooked.items():
+                if label in self._plan:
+                    self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._watch_inputs, label)))
+                self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_forward, label)))
+        self._handle.put(self._slots)
 
     def _park(self) -> None:
         self._probe = None  # a probe whose backward never came is run again at the next arm
@@ -395,8 +417,7 @@ class GradientMonitor:
     def _finish_probe(self) -> None:
         """Plan each module's lasting hook, once the first armed backward has started."""
         probe, self._probe = self._probe, None
-        for handle in probe.handles:
-            handle.remove()
+        self._handle.park()  # the probe's hooks, the only ones in
         in_place = probe.modified_in_place()
         # A module that did not run yet (a branch taken later) might meet an in-place
         # operation when it does: only its outputs are safe to watch. Inputs of a module with
@@ -540,11 +561,12 @@ class GradientMonitor:
             grad = _shards.local_piece(grad)[0]
             if grad is None or grad.numel() == 0:
                 return
-        reducer = self._reducers.get(grad.device)
+        device = grad.device
+        reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[grad.device] = Reducer(self.bins, self._scratch)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch)
         reducer.add(grad, histogram)
-        self._pending.append((kind, name, grad.device))
+        self._pending.append((kind, name, device))
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:

@@ -163,6 +163,7 @@ class Reducer:
         self._numels: list[int] = []
         self._histogram: list[bool] = []
         self._scratch = Scratch() if scratch is None else scratch
+        self._cpu: bool | None = None  # the device's kind, from the first tensor added
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
         """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
@@ -171,13 +172,15 @@ class Reducer:
         position = len(self._numels)
         self._numels.append(n)
         self._histogram.append(histogram)
-        if _branch_free or x.device.type != "cpu":
+        if self._cpu is None:
+            self._cpu = x.is_cpu
+        if _branch_free or not self._cpu:
             key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
         elif n > CPU_BATCH_TENSOR:
             self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
             return
         else:
-            key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
+            key, capacity = (histogram, ROW if n >= ROW else _width(n)), CPU_BATCH_ELEMENTS
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
@@ -191,7 +194,7 @@ class Reducer:
     def _flush(self, key: tuple[bool, int]) -> None:
         batch = self._open.pop(key)
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
-        if _branch_free or batch.tensors[0].device.type != "cpu":
+        if _branch_free or not self._cpu:
             moments, counts = reduce_batch(batch.tensors, bins)
         else:
             moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch, key[1])
@@ -317,9 +320,10 @@ def _reduce_on_cpu(
     index = _to_bins(torch.sub(x, low[row_of, None], out=work), span, bins)
     if m == 1:  # bincount reads the minimum and maximum of its input first: bytes are read fastest
         index = scratch.get("index", x.numel(), torch.uint8 if bins < 255 else torch.int32).copy_(index.view(-1))
-    else:
-        index = scratch.get("index", x.numel(), torch.int32).view(-1, width).copy_(index)
-        index = index.add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
+    else:  # int16 where it holds every tensor's bins: fewer bytes for bincount to read
+        kind = torch.int16 if m * (bins + 1) <= torch.iinfo(torch.int16).max else torch.int32
+        index = scratch.get("index", x.numel(), kind).view(-1, width).copy_(index)
+        index = index.add_((row_of[:, None] * (bins + 1)).to(kind)).view(-1)
     counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     # The padding copies the first element of its tensor: take it out of that element's bin.
     if any(pads):

@@ -65,6 +65,16 @@ def test_a_batch_of_many_shapes_matches_each_tensor_alone():
         assert sum(counts) == torch.isfinite(t).sum().item()
 
 
+@pytest.mark.parametrize("count", [100, 700])  # one batch's bins fit int16 indices, or need int32
+def test_histograms_of_a_batch_of_many_tensors_equal_each_alone(count):
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(64, generator=g) * (k % 7 + 1) for k in range(count)]
+    for t, (row, counts) in zip(tensors, reduce(tensors, bins=64)):
+        alone = torch.histc(t, bins=64, min=t.min().item(), max=t.max().item())
+        assert sum(counts) == 64 and (torch.tensor(counts) - alone).abs().sum() <= 2
+        assert row[3] == t.abs().max().item()
+
+
 def test_mean_far_from_zero_keeps_the_std_exact():
     t = 1000.0 + torch.randn(CPU_BATCH_TENSOR * 2, generator=torch.Generator().manual_seed(6)) * 1e-3
     for context in (torch.no_grad(), branch_free()):
