@@ -180,7 +180,7 @@ class Reducer:
             self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
             return
         else:
-            key, capacity = (histogram, ROW if n >= ROW else _width(n)), CPU_BATCH_ELEMENTS
+            key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
