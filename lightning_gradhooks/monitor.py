@@ -438,9 +438,10 @@ class GradientMonitor:
     def remove(self) -> None:
         """Remove every hook, drop pending statistics and free scratch memory; safe to call any
         number of times."""
-        self._release()
         if self._handle is not None:
-            self._handle.remove()
+            self._handle.remove()  # releases the monitor too (on_remove)
+        else:
+            self._release()
 
     def _release(self) -> None:
         self.disarm()
