@@ -25,6 +25,7 @@ import contextlib
 import functools
 import itertools
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -268,7 +269,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     if step != 1:
         index.mul_(step)
     index.mul_(scale / step)
-    counts = _count(scratch.get("index", n, torch.uint8 if bins <= 256 else torch.int32).copy_(index), bins)
+    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
     return moments, counts.view(1, bins)
 
 
@@ -318,34 +319,47 @@ def _reduce_on_cpu(
         return moments, None
     span = (high.double() - low.double())[row_of, None]
     index = _to_bins(torch.sub(x, low[row_of, None], out=work), span, bins)
-    if m == 1:  # bincount reads the minimum and maximum of its input first: bytes are read fastest
-        index = scratch.get("index", x.numel(), torch.uint8 if bins < 255 else torch.int32).copy_(index.view(-1))
+    if m == 1:
+        index = scratch.get("index", x.numel(), _index_dtype(bins + 1)).copy_(index.view(-1))
+        counts = _count(index, bins + 1)
     else:  # int16 where it holds every tensor's bins: fewer bytes for bincount to read
         kind = torch.int16 if m * (bins + 1) <= torch.iinfo(torch.int16).max else torch.int32
         index = scratch.get("index", x.numel(), kind).view(-1, width).copy_(index)
         index = index.add_((row_of[:, None] * (bins + 1)).to(kind)).view(-1)
-    counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
+        counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
     # The padding copies the first element of its tensor: take it out of that element's bin.
     if any(pads):
         counts.index_add_(0, index[firsts].int(), -torch.tensor(pads, dtype=torch.float64))
     return moments, counts.view(m, bins + 1)[:, :bins]
 
 
-#: Four lanes, one per byte of an int32 (little-endian): added to a uint8 index viewed as int32,
-#: it moves the k-th of every four elements into lane k, never carrying (every byte is below 64).
-_LANES = int.from_bytes(bytes([192, 128, 64, 0]), "little")
+def _index_dtype(bins: int) -> torch.dtype:
+    """The dtype of a histogram index: int8 up to 128 bins, else int16 (at most 4096 bins).
+
+    Converting float32 to int8 or int16 is vectorised; to uint8 it is not (four times slower).
+    """
+    return torch.int8 if bins <= 128 else torch.int16
 
 
 def _count(index: Tensor, bins: int) -> Tensor:
-    """``bincount`` of a flat index in ``[0, bins)``, as float64. A uint8 index with at most 64
-    bins is counted in four interleaved sub-histograms: bincount adds one to a counter per
-    element, and when neighbours share a bin (ReLU zeros, a vanishing layer) each addition waits
-    for the last one; in four lanes neighbours never do. The index is modified in place."""
-    if bins > 64 or index.dtype != torch.uint8:
+    """``bincount`` of a flat index in ``[0, bins)`` (of :func:`_index_dtype`), as float64.
+
+    An int8 index is counted by pairs: viewed as int16, each pair of neighbours is one number
+    ``first + 256 * second`` (little-endian), below 32768, so one ``bincount`` over half as many
+    elements fills a ``bins x 256`` table whose row and column sums are the histogram.
+    ``bincount`` costs a counter update per element, and it is the slowest step of a histogram:
+    by pairs it runs ~1.7x faster, also when neighbours share a bin (ReLU zeros, a vanishing
+    layer), where updates of one counter wait on each other.
+    """
+    n = index.numel()
+    if index.dtype != torch.int8 or n < 2 or sys.byteorder != "little":
         return torch.bincount(index, minlength=bins)[:bins].to(torch.float64)
-    whole = index.numel() - index.numel() % 4
-    index[:whole].view(torch.int32).add_(_LANES)
-    return torch.bincount(index, minlength=256).view(4, 64).sum(0)[:bins].to(torch.float64)
+    whole = n - n % 2
+    table = torch.bincount(index[:whole].view(torch.int16), minlength=256 * bins).view(bins, 256)[:, :bins]
+    counts = table.sum(0).add_(table.sum(1))
+    if whole < n:
+        counts[index[-1].item()] += 1
+    return counts.to(torch.float64)
 
 
 def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
