@@ -7,7 +7,7 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
   ops per batch (segment reductions over rows, one scatter for all their histograms);
 - on the CPU, big gradients are reduced on their own in four passes (minimum and maximum,
   sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
-  their histogram in three more (shift and scale, convert to bytes, count);
+  their histogram in three more (shift and scale, convert to int8, count pairs of neighbours);
 - on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch,
   because there the launch count, not the bytes, is what costs (a batch holds at most that many
   elements of gradients and their copy).
