@@ -2,7 +2,7 @@
 
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
-        [--device cuda]
+        [--breakdown] [--device cuda]
     python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10] [--device cuda]
 
 Models, on the CPU with torch's default threads (or with ``--device cuda`` on the GPU, every
@@ -30,6 +30,8 @@ replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of 
 one ``collect`` (torch.profiler, self CPU time, profiler overhead included).
 C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
+With ``--breakdown`` also every step without histograms, and every step with the monitor's
+reductions (hook and parameter gradients) replaced by nothing: what the callback costs besides them.
 
 A variant that raises is reported as failed and left out. The default run takes about 5 minutes
 on 2 idle cores (part A 3.5, B 0.3, C 1.2).
@@ -429,12 +431,23 @@ def fit_once(
     return statistics.fmean(timer.times[2:] or timer.times)  # without warm-up and probe step
 
 
+class SkippedReductions(GradHooks):
+    """GradHooks whose monitor reduces nothing (hooks, parameters): the callback's own cost."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._monitor._reduce = lambda *a: None
+
+
 def part_c(names: list[str], args: argparse.Namespace) -> None:
     variants: dict[str, Callable[[], list[pl.Callback]]] = {
         "plain": lambda: [],
         "GradHooks every step": lambda: [GradHooks(every_n_steps=1)],
         "GradHooks every 50 steps": lambda: [GradHooks(every_n_steps=50)],
     }
+    if args.breakdown:
+        variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
+        variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         state = case.make().state_dict()
@@ -522,6 +535,9 @@ def main() -> None:
     parser.add_argument("--no-wandb", action="store_true", help="leave the wandb.watch variants out")
     parser.add_argument("--skip-lightning", action="store_true")
     parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="part C also fits GradHooks without histograms, and with every reduction skipped"
+    )
     parser.add_argument("--stages", action="store_true", help="part D only: where an armed step's time goes")
     parser.add_argument("--device", default="cpu", help="where parts A, C and D run: cpu or cuda (part B counts ops on the CPU)")
     args = parser.parse_args()

@@ -7,14 +7,23 @@ and ``<kind>_hist/<name>`` for histograms, so TensorBoard groups one section per
 A logged step is written as a single event holding every scalar and histogram of the step: the
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
 ``add_histogram_raw`` write, but serialised once instead of once per tag (~85 us each).
+
+TensorBoard's event writer (without TensorFlow) checksums every record with a CRC-32C written in
+Python, ~80 ns a byte, in its writer thread, holding the GIL: on 500 modules a logged step's
+event is ~2 MB, and its checksum held the training loop up for ~150 ms.
+:func:`use_fast_checksums` has the writer use ``google-crc32c``'s C implementation instead:
+the same checksums (checked when it is switched on), ~600 times faster.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from typing import Any
 
+import google_crc32c
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+from tensorboard.summary.writer import record_writer
 
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS, histogram_edges
@@ -22,6 +31,30 @@ from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 #: The section TensorBoard lists (and opens) first: a leading digit sorts before every letter.
 OVERVIEW = "0_overview"
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """TensorBoard's record checksum: CRC-32C of ``data``, rotated right by 15 bits, plus a constant."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def use_fast_checksums() -> bool:
+    """Have TensorBoard's record writer (this process, every writer) checksum records in C.
+
+    Only where ``google-crc32c`` has its C implementation and gives the same checksums as
+    TensorBoard's own on a test record; otherwise TensorBoard is left as it is. Idempotent.
+
+    Returns:
+        whether the records are now checksummed in C.
+    """
+    if record_writer.masked_crc32c is _masked_crc32c:
+        return True
+    sample = os.urandom(64) + bytes(range(256))
+    if google_crc32c.implementation != "c" or _masked_crc32c(sample) != record_writer.masked_crc32c(sample):
+        return False
+    record_writer.masked_crc32c = _masked_crc32c
+    return True
 
 
 def scalar_metrics(
@@ -91,6 +124,7 @@ def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
     """
+    use_fast_checksums()
     values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     if record is not None:
         values += histogram_values(record)

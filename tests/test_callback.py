@@ -269,3 +269,77 @@ def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
     assert not [w for w in rec if "non-finite" in str(w.message)]  # still the same episode
     events = read_events(trainer.logger.log_dir)
     assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [4]
+
+
+def test_event_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):
+    """TensorBoard's writer checksums records in Python (~80 ns a byte); GradHooks has it use
+    google-crc32c's C code. Every record of the file must pass TensorBoard's Python check."""
+    import glob
+    import os
+
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New, masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from lightning_gradhooks._tensorboard import _masked_crc32c
+
+    for data in (b"", b"\x00", os.urandom(1000), os.urandom(100_003)):
+        assert _masked_crc32c(data) == masked_crc32c(data)
+    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1))
+    assert record_writer.masked_crc32c is _masked_crc32c
+    (path,) = glob.glob(os.path.join(trainer.logger.log_dir, "events.out.tfevents.*"))
+    reader, records = PyRecordReader_New(path), 0
+    with pytest.raises(errors.OutOfRangeError):  # the end of the file, after every record passed
+        while True:
+            reader.GetNext()  # raises DataLossError on a wrong checksum
+            records += 1
+    assert records > trainer.global_step  # the file header, then at least one event a step
+
+
+class CollectorProbe(pl.Callback):
+    """Whether Python's cyclic garbage collector is on, at each phase of each batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str, bool]] = []
+
+    def _see(self, trainer, phase):  # noqa: ANN001
+        import gc
+
+        self.seen.append((trainer.global_step, phase, gc.isenabled()))
+
+    def on_train_batch_start(self, trainer, *args):  # noqa: ANN001, ANN002
+        self._see(trainer, "start")
+
+    def on_before_optimizer_step(self, trainer, *args):  # noqa: ANN001, ANN002
+        self._see(trainer, "logged")  # after GradHooks' collect and write, which come first
+
+    def on_train_batch_end(self, trainer, *args):  # noqa: ANN001, ANN002
+        self._see(trainer, "end")
+
+
+def test_logged_batches_pause_the_garbage_collector_to_their_end_and_fit_always_restores_it(tmp_path):
+    """The collector is off from the start of a logged batch through GradHooks' writing, on
+    again after it and on steps that are not logged; on after fit, also when fit raises; a
+    collector the user switched off stays off."""
+    import gc
+
+    probe = CollectorProbe()
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=2), probe], max_steps=4)
+    trainer.fit(MLP(), loader())
+    assert gc.isenabled()
+    # GradHooks' on_train_batch_start runs before the probe's; its on_train_batch_end too.
+    assert probe.seen == [
+        (0, "start", False), (0, "logged", False), (1, "end", True),
+        (1, "start", True), (1, "logged", True), (2, "end", True),
+        (2, "start", False), (2, "logged", False), (3, "end", True),
+        (3, "start", True), (3, "logged", True), (4, "end", True),
+    ]
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        make_trainer(tmp_path, [GradHooks(every_n_steps=1)]).fit(MLP(fail_at=2), loader())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=2).fit(MLP(), loader())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
