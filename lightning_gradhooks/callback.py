@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,7 +13,14 @@ from typing_extensions import override
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.distributed import RankReducer
-from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, GradientRecord, check_patterns, listed
+from lightning_gradhooks.monitor import (
+    DEFAULT_BINS,
+    CollectorPause,
+    GradientMonitor,
+    GradientRecord,
+    check_patterns,
+    listed,
+)
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.report import HealthReport, Thresholds
 from lightning_gradhooks.stats import STATISTICS, Statistic
@@ -215,7 +221,7 @@ class GradHooksLogic:
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False
-        self._gc_paused = False  # whether a logged batch switched the cyclic garbage collector off
+        self._collector = CollectorPause()  # for the rest of a logged batch, see _pause_gc
 
     def _logger(self) -> logging.Logger:
         """A logger under the Lightning namespace of this class, which prints at INFO level."""
@@ -319,7 +325,7 @@ class GradHooksLogic:
             self._cleanup()
 
     def _cleanup(self) -> None:
-        self._resume_gc()
+        self._collector.resume()
         self._reducer = None
         if self._updates is not None:
             self._updates.remove()
@@ -398,7 +404,7 @@ class GradHooksLogic:
         # Hook statistics waiting for an optimizer step (accumulation) keep the monitor armed.
         if self._monitor is not None and not self._monitor.pending:
             self._monitor.disarm()
-        self._resume_gc()
+        self._collector.resume()
 
     def _pause_gc(self) -> None:
         """Switch Python's cyclic garbage collector off for the rest of a logged batch.
@@ -411,14 +417,7 @@ class GradHooksLogic:
         and it is switched back on at the end of the batch, at teardown and when fit raises.
         A collector the user switched off stays off.
         """
-        if not self._gc_paused and gc.isenabled():
-            gc.disable()
-            self._gc_paused = True
-
-    def _resume_gc(self) -> None:
-        if self._gc_paused:
-            self._gc_paused = False
-            gc.enable()
+        self._collector.pause()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -37,6 +37,25 @@ ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
 
 
+class CollectorPause:
+    """Switches Python's cyclic garbage collector off, and back on only if it switched it off:
+    a collector the user switched off stays off. Objects freed by reference counting are freed
+    as always; only collecting reference cycles waits."""
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause(self) -> None:
+        if not self.paused and gc.isenabled():
+            gc.disable()
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            gc.enable()
+
+
 #: A hook as the monitor puts it in a module: the module's hook dict, a key and the hook.
 _Slot = tuple[dict, int, Callable]
 
@@ -333,7 +352,7 @@ class GradientMonitor:
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
-        self._gc_paused = False  # whether arm() switched Python's cyclic garbage collector off
+        self._collector = CollectorPause()  # from arm() to collect() or disarm()
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
@@ -484,9 +503,7 @@ class GradientMonitor:
         """
         if not self._armed:
             self._armed = True
-            if gc.isenabled():
-                gc.disable()
-                self._gc_paused = True
+            self._collector.pause()
             if self._handle is not None and self._handle.active:
                 self._register()
         return _Armed(self)
@@ -497,9 +514,7 @@ class GradientMonitor:
         self._pending.clear()
         self._reducers.clear()
         self._park()
-        if self._gc_paused:
-            self._gc_paused = False
-            gc.enable()
+        self._collector.resume()
 
     # -- hot path: armed steps only ----------------------------------------------------------
     def _watch_inputs(self, name: str, module: nn.Module, args: tuple) -> tuple | None:
