@@ -289,7 +289,7 @@ class _Engine:
         elsize = t.element_size()
         for rec in self._dedupe.get((t.device, storage.data_ptr()), ()):
             if (not rec.dead and rec.failed is None and rec.step == self._step and rec.version == t._version
-                    and not rec.storage_ref.expired() and rec.byte_start <= start
+                    and rec.storage_ref() is not None and rec.byte_start <= start
                     and start + nbytes <= rec.byte_start + rec.nbytes and rec.byte_start % elsize == 0
                     and rec.alive()):
                 return rec

@@ -17,7 +17,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_gradhooks.offload._common import _ALIGN, DiskOffloadError
 
@@ -189,7 +188,9 @@ class _Record:
         self.segment: _Segment | None = None  # assigned by the writer thread
         self.index = self.offset = -1
         self.nbytes, self.byte_start, self.device = nbytes, byte_start, t.device
-        self.storage_ref, self.version = StorageWeakRef(storage), t._version
+        # A plain weak reference: torch's StorageWeakRef frees itself in a Python ``__del__``, where
+        # a Ctrl-C landing as a record dies would be printed and lost.
+        self.storage_ref, self.version = weakref.ref(storage), t._version
         self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
         self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
