@@ -1,11 +1,13 @@
-"""Pure-torch reductions of gradient tensors to statistics and histograms; pooling on the host.
+"""Reductions of gradient tensors to statistics and histograms; pooling on the host.
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
 
 - small gradients are gathered and reduced together, a batch at a time, with a fixed number of
   ops per batch (segment reductions over rows, one scatter for all their histograms);
-- on the CPU, big gradients are reduced on their own in four passes (minimum and maximum,
+- on the CPU, big gradients are reduced on their own: float32 ones in two passes by the C
+  kernels of ``_kernels.c`` (one for the moments, one for the histogram) where setup.py could
+  build them; otherwise, and for float64, in four passes of torch ops (minimum and maximum,
   sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
   their histogram in three more (shift and scale, convert to int8, count pairs of neighbours);
 - on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch,
@@ -32,6 +34,11 @@ from typing import Literal, get_args
 
 import torch
 from torch import Tensor
+
+try:
+    from . import _kernels  # built by setup.py where a C compiler is found
+except ImportError:
+    _kernels = None
 
 #: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
@@ -68,7 +75,11 @@ def _width(n: int) -> int:
     return ROW if n >= ROW else 1 << max(n - 1, 0).bit_length()
 
 
+#: The C kernels split a tensor over one thread per this many elements (at most torch's threads).
+KERNEL_THREAD_ELEMENTS = 1 << 20
+
 _branch_free = False
+_use_kernels = True
 
 
 @contextlib.contextmanager
@@ -84,6 +95,20 @@ def branch_free() -> Iterator[None]:
         yield
     finally:
         _branch_free = previous
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    """Reduce big CPU tensors with torch ops even where the C kernels of ``_kernels.c`` were built.
+
+    For tests and benchmarks, which compare the two paths.
+    """
+    global _use_kernels
+    previous, _use_kernels = _use_kernels, False
+    try:
+        yield
+    finally:
+        _use_kernels = previous
 
 
 def _as_float(tensor: Tensor) -> Tensor:
@@ -232,11 +257,49 @@ class Reducer:
 def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
     """Moments (and histogram) of one big flat CPU tensor in as few passes as they allow.
 
-    One read of ``aminmax``, the sum, the row norms and the count of non-zeros: NaN and Inf show
-    in the minimum and maximum, and only then does the tensor take the masked path of
-    :func:`reduce_batch`. The sums are not centred (no copy): a tensor whose mean is far from
-    zero against its spread (rare for gradients) is centred on its mean and summed again.
+    A contiguous float32 tensor is reduced by the C kernels of ``_kernels.c`` where they were
+    built: one pass for the moments and one for the histogram, over a few threads. Otherwise
+    torch ops read it four times for the moments (:func:`_alone_moments`) and three more for
+    the histogram. NaN and Inf show in the minimum and maximum, and only then does the tensor
+    take the masked path of :func:`reduce_batch`. The sums are not centred (no copy): a tensor
+    whose mean is far from zero against its spread (rare for gradients) is centred on its mean
+    and summed again.
     """
+    n = x.numel()
+    fused = _kernels is not None and _use_kernels and x.dtype == torch.float32 and x.is_contiguous()
+    threads = min(torch.get_num_threads(), max(1, n // KERNEL_THREAD_ELEMENTS))
+    if fused:
+        lo, hi, total, squares, zeros, nonfinite = _kernels.moments(x.data_ptr(), n, threads)
+    else:
+        lo, hi, total, squares, zeros = _alone_moments(x, scratch)
+        nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
+    if nonfinite:
+        return reduce_batch([x], bins)
+    centre = 0.0
+    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
+        centre = total / n
+        squares, total = _centred_sums(x, centre)
+    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, zeros]], dtype=torch.float64)
+    if bins is None:
+        return moments, None
+    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
+    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
+    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
+    if fused:  # the same float32 arithmetic as below, so the same bins
+        counts = torch.empty(bins, dtype=torch.float64)
+        _kernels.histogram(x.data_ptr(), n, lo, step, scale / step, bins, counts.data_ptr(), threads)
+        return moments, counts.view(1, bins)
+    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
+    if step != 1:
+        index.mul_(step)
+    index.mul_(scale / step)
+    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
+    return moments, counts.view(1, bins)
+
+
+def _alone_moments(x: Tensor, scratch: Scratch) -> tuple[float, float, float, float, float]:
+    """Minimum, maximum, sum, sum of squares and zero count of a flat CPU tensor, with torch ops:
+    one read each of ``aminmax``, the sum, the row norms and the count of non-zeros."""
     n = x.numel()
     whole = n - n % ROW
     head = x[:whole].view(-1, ROW)
@@ -253,24 +316,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     lo, hi, total, squares, nonzero = torch.stack(
         [low.double(), high.double(), x.sum().double(), squares, nonzero.double()]
     ).tolist()
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return reduce_batch([x], bins)
-    centre = 0.0
-    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
-        centre = total / n
-        squares, total = _centred_sums(x, centre)
-    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
-    if bins is None:
-        return moments, None
-    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
-    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
-    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
-    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
-    if step != 1:
-        index.mul_(step)
-    index.mul_(scale / step)
-    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
-    return moments, counts.view(1, bins)
+    return lo, hi, total, squares, n - nonzero
 
 
 def _reduce_on_cpu(

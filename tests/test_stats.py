@@ -1,8 +1,10 @@
 import math
+import sys
 
 import pytest
 import torch
 
+from lightning_gradhooks import stats
 from lightning_gradhooks.stats import (
     CPU_BATCH_TENSOR,
     STATISTICS,
@@ -11,7 +13,18 @@ from lightning_gradhooks.stats import (
     merge_histograms,
     pool_stats,
     reduce,
+    torch_ops,
 )
+
+
+@pytest.fixture(autouse=True, params=["kernels", "torch ops"])
+def big_tensor_path(request):
+    """Every test runs twice: big float32 CPU tensors reduced by the C kernels, then by torch ops."""
+    if request.param == "torch ops":
+        with torch_ops():
+            yield request.param
+    else:
+        yield request.param
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:
@@ -219,3 +232,45 @@ def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
     assert merge_histograms([parts[0], parts[0]], 16)[2] == [2 * c for c in parts[0][2]]
     assert merge_histograms([(2.0, 2.0, [3.0, 0.0]), (2.0, 2.0, [1.0, 0.0])], 2) == (2.0, 2.0, [4.0, 0.0])
     assert merge_histograms([], 3) == (0.0, 0.0, [0.0, 0.0, 0.0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CI builds the C kernels on Linux")
+def test_the_c_kernels_are_built():
+    assert stats._kernels is not None, "lightning_gradhooks/_kernels.c was not built: is a C compiler installed?"
+
+
+@pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("bins", [1, 7, 64, 65, 129, 1000])
+def test_c_kernels_give_what_torch_ops_give(bins, threads, monkeypatch):
+    """Same histograms exactly (the bin is the same float32 arithmetic), same minimum, maximum and
+    zero count exactly, sums to float32 rounding, on one or several threads."""
+    monkeypatch.setattr(stats, "KERNEL_THREAD_ELEMENTS", 20_000)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(bins)
+    n = CPU_BATCH_TENSOR * 2 + 3
+    relu = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
+    tensors = [
+        relu,
+        torch.randn(n, generator=g) * 1e-3 + 0.5,
+        torch.linspace(0, 1, n) * 1e-42,  # a denormal span: the exact 2**64 step
+        torch.full((n,), -2.5),  # constant: one full bin
+        1000.0 + torch.randn(n, generator=g),  # far from zero: centred again
+    ]
+    for t in tensors:
+        (fast, fast_counts), = reduce([t], bins)
+        with torch_ops():
+            (slow, slow_counts), = reduce([t], bins)
+        assert fast_counts == slow_counts
+        assert sum(fast_counts) == n
+        assert fast[3:] == slow[3:]  # absmax, nonfinite, zero fraction, count, low, high
+        assert fast[:3] == pytest.approx(slow[:3], rel=1e-5, abs=1e-30)
+
+
+@pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
+def test_float64_gradients_go_to_torch_ops_and_the_kernels_refuse_bad_bins():
+    t = torch.randn(CPU_BATCH_TENSOR * 2, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    (row, counts), = reduce([t], bins=16)
+    assert row[0] == pytest.approx(t.norm().item(), rel=1e-12) and sum(counts) == t.numel()
+    with pytest.raises(ValueError, match="bins must be positive"):
+        stats._kernels.histogram(t.data_ptr(), 0, 0.0, 1.0, 1.0, 0, t.data_ptr(), 1)
