@@ -14,7 +14,6 @@ kernels = Extension(
     # -fopenmp-simd: the simd pragmas vectorise the loops; no OpenMP runtime is linked.
     # -ffp-contract=off: the histogram's bin is computed in float32 as torch computes it.
     extra_compile_args=["-O3", "-fopenmp-simd", "-ffp-contract=off"],
-    extra_link_args=["-pthread"],
     optional=True,
 )
 

@@ -12,7 +12,9 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
-that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``per-param norm``
+that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, torch ops``
+(the same with big CPU tensors reduced by torch ops instead of the C kernels of ``_kernels.c``;
+only where they are built), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -32,8 +34,9 @@ C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; `
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 Two tables: the mean step of each fit (the headline), and its median step (without the rare slow
 steps where the allocator returned freed memory to the kernel). With ``--breakdown`` also every
-step without histograms, and every step with the monitor's
-reductions (hook and parameter gradients) replaced by nothing: what the callback costs besides them.
+step without histograms, every step with the monitor's
+reductions (hook and parameter gradients) replaced by nothing (what the callback costs besides
+them), and every step with torch ops instead of the C kernels.
 
 A variant that raises is reported as failed and left out. The default run takes about 5 minutes
 on 2 idle cores (part A 3.5, B 0.3, C 1.2).
@@ -73,6 +76,10 @@ try:
     from lightning_gradhooks.stats import branch_free
 except ImportError:
     branch_free = None
+try:  # the C kernels for big CPU tensors, and the switch back to torch ops
+    from lightning_gradhooks.stats import _kernels, torch_ops
+except ImportError:
+    _kernels = torch_ops = None
 
 Batch = tuple[Tensor, ...]
 
@@ -207,9 +214,9 @@ class Loop:
         yield variant
 
     @contextlib.contextmanager
-    def monitored(self, armed: bool) -> Iterator[Variant]:
+    def monitored(self, armed: bool, kernels: bool = True) -> Iterator[Variant]:
         monitor = self.monitor
-        with monitor.attach():
+        with contextlib.nullcontext() if kernels else torch_ops(), monitor.attach():
             self.step(Variant(monitor.arm, monitor.collect))  # the first armed step: in-place probe
             yield Variant(monitor.arm if armed else lambda: None, monitor.collect)
 
@@ -230,6 +237,10 @@ class Loop:
             "bare": lambda: self.plain(Variant()),
             "attached": lambda: self.monitored(False),
             "armed": lambda: self.monitored(True),
+        }
+        if _kernels is not None and self.case.batch[0].device.type == "cpu":
+            setups["armed, torch ops"] = lambda: self.monitored(True, kernels=False)
+        setups |= {
             "per-param norm": lambda: self.plain(Variant(after=self.norms)),
         }
         if run is not None:
@@ -451,6 +462,8 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
         variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
+        if _kernels is not None and args.device == "cpu":
+            variants["every step, torch ops"] = variants["GradHooks every step"]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         state = case.make().state_dict()
@@ -460,7 +473,8 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         typical = Timings(f"{case.name} (Lightning, median step)", list(variants))
 
         def fit(name: str, make: Callable[[], list[pl.Callback]]) -> float:
-            times = fit_once(case, state, make, args.lightning_steps, logdir)
+            with torch_ops() if name.endswith("torch ops") else contextlib.nullcontext():
+                times = fit_once(case, state, make, args.lightning_steps, logdir)
             typical.times[name].append(statistics.median(times))
             return statistics.fmean(times)
 

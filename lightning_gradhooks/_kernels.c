@@ -2,7 +2,12 @@
  *
  * torch needs about eight passes over a gradient for its statistics and histogram (minimum and
  * maximum, sum, row norms, non-zeros; shift, scale, convert, count). Here it is two: one for
- * the moments and one for the histogram, each split over a few threads, with the GIL released.
+ * the moments and one for the histogram, with the GIL released.
+ *
+ * One thread: right after a torch op, torch's OpenMP workers spin on the other cores for a
+ * while, and a thread of ours started there shares a core with one of them. Measured on the
+ * encoder of benchmarks/many_modules.py, two threads made a 2 M-element gradient's moments take
+ * 1.2 ms instead of 0.6.
  * The histogram bin of an element is computed exactly as the torch path computes it, in
  * float32, so both paths give the same counts.
  *
@@ -13,19 +18,22 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Elements summed in float32 before the partial sums move to float64. */
+/* Elements binned at a time. */
 #define BLOCK 1024
+/* Elements summed in float32 (8 or 16 to a SIMD lane) before the partial sums move to float64. */
+#define SUMS 128
 /* Elements counted into int32 tables before they are folded into int64: no overflow. */
 #define CHUNK ((int64_t)1 << 28)
 /* Up to this many bins, neighbours are counted by pairs in a PAIRS x PAIRS table. */
 #define PAIRS 64
-#define MAX_THREADS 64
+/* ... for tensors of at least this many elements (the table is cleared for each). */
+#define PAIRS_FROM 65536
 
 /* Builds for AVX2 and for the baseline, chosen at load time, where the toolchain can. */
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
@@ -45,8 +53,8 @@ VECTOR_CLONES static void moments_of(Moments *m) {
     const float *x = m->x;
     double low = INFINITY, high = -INFINITY, sum = 0.0, squares = 0.0;
     int64_t zeros = 0, nonfinite = 0;
-    for (int64_t b = 0; b < m->n; b += BLOCK) {
-        int64_t e = b + BLOCK < m->n ? b + BLOCK : m->n;
+    for (int64_t b = 0; b < m->n; b += SUMS) {
+        int64_t e = b + SUMS < m->n ? b + SUMS : m->n;
         float mn = INFINITY, mx = -INFINITY, s = 0.0f, q = 0.0f;
         int32_t z = 0, bad = 0;
 #pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : s, q, z, bad)
@@ -74,15 +82,6 @@ VECTOR_CLONES static void moments_of(Moments *m) {
     m->nonfinite = nonfinite;
 }
 
-typedef struct {
-    const float *x;
-    int64_t n;
-    float low, step, scale;
-    int32_t bins;
-    int64_t *counts; /* bins entries, zeroed by the caller */
-    int failed;
-} Histogram;
-
 /* Bins of x[0..m) into index[0..m): ((x - low) * step) * scale in float32, as torch computes
  * it (step only where it is not 1), truncated and clamped to [0, bins); NaN lands in bin 0. */
 VECTOR_CLONES static void bins_of(const float *x, int64_t m, float low, float step, float scale, int32_t bins,
@@ -103,159 +102,204 @@ VECTOR_CLONES static void bins_of(const float *x, int64_t m, float low, float st
     }
 }
 
-/* Counting is the slow part: a run of one bin (ReLU zeros) makes each counter update wait on
- * the one before. Up to PAIRS bins, a pair of neighbours is one update of a PAIRS x PAIRS
- * table, and pairs go to two tables in turn; above, elements go to four tables in turn. */
-static void histogram_of(Histogram *h) {
-    const int pairs = h->bins <= PAIRS;
-    const int64_t size = pairs ? 2 * PAIRS * PAIRS : 4 * (int64_t)h->bins;
-    int32_t *table = malloc(size * sizeof(int32_t));
-    int64_t *total = calloc(size, sizeof(int64_t));
+/* Counting tables, allocated once per call: int32 counters, folded into int64 every CHUNK. */
+typedef struct {
+    int32_t *table;
+    int64_t *total;
+    int64_t size;
+} Tables;
+
+static int tables_alloc(Tables *t, int32_t bins) {
+    t->size = 4 * (int64_t)bins > 2 * PAIRS * PAIRS ? 4 * (int64_t)bins : 2 * PAIRS * PAIRS;
+    t->table = malloc(t->size * sizeof(int32_t));
+    t->total = malloc(t->size * sizeof(int64_t));
+    return t->table != NULL && t->total != NULL;
+}
+
+static void tables_free(Tables *t) {
+    free(t->table);
+    free(t->total);
+}
+
+/* Counts of x[0..n) into out[0..bins), as float64. Counting is the slow part: a run of one bin
+ * (ReLU zeros) makes each counter update wait on the one before, so updates go to several
+ * tables in turn. For a big tensor and up to PAIRS bins, a pair of neighbours is one update of
+ * a PAIRS x PAIRS table (half the updates); otherwise elements go to four tables of `bins`. */
+static void histogram_of(const float *x, int64_t n, float low, float step, float scale, int32_t bins, Tables *t,
+                         double *out) {
+    const int pairs = bins <= PAIRS && n >= PAIRS_FROM;
+    const int64_t size = pairs ? 2 * PAIRS * PAIRS : 4 * (int64_t)bins;
+    int64_t single[PAIRS] = {0};
     int32_t index[BLOCK];
-    if (table == NULL || total == NULL) {
-        free(table);
-        free(total);
-        h->failed = 1;
-        return;
-    }
-    for (int64_t c = 0; c < h->n; c += CHUNK) {
-        int64_t end = c + CHUNK < h->n ? c + CHUNK : h->n;
-        memset(table, 0, size * sizeof(int32_t));
+    memset(t->total, 0, size * sizeof(int64_t));
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        int64_t end = c + CHUNK < n ? c + CHUNK : n;
+        memset(t->table, 0, size * sizeof(int32_t));
         for (int64_t b = c; b < end; b += BLOCK) {
             int64_t m = (b + BLOCK < end ? b + BLOCK : end) - b, i = 0;
-            bins_of(h->x + b, m, h->low, h->step, h->scale, h->bins, index);
+            int32_t *table = t->table;
+            bins_of(x + b, m, low, step, scale, bins, index);
             if (pairs) {
                 for (; i + 4 <= m; i += 4) {
                     table[index[i] * PAIRS + index[i + 1]]++;
                     table[PAIRS * PAIRS + index[i + 2] * PAIRS + index[i + 3]]++;
                 }
-                for (; i < m; i++) h->counts[index[i]]++; /* at most 3 of a block */
+                for (; i < m; i++) single[index[i]]++; /* at most 3 of a block */
             } else {
                 for (; i + 4 <= m; i += 4) {
                     table[index[i]]++;
-                    table[h->bins + index[i + 1]]++;
-                    table[2 * h->bins + index[i + 2]]++;
-                    table[3 * h->bins + index[i + 3]]++;
+                    table[bins + index[i + 1]]++;
+                    table[2 * bins + index[i + 2]]++;
+                    table[3 * bins + index[i + 3]]++;
                 }
                 for (; i < m; i++) table[index[i]]++;
             }
         }
-        for (int64_t k = 0; k < size; k++) total[k] += table[k];
+        for (int64_t k = 0; k < size; k++) t->total[k] += t->table[k];
     }
-    for (int32_t r = 0; r < h->bins; r++) {
+    for (int32_t r = 0; r < bins; r++) {
         int64_t sum = 0;
         if (pairs) {
-            for (int32_t k = 0; k < h->bins; k++)
-                for (int t = 0; t < 2; t++) sum += total[t * PAIRS * PAIRS + r * PAIRS + k] + total[t * PAIRS * PAIRS + k * PAIRS + r];
+            sum = single[r];
+            for (int32_t k = 0; k < bins; k++)
+                for (int64_t u = 0; u < 2 * PAIRS * PAIRS; u += PAIRS * PAIRS)
+                    sum += t->total[u + r * PAIRS + k] + t->total[u + k * PAIRS + r];
         } else {
-            for (int t = 0; t < 4; t++) sum += total[t * h->bins + r];
+            for (int32_t u = 0; u < 4; u++) sum += t->total[u * bins + r];
         }
-        h->counts[r] += sum;
-    }
-    free(table);
-    free(total);
-}
-
-/* Runs work(job k) for k < count: job 0 on the calling thread, the others on threads of their
- * own (or on the calling thread, where a thread cannot be started). */
-static void run_jobs(void *(*work)(void *), char *jobs, size_t size, int count) {
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int k = 1; k < count; k++) started[k] = pthread_create(&threads[k], NULL, work, jobs + k * size) == 0;
-    work(jobs);
-    for (int k = 1; k < count; k++) {
-        if (started[k])
-            pthread_join(threads[k], NULL);
-        else
-            work(jobs + k * size);
+        out[r] = (double)sum;
     }
 }
 
-static void *moments_job(void *job) {
-    moments_of(job);
-    return NULL;
-}
-
-static void *histogram_job(void *job) {
-    histogram_of(job);
-    return NULL;
-}
-
-/* Splits n elements into `count` ranges that start on BLOCK boundaries. */
-static int split(int64_t n, int threads, int64_t *starts) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    int count = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
-    if (count > blocks) count = blocks > 0 ? (int)blocks : 1;
-    for (int k = 0; k <= count; k++) {
-        int64_t start = blocks * k / count * BLOCK;
-        starts[k] = start < n ? start : n;
+/* The sum of x - centre and of its squares over x[0..n): float32 within blocks, float64 across. */
+VECTOR_CLONES static void centred_sums(const float *x, int64_t n, float centre, double *sum, double *squares) {
+    double total = 0.0, total_squares = 0.0;
+    for (int64_t b = 0; b < n; b += SUMS) {
+        int64_t e = b + SUMS < n ? b + SUMS : n;
+        float s = 0.0f, q = 0.0f;
+#pragma omp simd reduction(+ : s, q)
+        for (int64_t i = b; i < e; i++) {
+            float v = x[i] - centre;
+            s += v;
+            q += v * v;
+        }
+        total += s;
+        total_squares += q;
     }
-    return count;
+    *sum = total;
+    *squares = total_squares;
 }
 
 static PyObject *moments(PyObject *self, PyObject *args) {
     unsigned long long address;
     Py_ssize_t n;
-    int threads;
-    Moments jobs[MAX_THREADS];
-    int64_t starts[MAX_THREADS + 1];
-    if (!PyArg_ParseTuple(args, "Kni", &address, &n, &threads)) return NULL;
-    int count = split(n, threads, starts);
-    for (int k = 0; k < count; k++) jobs[k] = (Moments){.x = (const float *)(uintptr_t)address + starts[k], .n = starts[k + 1] - starts[k]};
+    Moments m = {0};
+    if (!PyArg_ParseTuple(args, "Kn", &address, &n)) return NULL;
+    m.x = (const float *)(uintptr_t)address;
+    m.n = n;
     Py_BEGIN_ALLOW_THREADS;
-    run_jobs(moments_job, (char *)jobs, sizeof(Moments), count);
-    for (int k = 1; k < count; k++) {
-        jobs[0].low = jobs[k].low < jobs[0].low ? jobs[k].low : jobs[0].low;
-        jobs[0].high = jobs[k].high > jobs[0].high ? jobs[k].high : jobs[0].high;
-        jobs[0].sum += jobs[k].sum;
-        jobs[0].squares += jobs[k].squares;
-        jobs[0].zeros += jobs[k].zeros;
-        jobs[0].nonfinite += jobs[k].nonfinite;
-    }
+    moments_of(&m);
     Py_END_ALLOW_THREADS;
-    return Py_BuildValue("ddddLL", jobs[0].low, jobs[0].high, jobs[0].sum, jobs[0].squares, (long long)jobs[0].zeros,
-                         (long long)jobs[0].nonfinite);
+    return Py_BuildValue("ddddLL", m.low, m.high, m.sum, m.squares, (long long)m.zeros, (long long)m.nonfinite);
 }
 
 static PyObject *histogram(PyObject *self, PyObject *args) {
     unsigned long long address, out;
     Py_ssize_t n;
     float low, step, scale;
-    int bins, threads, failed = 0;
-    Histogram jobs[MAX_THREADS];
-    int64_t starts[MAX_THREADS + 1];
-    if (!PyArg_ParseTuple(args, "KnfffiKi", &address, &n, &low, &step, &scale, &bins, &out, &threads)) return NULL;
-    if (bins < 1) {
-        PyErr_Format(PyExc_ValueError, "bins must be positive, got %d", bins);
+    int bins;
+    Tables t;
+    if (!PyArg_ParseTuple(args, "KnfffiK", &address, &n, &low, &step, &scale, &bins, &out)) return NULL;
+    if (bins < 1) return PyErr_Format(PyExc_ValueError, "bins must be positive, got %d", bins);
+    if (!tables_alloc(&t, bins)) {
+        tables_free(&t);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    histogram_of((const float *)(uintptr_t)address, n, low, step, scale, bins, &t, (double *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS;
+    tables_free(&t);
+    Py_RETURN_NONE;
+}
+
+/* The moments of stats.MOMENTS for each of many small tensors, and their histograms where
+ * bins > 0: two passes each (three with a histogram), all in one call. Each tensor is centred
+ * on its float32 mean. Returns how many tensors hold NaN or Inf; their rows are not written. */
+static PyObject *reduce_many(PyObject *self, PyObject *args) {
+    PyObject *addresses, *lengths;
+    unsigned long long moments_out, counts_out;
+    int bins;
+    Py_ssize_t k;
+    Tables t = {0};
+    int64_t nonfinite = 0;
+    if (!PyArg_ParseTuple(args, "O!O!iKK", &PyList_Type, &addresses, &PyList_Type, &lengths, &bins, &moments_out,
+                          &counts_out))
+        return NULL;
+    k = PyList_GET_SIZE(addresses);
+    if (PyList_GET_SIZE(lengths) != k) return PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths", k, PyList_GET_SIZE(lengths));
+    if (bins < 0) return PyErr_Format(PyExc_ValueError, "bins must be 0 (none) or positive, got %d", bins);
+    const float **xs = malloc((k + 1) * sizeof(float *));
+    int64_t *ns = malloc((k + 1) * sizeof(int64_t));
+    if (xs == NULL || ns == NULL || (bins > 0 && !tables_alloc(&t, bins))) {
+        free(xs);
+        free(ns);
+        tables_free(&t);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        xs[j] = (const float *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addresses, j));
+        ns[j] = PyLong_AsLongLong(PyList_GET_ITEM(lengths, j));
+    }
+    if (PyErr_Occurred()) {
+        free(xs);
+        free(ns);
+        tables_free(&t);
         return NULL;
     }
-    int count = split(n, threads, starts);
-    int64_t *counts = calloc((size_t)(unsigned)count * (unsigned)bins, sizeof(int64_t));
-    if (counts == NULL) return PyErr_NoMemory();
-    for (int k = 0; k < count; k++)
-        jobs[k] = (Histogram){(const float *)(uintptr_t)address + starts[k], starts[k + 1] - starts[k], low, step, scale, bins,
-                              counts + (size_t)k * bins, 0};
     Py_BEGIN_ALLOW_THREADS;
-    run_jobs(histogram_job, (char *)jobs, sizeof(Histogram), count);
-    double *result = (double *)(uintptr_t)out;
-    for (int r = 0; r < bins; r++) {
-        int64_t sum = 0;
-        for (int k = 0; k < count; k++) sum += jobs[k].counts[r];
-        result[r] = (double)sum;
+    double *rows = (double *)(uintptr_t)moments_out;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Moments m = {.x = xs[j], .n = ns[j]};
+        double *row = rows + 7 * j, sum, squares;
+        moments_of(&m);
+        if (m.nonfinite) {
+            nonfinite++;
+            continue;
+        }
+        float centre = m.n ? (float)(m.sum / (double)m.n) : 0.0f;
+        centred_sums(m.x, m.n, centre, &sum, &squares);
+        row[0] = (double)m.n;
+        row[1] = m.n ? (double)centre + sum / (double)m.n : 0.0;
+        row[2] = squares;
+        row[3] = sum;
+        row[4] = m.low;
+        row[5] = m.high;
+        row[6] = (double)m.zeros;
+        if (bins > 0) {
+            /* stats._bin_scale, in float64, then float32 */
+            double span = m.high - m.low, scale = span > 0.0 ? bins * (1 - 1e-6) / span : 0.0;
+            double step = scale > FLT_MAX / 18446744073709551616.0 ? 18446744073709551616.0 : 1.0;
+            histogram_of(m.x, m.n, (float)m.low, (float)step, (float)(scale / step), bins, &t,
+                         (double *)(uintptr_t)counts_out + (int64_t)bins * j);
+        }
     }
-    for (int k = 0; k < count; k++) failed |= jobs[k].failed;
     Py_END_ALLOW_THREADS;
-    free(counts);
-    if (failed) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    free(xs);
+    free(ns);
+    tables_free(&t);
+    return PyLong_FromLongLong(nonfinite);
 }
 
 static PyMethodDef methods[] = {
     {"moments", moments, METH_VARARGS,
-     "moments(address, n, threads) -> (low, high, sum, squares, zeros, nonfinite) of n float32 at address."},
+     "moments(address, n) -> (low, high, sum, squares, zeros, nonfinite) of n float32 at address."},
     {"histogram", histogram, METH_VARARGS,
-     "histogram(address, n, low, step, scale, bins, out, threads): counts of n float32 at address into bins "
+     "histogram(address, n, low, step, scale, bins, out): counts of n float32 at address into bins "
      "float64 at out; an element's bin is int(((x - low) * step) * scale) in float32, clamped."},
+    {"reduce_many", reduce_many, METH_VARARGS,
+     "reduce_many(addresses, lengths, bins, moments_out, counts_out) -> count of tensors holding NaN/Inf: the "
+     "moments (k x 7 float64 at moments_out) and histograms (k x bins float64 at counts_out, if bins) of k "
+     "float32 tensors."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,8 +3,9 @@
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
 
-- small gradients are gathered and reduced together, a batch at a time, with a fixed number of
-  ops per batch (segment reductions over rows, one scatter for all their histograms);
+- small gradients are gathered and reduced together, a batch at a time: float32 ones on the CPU
+  in one call of the C kernels of ``_kernels.c`` (no copy), others with a fixed number of ops
+  per batch (segment reductions over rows, one scatter for all their histograms);
 - on the CPU, big gradients are reduced on their own: float32 ones in two passes by the C
   kernels of ``_kernels.c`` (one for the moments, one for the histogram) where setup.py could
   build them; otherwise, and for float64, in four passes of torch ops (minimum and maximum,
@@ -74,9 +75,6 @@ def _width(n: int) -> int:
     tensor the power of two that holds it, so that a 64-element bias is not padded to 1024."""
     return ROW if n >= ROW else 1 << max(n - 1, 0).bit_length()
 
-
-#: The C kernels split a tensor over one thread per this many elements (at most torch's threads).
-KERNEL_THREAD_ELEMENTS = 1 << 20
 
 _branch_free = False
 _use_kernels = True
@@ -222,6 +220,8 @@ class Reducer:
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
         if _branch_free or not self._cpu:
             moments, counts = reduce_batch(batch.tensors, bins)
+        elif _kernels_for(batch.tensors):
+            moments, counts = _reduce_many_with_kernels(batch.tensors, bins)
         else:
             moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
@@ -258,7 +258,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     """Moments (and histogram) of one big flat CPU tensor in as few passes as they allow.
 
     A contiguous float32 tensor is reduced by the C kernels of ``_kernels.c`` where they were
-    built: one pass for the moments and one for the histogram, over a few threads. Otherwise
+    built: one pass for the moments and one for the histogram. Otherwise
     torch ops read it four times for the moments (:func:`_alone_moments`) and three more for
     the histogram. NaN and Inf show in the minimum and maximum, and only then does the tensor
     take the masked path of :func:`reduce_batch`. The sums are not centred (no copy): a tensor
@@ -266,10 +266,9 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     and summed again.
     """
     n = x.numel()
-    fused = _kernels is not None and _use_kernels and x.dtype == torch.float32 and x.is_contiguous()
-    threads = min(torch.get_num_threads(), max(1, n // KERNEL_THREAD_ELEMENTS))
+    fused = _kernels_for([x])
     if fused:
-        lo, hi, total, squares, zeros, nonfinite = _kernels.moments(x.data_ptr(), n, threads)
+        lo, hi, total, squares, zeros, nonfinite = _kernels.moments(x.data_ptr(), n)
     else:
         lo, hi, total, squares, zeros = _alone_moments(x, scratch)
         nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
@@ -287,7 +286,7 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
     if fused:  # the same float32 arithmetic as below, so the same bins
         counts = torch.empty(bins, dtype=torch.float64)
-        _kernels.histogram(x.data_ptr(), n, lo, step, scale / step, bins, counts.data_ptr(), threads)
+        _kernels.histogram(x.data_ptr(), n, lo, step, scale / step, bins, counts.data_ptr())
         return moments, counts.view(1, bins)
     index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
     if step != 1:
@@ -295,6 +294,34 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     index.mul_(scale / step)
     counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
     return moments, counts.view(1, bins)
+
+
+def _kernels_for(tensors: Sequence[Tensor]) -> bool:
+    """Whether the C kernels can reduce these flat CPU tensors: built, not switched off, float32, dense."""
+    return (
+        _kernels is not None
+        and _use_kernels
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    )
+
+
+def _reduce_many_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+    """:func:`reduce_batch` for small float32 CPU tensors, in one call of the C kernels: no copy
+    into a batch, two passes a tensor (centred on its mean) and a third for its histogram. A
+    batch that holds NaN or Inf goes through :func:`reduce_batch`."""
+    m = len(tensors)
+    moments = torch.empty(m, MOMENTS, dtype=torch.float64)
+    counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
+    nonfinite = _kernels.reduce_many(
+        [t.data_ptr() for t in tensors],
+        [t.numel() for t in tensors],
+        bins or 0,
+        moments.data_ptr(),
+        0 if counts is None else counts.data_ptr(),
+    )
+    if nonfinite:
+        return reduce_batch(tensors, bins)
+    return moments, counts
 
 
 def _alone_moments(x: Tensor, scratch: Scratch) -> tuple[float, float, float, float, float]:

@@ -240,15 +240,12 @@ def test_the_c_kernels_are_built():
 
 
 @pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2 + 3, 4099, 64, 1])  # big: alone; small: in one batch
 @pytest.mark.parametrize("bins", [1, 7, 64, 65, 129, 1000])
-def test_c_kernels_give_what_torch_ops_give(bins, threads, monkeypatch):
+def test_c_kernels_give_what_torch_ops_give(bins, n):
     """Same histograms exactly (the bin is the same float32 arithmetic), same minimum, maximum and
-    zero count exactly, sums to float32 rounding, on one or several threads."""
-    monkeypatch.setattr(stats, "KERNEL_THREAD_ELEMENTS", 20_000)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    zero count exactly, sums to float32 rounding."""
     g = torch.Generator().manual_seed(bins)
-    n = CPU_BATCH_TENSOR * 2 + 3
     relu = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
     tensors = [
         relu,
@@ -257,20 +254,27 @@ def test_c_kernels_give_what_torch_ops_give(bins, threads, monkeypatch):
         torch.full((n,), -2.5),  # constant: one full bin
         1000.0 + torch.randn(n, generator=g),  # far from zero: centred again
     ]
-    for t in tensors:
-        (fast, fast_counts), = reduce([t], bins)
-        with torch_ops():
-            (slow, slow_counts), = reduce([t], bins)
+    fast = reduce(tensors, bins)
+    with torch_ops():
+        slow = reduce(tensors, bins)
+    for (fast_row, fast_counts), (slow_row, slow_counts) in zip(fast, slow):
         assert fast_counts == slow_counts
         assert sum(fast_counts) == n
-        assert fast[3:] == slow[3:]  # absmax, nonfinite, zero fraction, count, low, high
-        assert fast[:3] == pytest.approx(slow[:3], rel=1e-5, abs=1e-30)
+        assert fast_row[3:] == slow_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
+        assert fast_row[:3] == pytest.approx(slow_row[:3], rel=1e-5, abs=1e-30)
 
 
 @pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
-def test_float64_gradients_go_to_torch_ops_and_the_kernels_refuse_bad_bins():
-    t = torch.randn(CPU_BATCH_TENSOR * 2, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    (row, counts), = reduce([t], bins=16)
-    assert row[0] == pytest.approx(t.norm().item(), rel=1e-12) and sum(counts) == t.numel()
+def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_bad_input():
+    g = torch.Generator().manual_seed(8)
+    for n in (100, CPU_BATCH_TENSOR * 2):
+        t = torch.randn(n, dtype=torch.float64, generator=g)
+        (row, counts), = reduce([t], bins=16)
+        assert row[0] == pytest.approx(t.norm().item(), rel=1e-12) and sum(counts) == n
+        strided = torch.randn(2 * n, generator=g)[::2]  # flat but not dense: the kernels would read it wrong
+        (row, counts), = reduce([strided], bins=16)
+        assert row[0] == pytest.approx(strided.double().norm().item(), rel=1e-5) and sum(counts) == n
     with pytest.raises(ValueError, match="bins must be positive"):
-        stats._kernels.histogram(t.data_ptr(), 0, 0.0, 1.0, 1.0, 0, t.data_ptr(), 1)
+        stats._kernels.histogram(t.data_ptr(), 0, 0.0, 1.0, 1.0, 0, t.data_ptr())
+    with pytest.raises(ValueError, match="1 addresses but 2 lengths"):
+        stats._kernels.reduce_many([t.data_ptr()], [1, 2], 0, t.data_ptr(), 0)
