@@ -45,12 +45,13 @@
 typedef struct {
     const float *x;
     int64_t n;
-    double low, high, sum, squares;
+    float centre;                   /* sum and squares are of x - centre */
+    double low, high, sum, squares; /* the finite minimum and maximum (when nonfinite is 0) */
     int64_t zeros, nonfinite;
 } Moments;
 
 VECTOR_CLONES static void moments_of(Moments *m) {
-    const float *x = m->x;
+    const float *x = m->x, centre = m->centre;
     double low = INFINITY, high = -INFINITY, sum = 0.0, squares = 0.0;
     int64_t zeros = 0, nonfinite = 0;
     for (int64_t b = 0; b < m->n; b += SUMS) {
@@ -59,11 +60,11 @@ VECTOR_CLONES static void moments_of(Moments *m) {
         int32_t z = 0, bad = 0;
 #pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : s, q, z, bad)
         for (int64_t i = b; i < e; i++) {
-            float v = x[i];
+            float v = x[i], c = v - centre;
             mn = v < mn ? v : mn;
             mx = v > mx ? v : mx;
-            s += v;
-            q += v * v;
+            s += c;
+            q += c * c;
             z += v == 0.0f;
             bad += !(v - v == 0.0f); /* NaN and +-Inf */
         }
@@ -171,25 +172,6 @@ static void histogram_of(const float *x, int64_t n, float low, float step, float
     }
 }
 
-/* The sum of x - centre and of its squares over x[0..n): float32 within blocks, float64 across. */
-VECTOR_CLONES static void centred_sums(const float *x, int64_t n, float centre, double *sum, double *squares) {
-    double total = 0.0, total_squares = 0.0;
-    for (int64_t b = 0; b < n; b += SUMS) {
-        int64_t e = b + SUMS < n ? b + SUMS : n;
-        float s = 0.0f, q = 0.0f;
-#pragma omp simd reduction(+ : s, q)
-        for (int64_t i = b; i < e; i++) {
-            float v = x[i] - centre;
-            s += v;
-            q += v * v;
-        }
-        total += s;
-        total_squares += q;
-    }
-    *sum = total;
-    *squares = total_squares;
-}
-
 static PyObject *moments(PyObject *self, PyObject *args) {
     unsigned long long address;
     Py_ssize_t n;
@@ -223,8 +205,8 @@ static PyObject *histogram(PyObject *self, PyObject *args) {
 }
 
 /* The moments of stats.MOMENTS for each of many small tensors, and their histograms where
- * bins > 0: two passes each (three with a histogram), all in one call. Each tensor is centred
- * on its float32 mean. Returns how many tensors hold NaN or Inf; their rows are not written. */
+ * bins > 0: one pass each (two with a histogram), all in one call. The sums are centred on
+ * the tensor's first element, or on its mean (a second pass) where that lies far out. Returns how many tensors hold NaN or Inf; their rows are not written. */
 static PyObject *reduce_many(PyObject *self, PyObject *args) {
     PyObject *addresses, *lengths;
     unsigned long long moments_out, counts_out;
@@ -259,19 +241,22 @@ static PyObject *reduce_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     double *rows = (double *)(uintptr_t)moments_out;
     for (Py_ssize_t j = 0; j < k; j++) {
-        Moments m = {.x = xs[j], .n = ns[j]};
-        double *row = rows + 7 * j, sum, squares;
+        Moments m = {.x = xs[j], .n = ns[j], .centre = ns[j] ? xs[j][0] : 0.0f};
+        double *row = rows + 7 * j;
         moments_of(&m);
         if (m.nonfinite) {
             nonfinite++;
             continue;
         }
-        float centre = m.n ? (float)(m.sum / (double)m.n) : 0.0f;
-        centred_sums(m.x, m.n, centre, &sum, &squares);
+        if (m.squares > 0 && m.squares - m.sum * m.sum / m.n <= 0.1 * m.squares) {
+            /* the first element lies far from the mean, against the spread: centre on the mean */
+            m.centre = (float)(m.centre + m.sum / m.n);
+            moments_of(&m);
+        }
         row[0] = (double)m.n;
-        row[1] = m.n ? (double)centre + sum / (double)m.n : 0.0;
-        row[2] = squares;
-        row[3] = sum;
+        row[1] = m.n ? (double)m.centre + m.sum / (double)m.n : 0.0;
+        row[2] = m.squares;
+        row[3] = m.sum;
         row[4] = m.low;
         row[5] = m.high;
         row[6] = (double)m.zeros;

@@ -110,10 +110,14 @@ def torch_ops() -> Iterator[None]:
 
 
 def _as_float(tensor: Tensor) -> Tensor:
-    flat = (tensor.detach() if tensor.requires_grad else tensor).reshape(-1)
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
-    return flat
+    """Detached, in float32 or float64; not flattened (the C kernels read any dense tensor, and
+    a reshape costs a microsecond a tensor: :func:`_flat` flattens for the torch paths)."""
+    x = tensor.detach() if tensor.requires_grad else tensor
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [t.reshape(-1) for t in tensors]
 
 
 def _shrunk(bins: int) -> float:
@@ -201,7 +205,10 @@ class Reducer:
         if _branch_free or not self._cpu:
             key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
         elif n > CPU_BATCH_TENSOR:
-            self._blocks.append((*_reduce_alone_on_cpu(x, self.bins if histogram else None, self._scratch), [position]))
+            self._blocks.append((*_reduce_alone_on_cpu(x.reshape(-1), self.bins if histogram else None, self._scratch), [position]))
+            return
+        elif n == 0:  # an empty output: the CPU batch pads with a tensor's first element
+            self._blocks.append((*reduce_batch([x.reshape(-1)], self.bins if histogram else None), [position]))
             return
         else:
             key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
@@ -219,11 +226,11 @@ class Reducer:
         batch = self._open.pop(key)
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
         if _branch_free or not self._cpu:
-            moments, counts = reduce_batch(batch.tensors, bins)
+            moments, counts = reduce_batch(_flat(batch.tensors), bins)
         elif _kernels_for(batch.tensors):
             moments, counts = _reduce_many_with_kernels(batch.tensors, bins)
         else:
-            moments, counts = _reduce_on_cpu(batch.tensors, bins, self._scratch, key[1])
+            moments, counts = _reduce_on_cpu(_flat(batch.tensors), bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
@@ -307,8 +314,9 @@ def _kernels_for(tensors: Sequence[Tensor]) -> bool:
 
 def _reduce_many_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for small float32 CPU tensors, in one call of the C kernels: no copy
-    into a batch, two passes a tensor (centred on its mean) and a third for its histogram. A
-    batch that holds NaN or Inf goes through :func:`reduce_batch`."""
+    into a batch, one pass a tensor (its sums centred on its first element, as in
+    :func:`_reduce_on_cpu`; a second one, centred on the mean, where that lies far out) and one
+    for its histogram. A batch that holds NaN or Inf goes through :func:`reduce_batch`."""
     m = len(tensors)
     moments = torch.empty(m, MOMENTS, dtype=torch.float64)
     counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
@@ -320,7 +328,7 @@ def _reduce_many_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tu
         0 if counts is None else counts.data_ptr(),
     )
     if nonfinite:
-        return reduce_batch(tensors, bins)
+        return reduce_batch(_flat(tensors), bins)
     return moments, counts
 
 

@@ -240,7 +240,7 @@ def test_the_c_kernels_are_built():
 
 
 @pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
-@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2 + 3, 4099, 64, 1])  # big: alone; small: in one batch
+@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2 + 3, 4099, 64, 1, 0])  # big: alone; small: in one batch
 @pytest.mark.parametrize("bins", [1, 7, 64, 65, 129, 1000])
 def test_c_kernels_give_what_torch_ops_give(bins, n):
     """Same histograms exactly (the bin is the same float32 arithmetic), same minimum, maximum and
