@@ -46,19 +46,23 @@ typedef struct {
     const float *x;
     int64_t n;
     float centre;                   /* sum and squares are of x - centre */
-    double low, high, sum, squares; /* the finite minimum and maximum (when nonfinite is 0) */
-    int64_t zeros, nonfinite;
+    double low, high, sum, squares;
+    int64_t zeros;
+    /* 1 where an element is NaN or Inf (then nothing else is meaningful), read from the sums:
+     * NaN and Inf carry through them, so no pass of its own. A square beyond float32's range
+     * (|x| > 1.8e19) sets it too; the caller then takes the masked path, which tells. */
+    int nonfinite;
 } Moments;
 
 VECTOR_CLONES static void moments_of(Moments *m) {
     const float *x = m->x, centre = m->centre;
     double low = INFINITY, high = -INFINITY, sum = 0.0, squares = 0.0;
-    int64_t zeros = 0, nonfinite = 0;
+    int64_t zeros = 0;
     for (int64_t b = 0; b < m->n; b += SUMS) {
         int64_t e = b + SUMS < m->n ? b + SUMS : m->n;
         float mn = INFINITY, mx = -INFINITY, s = 0.0f, q = 0.0f;
-        int32_t z = 0, bad = 0;
-#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : s, q, z, bad)
+        int32_t z = 0;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : s, q, z)
         for (int64_t i = b; i < e; i++) {
             float v = x[i], c = v - centre;
             mn = v < mn ? v : mn;
@@ -66,21 +70,20 @@ VECTOR_CLONES static void moments_of(Moments *m) {
             s += c;
             q += c * c;
             z += v == 0.0f;
-            bad += !(v - v == 0.0f); /* NaN and +-Inf */
+
         }
         low = mn < low ? mn : low;
         high = mx > high ? mx : high;
         sum += s;
         squares += q;
         zeros += z;
-        nonfinite += bad;
     }
     m->low = low;
     m->high = high;
     m->sum = sum;
     m->squares = squares;
     m->zeros = zeros;
-    m->nonfinite = nonfinite;
+    m->nonfinite = !(isfinite(sum) && isfinite(squares));
 }
 
 /* Bins of x[0..m) into index[0..m): ((x - low) * step) * scale in float32, as torch computes
@@ -206,7 +209,8 @@ static PyObject *histogram(PyObject *self, PyObject *args) {
 
 /* The moments of stats.MOMENTS for each of many small tensors, and their histograms where
  * bins > 0: one pass each (two with a histogram), all in one call. The sums are centred on
- * the tensor's first element, or on its mean (a second pass) where that lies far out. Returns how many tensors hold NaN or Inf; their rows are not written. */
+ * the tensor's first element, or on its mean (a second pass) where that lies far out. Returns how many
+ * tensors hold NaN or Inf (or overflow a square); their rows are not written. */
 static PyObject *reduce_many(PyObject *self, PyObject *args) {
     PyObject *addresses, *lengths;
     unsigned long long moments_out, counts_out;
@@ -277,7 +281,8 @@ static PyObject *reduce_many(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"moments", moments, METH_VARARGS,
-     "moments(address, n) -> (low, high, sum, squares, zeros, nonfinite) of n float32 at address."},
+     "moments(address, n) -> (low, high, sum, squares, zeros, nonfinite) of n float32 at address; nonfinite is 1 "
+     "where an element is NaN or Inf, or a square overflows (then the rest is not meaningful)."},
     {"histogram", histogram, METH_VARARGS,
      "histogram(address, n, low, step, scale, bins, out): counts of n float32 at address into bins "
      "float64 at out; an element's bin is int(((x - low) * step) * scale) in float32, clamped."},

@@ -228,7 +228,7 @@ class Reducer:
         if _branch_free or not self._cpu:
             moments, counts = reduce_batch(_flat(batch.tensors), bins)
         elif _kernels_for(batch.tensors):
-            moments, counts = _reduce_many_with_kernels(batch.tensors, bins)
+            moments, counts = _reduce_many_with_kernels(batch.tensors, bins, self._scratch, key[1])
         else:
             moments, counts = _reduce_on_cpu(_flat(batch.tensors), bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
@@ -275,12 +275,12 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     n = x.numel()
     fused = _kernels_for([x])
     if fused:
-        lo, hi, total, squares, zeros, nonfinite = _kernels.moments(x.data_ptr(), n)
-    else:
+        lo, hi, total, squares, zeros, flagged = _kernels.moments(x.data_ptr(), n)
+        fused = not flagged  # NaN or Inf, or squares beyond float32: torch ops tell which
+    if not fused:
         lo, hi, total, squares, zeros = _alone_moments(x, scratch)
-        nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
-    if nonfinite:
-        return reduce_batch([x], bins)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return reduce_batch([x], bins)
     centre = 0.0
     if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
         centre = total / n
@@ -312,23 +312,26 @@ def _kernels_for(tensors: Sequence[Tensor]) -> bool:
     )
 
 
-def _reduce_many_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+def _reduce_many_with_kernels(
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch, width: int
+) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for small float32 CPU tensors, in one call of the C kernels: no copy
     into a batch, one pass a tensor (its sums centred on its first element, as in
     :func:`_reduce_on_cpu`; a second one, centred on the mean, where that lies far out) and one
-    for its histogram. A batch that holds NaN or Inf goes through :func:`reduce_batch`."""
+    for its histogram. A batch that holds NaN or Inf (or a square beyond float32) goes through
+    :func:`_reduce_on_cpu`."""
     m = len(tensors)
     moments = torch.empty(m, MOMENTS, dtype=torch.float64)
     counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
-    nonfinite = _kernels.reduce_many(
+    flagged = _kernels.reduce_many(
         [t.data_ptr() for t in tensors],
         [t.numel() for t in tensors],
         bins or 0,
         moments.data_ptr(),
         0 if counts is None else counts.data_ptr(),
     )
-    if nonfinite:
-        return reduce_batch(_flat(tensors), bins)
+    if flagged:
+        return _reduce_on_cpu(_flat(tensors), bins, scratch, width)
     return moments, counts
 
 

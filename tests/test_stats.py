@@ -253,6 +253,7 @@ def test_c_kernels_give_what_torch_ops_give(bins, n):
         torch.linspace(0, 1, n) * 1e-42,  # a denormal span: the exact 2**64 step
         torch.full((n,), -2.5),  # constant: one full bin
         1000.0 + torch.randn(n, generator=g),  # far from zero: centred again
+        torch.randn(n, generator=g) * 1e20,  # finite, but its squares overflow float32
     ]
     fast = reduce(tensors, bins)
     with torch_ops():
