@@ -426,6 +426,8 @@ class _Engine:
             with self._lock:
                 self._check_usable()
                 if rec.failed is not None:
+                    if self._error is rec.failed:  # told here: the next step must not tell it again
+                        self._error = None
                     _raise(rec.failed)
                 if rec.error is not None:
                     raise RuntimeError(rec.error)
