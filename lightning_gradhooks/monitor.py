@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradhooks import _shards
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries
+from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch
 
 __all__ = ["GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "select_modules"]
@@ -660,7 +660,10 @@ class GradientMonitor:
         else:
             by_device = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
             results = [next(by_device[device]) for _, _, device in pending]
+        keys = [(kind, label) for kind, label, _ in pending]
+        if len(set(keys)) == len(keys):  # no module called twice: nothing to pool
+            return GradientRecord([single_entry(kind, label, *result) for (kind, label), result in zip(keys, results)])
         groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
-        for (kind, label, _), result in zip(pending, results):
-            groups.setdefault((kind, label), []).append(result)
+        for key, result in zip(keys, results):
+            groups.setdefault(key, []).append(result)
         return GradientRecord([pool_entries(kind, label, parts, self.bins) for (kind, label), parts in groups.items()])

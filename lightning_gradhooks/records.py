@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
 
+_COUNT = len(STATISTICS)  # where a statistics row holds its finite count
+
 #: Statistics that do not change when a gradient is multiplied by a loss scale.
 _SCALE_FREE = ("nonfinite", "zero_fraction")
 
@@ -98,13 +100,17 @@ def pool_entries(
     """One entry from statistics rows (with their histogram counts, or None), pooled as if the
     gradients were one tensor; ``calls`` defaults to the number of parts."""
     if len(parts) == 1:  # most entries: nothing to pool
-        row, hist = parts[0]
-        histogram = None if hist is None else Histogram(row[-2], row[-1], hist)
-    else:
-        row = pool_stats([r for r, _ in parts])
-        histogram = None
-        if all(h is not None for _, h in parts):
-            histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
+        return single_entry(kind, name, *parts[0], calls=calls or 1)
+    row = pool_stats([r for r, _ in parts])
+    histogram = None
+    if all(h is not None for _, h in parts):
+        histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
     return GradientEntry(
         kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
     )
+
+
+def single_entry(kind: str, name: str, row: list[float], hist: list[float] | None, calls: int = 1) -> GradientEntry:
+    """The entry of one statistics row (and its histogram counts, or None)."""
+    histogram = None if hist is None else Histogram(row[-2], row[-1], hist)
+    return GradientEntry(kind, name, dict(zip(STATISTICS, row)), histogram, calls, int(row[_COUNT]))
