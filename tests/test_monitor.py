@@ -1,4 +1,5 @@
 import collections
+import contextlib
 import dataclasses
 import warnings
 
@@ -536,10 +537,19 @@ def test_armed_steps_pause_the_cyclic_garbage_collector_and_always_restore_it():
         gc.enable()
 
 
-def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remove():
-    """CPU buffers outlive a logged step only up to SCRATCH_KEPT elements each; reusing them
-    changes no statistic; removing the hooks frees them."""
-    from lightning_gradhooks.stats import SCRATCH_KEPT, reduce
+@pytest.mark.parametrize("path", ["torch ops", "C kernels"])
+def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remove(path):
+    """CPU buffers of the torch ops outlive a logged step only up to SCRATCH_KEPT elements each;
+    reusing them changes no statistic; removing the hooks frees them. The C kernels need none."""
+    from lightning_gradhooks.stats import C_KERNELS, SCRATCH_KEPT, reduce, torch_ops
+
+    if path == "C kernels" and not C_KERNELS:
+        pytest.skip("the C kernels are not built")
+    with torch_ops() if path == "torch ops" else contextlib.nullcontext():
+        _scratch_steps(SCRATCH_KEPT, reduce, kept=path == "torch ops")
+
+
+def _scratch_steps(SCRATCH_KEPT: int, reduce, kept: bool) -> None:
 
     class Big(nn.Module):  # a parameter reduced alone, into buffers too big to keep
         def __init__(self) -> None:
@@ -560,7 +570,7 @@ def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remo
             (model["mlp"](x).sum() + model["big"](x)).backward()
             record = monitor.collect()
         # Small buffers are kept; a float buffer for the big gradient alone would be 4 * SCRATCH_KEPT.
-        assert 0 < monitor.scratch_bytes < 4 * SCRATCH_KEPT
+        assert 0 < monitor.scratch_bytes < 4 * SCRATCH_KEPT if kept else monitor.scratch_bytes == 0
         params = dict(model.named_parameters())
         assert {e.name for e in record.entries if e.kind == "param_grad"} == set(params)
         for e in record.entries:
