@@ -1,19 +1,19 @@
-/* Fused CPU reductions of one big float32 gradient, for lightning_gradhooks.stats.
+/* Fused CPU reductions of float32 gradients, for lightning_gradhooks.stats.
  *
  * torch needs about eight passes over a gradient for its statistics and histogram (minimum and
- * maximum, sum, row norms, non-zeros; shift, scale, convert, count). Here it is two: one for
- * the moments and one for the histogram, with the GIL released.
+ * maximum, sum, row norms, non-zeros; shift, scale, convert, count), and a copy into a batch
+ * for small ones. Here one call takes a list of tensors, with the GIL released, and reads each
+ * twice: once for its moments, once for its histogram. The histogram bin of an element is
+ * computed as the torch path computes it, in float32, so both paths give the same counts.
  *
- * One thread: right after a torch op, torch's OpenMP workers spin on the other cores for a
- * while, and a thread of ours started there shares a core with one of them. Measured on the
- * encoder of benchmarks/many_modules.py, two threads made a 2 M-element gradient's moments take
- * 1.2 ms instead of 0.6.
- * The histogram bin of an element is computed exactly as the torch path computes it, in
- * float32, so both paths give the same counts.
+ * One thread. On the 2-vCPU machine of docs/benchmarks.md a second thread gained nothing (the
+ * two vCPUs share a core), and right after a torch op torch's OpenMP workers spin for a while:
+ * on the encoder of benchmarks/many_modules.py two threads made a 2 M-element gradient's moments
+ * take 1.2 ms instead of 0.6.
  *
- * The functions take the address of contiguous float32 data (Tensor.data_ptr()); the Python
- * side (stats.py) checks dtype, layout and sizes before it calls them. Built by setup.py as an
- * optional extension: where it cannot be built, stats.py reduces with torch ops.
+ * reduce_many takes the addresses of dense float32 tensors (Tensor.data_ptr()); stats.py checks
+ * dtype and layout before it calls it. Built by setup.py as an optional extension: where it
+ * cannot be built, stats.py reduces with torch ops.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -175,38 +175,6 @@ static void histogram_of(const float *x, int64_t n, float low, float step, float
     }
 }
 
-static PyObject *moments(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t n;
-    Moments m = {0};
-    if (!PyArg_ParseTuple(args, "Kn", &address, &n)) return NULL;
-    m.x = (const float *)(uintptr_t)address;
-    m.n = n;
-    Py_BEGIN_ALLOW_THREADS;
-    moments_of(&m);
-    Py_END_ALLOW_THREADS;
-    return Py_BuildValue("ddddLL", m.low, m.high, m.sum, m.squares, (long long)m.zeros, (long long)m.nonfinite);
-}
-
-static PyObject *histogram(PyObject *self, PyObject *args) {
-    unsigned long long address, out;
-    Py_ssize_t n;
-    float low, step, scale;
-    int bins;
-    Tables t;
-    if (!PyArg_ParseTuple(args, "KnfffiK", &address, &n, &low, &step, &scale, &bins, &out)) return NULL;
-    if (bins < 1) return PyErr_Format(PyExc_ValueError, "bins must be positive, got %d", bins);
-    if (!tables_alloc(&t, bins)) {
-        tables_free(&t);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS;
-    histogram_of((const float *)(uintptr_t)address, n, low, step, scale, bins, &t, (double *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS;
-    tables_free(&t);
-    Py_RETURN_NONE;
-}
-
 /* The moments of stats.MOMENTS for each of many small tensors, and their histograms where
  * bins > 0: one pass each (two with a histogram), all in one call. The sums are centred on
  * the tensor's first element, or on its mean (a second pass) where that lies far out. Returns how many
@@ -280,12 +248,6 @@ static PyObject *reduce_many(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"moments", moments, METH_VARARGS,
-     "moments(address, n) -> (low, high, sum, squares, zeros, nonfinite) of n float32 at address; nonfinite is 1 "
-     "where an element is NaN or Inf, or a square overflows (then the rest is not meaningful)."},
-    {"histogram", histogram, METH_VARARGS,
-     "histogram(address, n, low, step, scale, bins, out): counts of n float32 at address into bins "
-     "float64 at out; an element's bin is int(((x - low) * step) * scale) in float32, clamped."},
     {"reduce_many", reduce_many, METH_VARARGS,
      "reduce_many(addresses, lengths, bins, moments_out, counts_out) -> count of tensors holding NaN/Inf: the "
      "moments (k x 7 float64 at moments_out) and histograms (k x bins float64 at counts_out, if bins) of k "

@@ -3,14 +3,16 @@
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
 
-- small gradients are gathered and reduced together, a batch at a time: float32 ones on the CPU
-  in one call of the C kernels of ``_kernels.c`` (no copy), others with a fixed number of ops
-  per batch (segment reductions over rows, one scatter for all their histograms);
-- on the CPU, big gradients are reduced on their own: float32 ones in two passes by the C
-  kernels of ``_kernels.c`` (one for the moments, one for the histogram) where setup.py could
-  build them; otherwise, and for float64, in four passes of torch ops (minimum and maximum,
-  sum, row norms, non-zero count), the finite check read from the minimum and maximum, and
-  their histogram in three more (shift and scale, convert to int8, count pairs of neighbours);
+- on the CPU, float32 gradients are reduced by the C kernels of ``_kernels.c`` where setup.py
+  could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
+  bigger one on its own, at once) and reduced in one call, without a copy, in one pass a tensor
+  for the statistics and one for the histogram;
+- otherwise, and for float64, with torch ops: small gradients are gathered and reduced together,
+  a batch at a time, with a fixed number of ops per batch (segment reductions over rows, one
+  scatter for all their histograms); big ones are reduced on their own in four passes (minimum
+  and maximum, sum, row norms, non-zero count), the finite check read from the minimum and
+  maximum, and their histogram in three more (shift and scale, convert to int8, count pairs of
+  neighbours);
 - on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch,
   because there the launch count, not the bytes, is what costs (a batch holds at most that many
   elements of gradients and their copy).
@@ -64,7 +66,8 @@ STATS_WIDTH = len(STATISTICS) + 3
 #: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
 MOMENTS = 7
 
-#: On the CPU, gradients of at most this many elements are batched; bigger ones are reduced alone.
+#: On the CPU, without the C kernels, gradients of at most this many elements are batched; bigger
+#: ones are reduced alone.
 CPU_BATCH_TENSOR = 1 << 15
 #: On accelerators, gradients of at most this many elements are batched, and a batch is reduced
 #: once it holds this many (64 MiB of float32: fewer, bigger batches launch fewer kernels).
@@ -102,7 +105,7 @@ def branch_free() -> Iterator[None]:
 
 @contextlib.contextmanager
 def torch_ops() -> Iterator[None]:
-    """Reduce big CPU tensors with torch ops even where the C kernels of ``_kernels.c`` were built.
+    """Reduce CPU tensors with torch ops even where the C kernels of ``_kernels.c`` were built.
 
     For tests and benchmarks, which compare the two paths.
     """
@@ -170,7 +173,6 @@ class _Batch:
     tensors: list[Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     elements: int = 0
-    float32: bool = True  # every tensor: then the C kernels can reduce the batch
 
 
 class Reducer:
@@ -208,18 +210,24 @@ class Reducer:
         self._histogram.append(histogram)
         if self._cpu is None:
             self._cpu = x.is_cpu
+        bins = self.bins if histogram else None
         if _branch_free or not self._cpu:
             key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
+        elif _use_kernels and _kernels is not None and x.dtype == torch.float32:
+            if not x.is_contiguous():  # an expanded gradient (of a sum): the kernels read dense ones
+                x = x.contiguous()
+            if n > CPU_BATCH_ELEMENTS:
+                self._blocks.append((*_reduce_with_kernels([x], bins, self._scratch), [position]))
+                return
+            key, capacity = (histogram, 0), CPU_BATCH_ELEMENTS  # width 0: no rows, no copy
         elif n > CPU_BATCH_TENSOR:
-            self._blocks.append((*_reduce_alone_on_cpu(x.reshape(-1), self.bins if histogram else None, self._scratch), [position]))
+            self._blocks.append((*_reduce_alone_on_cpu(x.reshape(-1), bins, self._scratch), [position]))
             return
         elif n == 0:  # an empty output: the CPU batch pads with a tensor's first element
-            self._blocks.append((*reduce_batch([x.reshape(-1)], self.bins if histogram else None), [position]))
+            self._blocks.append((*reduce_batch([x.reshape(-1)], bins), [position]))
             return
         else:
             key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
-            if not x.is_contiguous():  # an expanded gradient (of a sum): the kernels read dense ones
-                x = x.contiguous()
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
@@ -229,15 +237,14 @@ class Reducer:
         batch.tensors.append(x)
         batch.positions.append(position)
         batch.elements += n
-        batch.float32 = batch.float32 and x.dtype == torch.float32
 
     def _flush(self, key: tuple[bool, int]) -> None:
         batch = self._open.pop(key)
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
         if _branch_free or not self._cpu:
             moments, counts = reduce_batch(_flat(batch.tensors), bins)
-        elif batch.float32 and _kernels is not None and _use_kernels:
-            moments, counts = _reduce_many_with_kernels(batch.tensors, bins, self._scratch, key[1])
+        elif key[1] == 0:
+            moments, counts = _reduce_with_kernels(batch.tensors, bins, self._scratch)
         else:
             moments, counts = _reduce_on_cpu(_flat(batch.tensors), bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
@@ -271,73 +278,13 @@ class Reducer:
 
 
 def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
-    """Moments (and histogram) of one big flat CPU tensor in as few passes as they allow.
+    """Moments (and histogram) of one big flat CPU tensor with torch ops, in as few passes as they allow.
 
-    A contiguous float32 tensor is reduced by the C kernels of ``_kernels.c`` where they were
-    built: one pass for the moments and one for the histogram. Otherwise
-    torch ops read it four times for the moments (:func:`_alone_moments`) and three more for
-    the histogram. NaN and Inf show in the minimum and maximum, and only then does the tensor
-    take the masked path of :func:`reduce_batch`. The sums are not centred (no copy): a tensor
-    whose mean is far from zero against its spread (rare for gradients) is centred on its mean
-    and summed again.
+    One read of ``aminmax``, the sum, the row norms and the count of non-zeros: NaN and Inf show
+    in the minimum and maximum, and only then does the tensor take the masked path of
+    :func:`reduce_batch`. The sums are not centred (no copy): a tensor whose mean is far from
+    zero against its spread (rare for gradients) is centred on its mean and summed again.
     """
-    n = x.numel()
-    fused = _kernels is not None and _use_kernels and x.dtype == torch.float32 and x.is_contiguous()
-    if fused:
-        lo, hi, total, squares, zeros, flagged = _kernels.moments(x.data_ptr(), n)
-        fused = not flagged  # NaN or Inf, or squares beyond float32: torch ops tell which
-    if not fused:
-        lo, hi, total, squares, zeros = _alone_moments(x, scratch)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            return reduce_batch([x], bins)
-    centre = 0.0
-    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
-        centre = total / n
-        squares, total = _centred_sums(x, centre)
-    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, zeros]], dtype=torch.float64)
-    if bins is None:
-        return moments, None
-    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
-    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
-    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
-    if fused:  # the same float32 arithmetic as below, so the same bins
-        counts = torch.empty(bins, dtype=torch.float64)
-        _kernels.histogram(x.data_ptr(), n, lo, step, scale / step, bins, counts.data_ptr())
-        return moments, counts.view(1, bins)
-    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
-    if step != 1:
-        index.mul_(step)
-    index.mul_(scale / step)
-    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
-    return moments, counts.view(1, bins)
-
-
-def _reduce_many_with_kernels(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch, width: int
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`reduce_batch` for small float32 CPU tensors, in one call of the C kernels: no copy
-    into a batch, one pass a tensor (its sums centred on its first element, as in
-    :func:`_reduce_on_cpu`; a second one, centred on the mean, where that lies far out) and one
-    for its histogram. A batch that holds NaN or Inf (or a square beyond float32) goes through
-    :func:`_reduce_on_cpu`."""
-    m = len(tensors)
-    moments = torch.empty(m, MOMENTS, dtype=torch.float64)
-    counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
-    flagged = _kernels.reduce_many(
-        [t.data_ptr() for t in tensors],
-        [t.numel() for t in tensors],
-        bins or 0,
-        moments.data_ptr(),
-        0 if counts is None else counts.data_ptr(),
-    )
-    if flagged:
-        return _reduce_on_cpu(_flat(tensors), bins, scratch, width)
-    return moments, counts
-
-
-def _alone_moments(x: Tensor, scratch: Scratch) -> tuple[float, float, float, float, float]:
-    """Minimum, maximum, sum, sum of squares and zero count of a flat CPU tensor, with torch ops:
-    one read each of ``aminmax``, the sum, the row norms and the count of non-zeros."""
     n = x.numel()
     whole = n - n % ROW
     head = x[:whole].view(-1, ROW)
@@ -354,7 +301,58 @@ def _alone_moments(x: Tensor, scratch: Scratch) -> tuple[float, float, float, fl
     lo, hi, total, squares, nonzero = torch.stack(
         [low.double(), high.double(), x.sum().double(), squares, nonzero.double()]
     ).tolist()
-    return lo, hi, total, squares, n - nonzero
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return reduce_batch([x], bins)
+    centre = 0.0
+    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
+        centre = total / n
+        squares, total = _centred_sums(x, centre)
+    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
+    if bins is None:
+        return moments, None
+    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
+    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
+    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
+    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
+    if step != 1:
+        index.mul_(step)
+    index.mul_(scale / step)
+    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
+    return moments, counts.view(1, bins)
+
+
+def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
+    """:func:`reduce_batch` for dense float32 CPU tensors, in one call of the C kernels of
+    ``_kernels.c``: no copy, one pass a tensor for its moments (sums centred on its first
+    element, as in :func:`_reduce_on_cpu`; a second pass, centred on the mean, where that lies
+    far out) and one for its histogram, the bins computed in float32 as torch computes them. A
+    call that meets NaN or Inf (or a square beyond float32) is done again with torch ops, which
+    tell which."""
+    m = len(tensors)
+    moments = torch.empty(m, MOMENTS, dtype=torch.float64)
+    counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
+    flagged = _kernels.reduce_many(
+        [t.data_ptr() for t in tensors],
+        [t.numel() for t in tensors],
+        bins or 0,
+        moments.data_ptr(),
+        0 if counts is None else counts.data_ptr(),
+    )
+    if flagged:
+        return _with_torch_ops(_flat(tensors), bins, scratch)
+    return moments, counts
+
+
+def _with_torch_ops(tensors: list[Tensor], bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
+    """What the torch path gives for these flat CPU tensors: the big ones alone, the small ones
+    in batches of rows as wide as they need, stacked back in their order."""
+    parts = [
+        _reduce_alone_on_cpu(t, bins, scratch) if t.numel() > CPU_BATCH_TENSOR
+        else reduce_batch([t], bins) if t.numel() == 0
+        else _reduce_on_cpu([t], bins, scratch, _width(t.numel()))
+        for t in tensors
+    ]
+    return torch.cat([m for m, _ in parts]), None if bins is None else torch.cat([c for _, c in parts])
 
 
 def _reduce_on_cpu(

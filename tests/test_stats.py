@@ -275,7 +275,7 @@ def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_ba
         strided = torch.randn(2 * n, generator=g)[::2]  # flat but not dense: the kernels would read it wrong
         (row, counts), = reduce([strided], bins=16)
         assert row[0] == pytest.approx(strided.double().norm().item(), rel=1e-5) and sum(counts) == n
-    with pytest.raises(ValueError, match="bins must be positive"):
-        stats._kernels.histogram(t.data_ptr(), 0, 0.0, 1.0, 1.0, 0, t.data_ptr())
+    with pytest.raises(ValueError, match="bins must be 0 \\(none\\) or positive, got -1"):
+        stats._kernels.reduce_many([t.data_ptr()], [1], -1, t.data_ptr(), 0)
     with pytest.raises(ValueError, match="1 addresses but 2 lengths"):
         stats._kernels.reduce_many([t.data_ptr()], [1, 2], 0, t.data_ptr(), 0)
