@@ -87,21 +87,23 @@ VECTOR_CLONES static void moments_of(Moments *m) {
 }
 
 /* Bins of x[0..m) into index[0..m): ((x - low) * step) * scale in float32, as torch computes
- * it (step only where it is not 1), truncated and clamped to [0, bins); NaN lands in bin 0. */
+ * it (step only where it is not 1), truncated. The caller's scale keeps finite x >= low below
+ * bins; the index is clamped to bins - 1 all the same (unsigned: NaN's INT_MIN too), so that no
+ * input can count outside the tables. */
 VECTOR_CLONES static void bins_of(const float *x, int64_t m, float low, float step, float scale, int32_t bins,
                                   int32_t *index) {
-    const float top = (float)bins, last = (float)(bins - 1);
+    const uint32_t last = (uint32_t)(bins - 1);
     if (step != 1.0f) {
 #pragma omp simd
         for (int64_t i = 0; i < m; i++) {
-            float f = ((x[i] - low) * step) * scale;
-            index[i] = (int32_t)(f >= 0.0f ? (f < top ? f : last) : 0.0f);
+            uint32_t k = (uint32_t)(int32_t)(((x[i] - low) * step) * scale);
+            index[i] = (int32_t)(k < last ? k : last);
         }
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < m; i++) {
-            float f = (x[i] - low) * scale;
-            index[i] = (int32_t)(f >= 0.0f ? (f < top ? f : last) : 0.0f);
+            uint32_t k = (uint32_t)(int32_t)((x[i] - low) * scale);
+            index[i] = (int32_t)(k < last ? k : last);
         }
     }
 }
