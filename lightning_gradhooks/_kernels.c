@@ -70,7 +70,6 @@ VECTOR_CLONES static void moments_of(Moments *m) {
             s += c;
             q += c * c;
             z += v == 0.0f;
-
         }
         low = mn < low ? mn : low;
         high = mx > high ? mx : high;
@@ -177,10 +176,12 @@ static void histogram_of(const float *x, int64_t n, float low, float step, float
     }
 }
 
-/* The moments of stats.MOMENTS for each of many small tensors, and their histograms where
- * bins > 0: one pass each (two with a histogram), all in one call. The sums are centred on
- * the tensor's first element, or on its mean (a second pass) where that lies far out. Returns how many
- * tensors hold NaN or Inf (or overflow a square); their rows are not written. */
+/* reduce_many(addresses, lengths, bins, moments_out, counts_out): the stats.MOMENTS of each of
+ * k dense float32 tensors into the k x 7 float64 at moments_out, and where bins > 0 their
+ * histograms into the k x bins float64 at counts_out: one pass each, two with a histogram. The
+ * sums are centred on the tensor's first element, or on its mean (a second pass) where that
+ * lies far out. Returns how many tensors hold NaN or Inf (or overflow a square); their rows are
+ * not written. */
 static PyObject *reduce_many(PyObject *self, PyObject *args) {
     PyObject *addresses, *lengths;
     unsigned long long moments_out, counts_out;
@@ -192,7 +193,8 @@ static PyObject *reduce_many(PyObject *self, PyObject *args) {
                           &counts_out))
         return NULL;
     k = PyList_GET_SIZE(addresses);
-    if (PyList_GET_SIZE(lengths) != k) return PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths", k, PyList_GET_SIZE(lengths));
+    if (PyList_GET_SIZE(lengths) != k)
+        return PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths", k, PyList_GET_SIZE(lengths));
     if (bins < 0) return PyErr_Format(PyExc_ValueError, "bins must be 0 (none) or positive, got %d", bins);
     const float **xs = malloc((k + 1) * sizeof(float *));
     int64_t *ns = malloc((k + 1) * sizeof(int64_t));

@@ -217,7 +217,7 @@ class Reducer:
             if not x.is_contiguous():  # an expanded gradient (of a sum): the kernels read dense ones
                 x = x.contiguous()
             if n > CPU_BATCH_ELEMENTS:
-                self._blocks.append((*_reduce_with_kernels([x], bins, self._scratch), [position]))
+                self._blocks.append((*_reduce_with_kernels([x], bins), [position]))
                 return
             key, capacity = (histogram, 0), CPU_BATCH_ELEMENTS  # width 0: no rows, no copy
         elif n > CPU_BATCH_TENSOR:
@@ -244,7 +244,7 @@ class Reducer:
         if _branch_free or not self._cpu:
             moments, counts = reduce_batch(_flat(batch.tensors), bins)
         elif key[1] == 0:
-            moments, counts = _reduce_with_kernels(batch.tensors, bins, self._scratch)
+            moments, counts = _reduce_with_kernels(batch.tensors, bins)
         else:
             moments, counts = _reduce_on_cpu(_flat(batch.tensors), bins, self._scratch, key[1])
         self._blocks.append((moments, counts, batch.positions))
@@ -321,13 +321,13 @@ def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple
     return moments, counts.view(1, bins)
 
 
-def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
+def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for dense float32 CPU tensors, in one call of the C kernels of
     ``_kernels.c``: no copy, one pass a tensor for its moments (sums centred on its first
     element, as in :func:`_reduce_on_cpu`; a second pass, centred on the mean, where that lies
     far out) and one for its histogram, the bins computed in float32 as torch computes them. A
-    call that meets NaN or Inf (or a square beyond float32) is done again with torch ops, which
-    tell which."""
+    call that meets NaN or Inf (or a square beyond float32) is done again by the masked path of
+    :func:`reduce_batch`, which tells which elements were not finite."""
     m = len(tensors)
     moments = torch.empty(m, MOMENTS, dtype=torch.float64)
     counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
@@ -339,20 +339,8 @@ def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None, scratch: S
         0 if counts is None else counts.data_ptr(),
     )
     if flagged:
-        return _with_torch_ops(_flat(tensors), bins, scratch)
+        return reduce_batch(_flat(tensors), bins)
     return moments, counts
-
-
-def _with_torch_ops(tensors: list[Tensor], bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
-    """What the torch path gives for these flat CPU tensors: the big ones alone, the small ones
-    in batches of rows as wide as they need, stacked back in their order."""
-    parts = [
-        _reduce_alone_on_cpu(t, bins, scratch) if t.numel() > CPU_BATCH_TENSOR
-        else reduce_batch([t], bins) if t.numel() == 0
-        else _reduce_on_cpu([t], bins, scratch, _width(t.numel()))
-        for t in tensors
-    ]
-    return torch.cat([m for m, _ in parts]), None if bins is None else torch.cat([c for _, c in parts])
 
 
 def _reduce_on_cpu(

