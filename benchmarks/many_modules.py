@@ -13,7 +13,7 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
 that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, torch ops``
-(the same with big CPU tensors reduced by torch ops instead of the C kernels of ``_kernels.c``;
+(the same with the CPU gradients reduced by torch ops instead of the C kernels of ``_kernels.c``;
 only where they are built), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
@@ -76,7 +76,7 @@ try:
     from lightning_gradhooks.stats import branch_free
 except ImportError:
     branch_free = None
-try:  # the C kernels for big CPU tensors, and the switch back to torch ops
+try:  # the C kernels for CPU gradients, and the switch back to torch ops
     from lightning_gradhooks.stats import _kernels, torch_ops
 except ImportError:
     _kernels = torch_ops = None

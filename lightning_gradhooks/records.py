@@ -106,7 +106,7 @@ def pool_entries(
     if all(h is not None for _, h in parts):
         histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
     return GradientEntry(
-        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[len(STATISTICS)])
+        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[_COUNT])
     )
 
 
