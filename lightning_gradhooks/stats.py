@@ -263,17 +263,15 @@ class Reducer:
         positions = [p for _, _, block in blocks for p in block]
         k = len(positions)
         rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
-        rows = rows.tolist()
-        # One list of every count (tolist is slow on a view that starts inside its storage).
-        counts = host[k * MOMENTS :].clone().tolist()
+        rows = iter(rows.tolist())
+        # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
+        # inside its storage: hence the clone).
+        counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
         results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(numels)
-        first, offset, bins = 0, 0, self.bins
         for _, block_counts, block in blocks:
-            for j, p in enumerate(block):
-                hist = counts[offset + j * bins : offset + (j + 1) * bins] if block_counts is not None and wanted[p] else None
-                results[p] = (rows[first + j], hist)
-            first += len(block)
-            offset += 0 if block_counts is None else len(block) * bins
+            for p in block:
+                hist = None if block_counts is None else next(counts)
+                results[p] = (next(rows), hist if wanted[p] else None)
         return results
 
 
