@@ -1,6 +1,7 @@
 """GradHooks with disk offload: every training step offloaded, nothing else, nothing left behind."""
 
 import os
+import time
 
 import pytest
 import pytorch_lightning as pl
@@ -32,6 +33,11 @@ class OffloadProbe(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
         engine = self.gradhooks._offload
         self.folder = engine.directory
+        # Backward may have read a tensor from memory while the writer was still writing it;
+        # the file closes when that write ends (on a loaded machine, after backward).
+        deadline = time.monotonic() + 10
+        while engine.stats().bytes_pending_write and time.monotonic() < deadline:
+            time.sleep(0.001)
         stats = engine.stats()
         self.written.append(stats.bytes_offloaded)
         self.open_files.append(stats.files_on_disk)  # the step's graph is freed: its file is closed
