@@ -118,9 +118,15 @@ def torch_ops() -> Iterator[None]:
 
 
 def _as_float(tensor: Tensor) -> Tensor:
-    """Detached, in float32 or float64; not flattened (the C kernels read any dense tensor, and
-    a reshape costs a microsecond a tensor: :func:`_flat` flattens for the torch paths)."""
+    """Detached, dense, in float32 or float64; not flattened (the C kernels read any dense tensor,
+    and a reshape costs a microsecond a tensor: :func:`_flat` flattens for the torch paths).
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) is made dense: its statistics are those of
+    the whole tensor, implicit zeros included, at the cost of a dense copy while it is reduced.
+    """
     x = tensor.detach() if tensor.requires_grad else tensor
+    if x.layout != torch.strided:
+        x = x.to_dense()
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 

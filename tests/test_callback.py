@@ -1,4 +1,5 @@
 import collections
+import contextlib
 import warnings
 
 import pytest
@@ -343,3 +344,45 @@ def test_logged_batches_pause_the_garbage_collector_to_their_end_and_fit_always_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class SparseEmbeddingModel(pl.LightningModule):
+    """``nn.Embedding(sparse=True)``: its weight's gradient is a sparse tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 3)
+        self.weight_grads: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.embed(x).mean(1)), y)
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # noqa: ANN001
+        self.weight_grads.append(self.embed.weight.grad.to_dense().clone())
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("path", ["C kernels", "torch ops"])
+def test_sparse_parameter_gradients_are_logged_as_their_dense_tensor(tmp_path, path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_gradhooks.stats import C_KERNELS, torch_ops
+
+    if path == "C kernels" and not C_KERNELS:
+        pytest.skip("the C kernels are not built")
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randint(0, 50, (32, 5), generator=g), torch.randint(0, 3, (32,), generator=g)), batch_size=8)
+    model = SparseEmbeddingModel()
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1)], max_steps=3)
+    with torch_ops() if path == "torch ops" else contextlib.nullcontext():
+        trainer.fit(model, data)
+    events = read_events(trainer.logger.log_dir)
+    logged = [e.value for e in events.Scalars("param_grad_norm/embed.weight")]
+    zeros = [e.value for e in events.Scalars("param_grad_zero_fraction/embed.weight")]
+    assert logged == pytest.approx([g.norm().item() for g in model.weight_grads], rel=1e-5)
+    assert zeros == pytest.approx([(g == 0).double().mean().item() for g in model.weight_grads], rel=1e-6)
+    assert events.Histograms("param_grad_hist/embed.weight")[0].histogram_value.num == 50 * 4
