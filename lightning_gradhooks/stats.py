@@ -130,6 +130,16 @@ def _as_float(tensor: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def _dense(x: Tensor) -> bool:
+    """Whether ``x`` fills ``numel`` elements from its data pointer on: contiguous, or channels-last
+    (statistics and histograms do not depend on the order of the elements)."""
+    return (
+        x.is_contiguous()
+        or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+        or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+
+
 def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t.reshape(-1) for t in tensors]
 
@@ -220,7 +230,7 @@ class Reducer:
         if _branch_free or not self._cpu:
             key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
         elif _use_kernels and _kernels is not None and x.dtype == torch.float32:
-            if not x.is_contiguous():  # an expanded gradient (of a sum): the kernels read dense ones
+            if not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
                 x = x.contiguous()
             if n > CPU_BATCH_ELEMENTS:
                 self._blocks.append((*_reduce_with_kernels([x], bins), [position]))

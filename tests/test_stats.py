@@ -280,3 +280,18 @@ def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_ba
         stats._kernels.reduce_many([t.data_ptr()], [1], -1, t.data_ptr(), 0)
     with pytest.raises(ValueError, match="1 addresses but 2 lengths"):
         stats._kernels.reduce_many([t.data_ptr()], [1, 2], 0, t.data_ptr(), 0)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 4, 5, 6), (8, 64, 16, 16)])  # the last: 131 k elements
+def test_channels_last_and_expanded_gradients_give_what_their_contiguous_copy_gives(shape):
+    """The C kernels read a channels-last gradient in place (order does not matter to statistics),
+    and an expanded one from a dense copy."""
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(9))
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    expanded = torch.randn(shape[-1], generator=torch.Generator().manual_seed(10)).expand(shape)
+    for x in (t.to(memory_format=fmt), expanded):
+        (row, counts), = reduce([x], bins=16)
+        (ref_row, ref_counts), = reduce([x.contiguous()], bins=16)
+        assert counts == ref_counts
+        assert row[3:] == ref_row[3:]
+        assert row[:3] == pytest.approx(ref_row[:3], rel=1e-5)
