@@ -28,8 +28,10 @@ collect) over a bare one, on the CPU path and on the accelerator path forced on 
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
-``armed + collect``; ``--rounds`` rounds of 3-step windows, interleaved; then the top aten ops of
-one ``collect`` (torch.profiler, self CPU time, profiler overhead included).
+``armed + collect``; ``armed + collect, no grad_input`` (a second monitor whose plan gives no
+module a grad_input hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
+interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
+overhead included).
 C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 Two tables: the mean step of each fit (the headline), and its median step (without the rare slow
@@ -500,29 +502,34 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         model = case.make()
         monitor = GradientMonitor(model)
+        # A second monitor on the same model, whose plan gives no module a grad_input hook.
+        no_inputs = GradientMonitor(model)
 
         def step(stage: str) -> float:
+            m = no_inputs if stage == "armed + collect, no grad_input" else monitor
             synchronize()
             start = time.perf_counter()
             if stage != "bare":
-                monitor.arm()
+                m.arm()
             if stage == "hooks only":  # the hooks fire, their reductions are left out
-                monitor._reduce = lambda *a: None
+                m._reduce = lambda *a: None
             try:
                 case.loss(model, case.batch).backward()
             finally:
-                monitor.__dict__.pop("_reduce", None)
-            if stage == "armed + collect":
-                monitor.collect()
+                m.__dict__.pop("_reduce", None)
+            if stage.startswith("armed + collect"):
+                m.collect()
             else:
-                monitor.disarm()
+                m.disarm()
             model.zero_grad(set_to_none=True)
             synchronize()
             return time.perf_counter() - start
 
-        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect"]
+        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect", "armed + collect, no grad_input"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach():
+        with monitor.attach(), no_inputs.attach():
+            step("armed + collect, no grad_input")  # its probe step, then no grad_input in its plan
+            no_inputs._plan, no_inputs._slots = set(), None
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
                 step(stage)
             windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}
