@@ -45,7 +45,7 @@ except ImportError:
 
 #: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
 #: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: two to three times slower.
+#: slower (on ResNet-18 the cost of an armed step about doubles: docs/benchmarks.md).
 C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
