@@ -111,13 +111,13 @@ VECTOR_CLONES static void bins_of(const float *x, int64_t m, float low, float st
 typedef struct {
     int32_t *table;
     int64_t *total;
-    int64_t size;
 } Tables;
 
+/* Room for the pairs tables or for four tables of `bins`, whichever histogram_of needs. */
 static int tables_alloc(Tables *t, int32_t bins) {
-    t->size = 4 * (int64_t)bins > 2 * PAIRS * PAIRS ? 4 * (int64_t)bins : 2 * PAIRS * PAIRS;
-    t->table = malloc(t->size * sizeof(int32_t));
-    t->total = malloc(t->size * sizeof(int64_t));
+    const int64_t size = 4 * (int64_t)bins > 2 * PAIRS * PAIRS ? 4 * (int64_t)bins : 2 * PAIRS * PAIRS;
+    t->table = malloc(size * sizeof(int32_t));
+    t->total = malloc(size * sizeof(int64_t));
     return t->table != NULL && t->total != NULL;
 }
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_gradhooks.stats import STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
-
-
-_COUNT = len(STATISTICS)  # where a statistics row holds its finite count
+from lightning_gradhooks.stats import _COUNT, STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
 #: Statistics that do not change when a gradient is multiplied by a loss scale.
 _SCALE_FREE = ("nonfinite", "zero_fraction")
