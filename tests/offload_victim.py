@@ -7,7 +7,8 @@
 - ``lightning_sigint``: a Lightning fit that would run for hours prints ``READY`` at step 1;
   the test presses Ctrl-C once, and Lightning's graceful shutdown must end it.
 - ``sigint``: a plain loop under ``save_on_disk`` that counts the KeyboardInterrupts it catches,
-  printing ``CAUGHT <n>`` for each, until 40; then ``DONE <files open> <bytes pending>``.
+  printing ``CAUGHT <n>`` for each, until 40; then, after ``flush()``,
+  ``DONE <files open> <bytes pending>``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def sigint_loop(folder: str) -> None:
             loss = None
             caught += 1
             print(f"CAUGHT {caught}", flush=True)
+    # A write the last interrupt left running may still be on its way to disk: flush waits for
+    # it, and would hang (the test times out) if an interrupt had left bytes counted forever.
+    offload.flush()
     stats = offload.stats()
     offload.close()
     print(f"DONE {stats.files_on_disk} {stats.bytes_pending_write}", flush=True)
