@@ -28,8 +28,10 @@ collect) over a bare one, on the CPU path and on the accelerator path forced on 
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
-``armed + collect``; ``armed + collect, no grad_input`` (a second monitor whose plan gives no
-module a grad_input hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
+``armed + collect``; ``armed + collect, views`` (a second monitor that reads every module's
+``grad_input`` through a view, as before one-node modules were read from their node);
+``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
+hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
 interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
 C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
@@ -504,9 +506,11 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         monitor = GradientMonitor(model)
         # A second monitor on the same model, whose plan gives no module a grad_input hook.
         no_inputs = GradientMonitor(model)
+        views = GradientMonitor(model)  # and one that reads every grad_input through a view
+        others = {"armed + collect, no grad_input": no_inputs, "armed + collect, views": views}
 
         def step(stage: str) -> float:
-            m = no_inputs if stage == "armed + collect, no grad_input" else monitor
+            m = others.get(stage, monitor)
             synchronize()
             start = time.perf_counter()
             if stage != "bare":
@@ -525,11 +529,14 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             synchronize()
             return time.perf_counter() - start
 
-        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect", "armed + collect, no grad_input"]
+        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect", "armed + collect, views",
+                  "armed + collect, no grad_input"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach():
-            step("armed + collect, no grad_input")  # its probe step, then no grad_input in its plan
-            no_inputs._plan, no_inputs._slots = set(), None
+        with monitor.attach(), no_inputs.attach(), views.attach():
+            for stage, other in others.items():  # their probe steps, then their plans changed
+                step(stage)
+                other._one_node, other._slots = set(), None
+            no_inputs._plan = set()
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
                 step(stage)
             windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}

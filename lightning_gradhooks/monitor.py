@@ -6,7 +6,9 @@ chosen module hooks the autograd nodes that made the module's outputs, and a for
 passes each input through a view whose node is hooked too: backward then hands the hooks
 ``grad_output`` and ``grad_input``, the same tensors a full backward hook
 (``register_full_backward_hook``) receives, without the two Python autograd functions per call
-that a full backward hook wraps around every forward. The hooks reduce them to statistics on
+that a full backward hook wraps around every forward. A module whose forward is a single
+autograd node (``Linear`` on a batch of vectors, convolutions, norm layers) needs no view: one
+hook on that node receives both. The hooks reduce them to statistics on
 the device; :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything
 to the host in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
 """
@@ -127,6 +129,8 @@ class _Probe:
     unsafe: set[str] = field(default_factory=set)
     #: Modules whose output is a dict, list, nested tuple or object: full hooks miss it.
     structured: set[str] = field(default_factory=set)
+    #: Modules of :data:`_ONE_NODE_TYPES` that made more than one autograd node in a call.
+    several: set[str] = field(default_factory=set)
 
     def modified_in_place(self) -> set[str]:
         later = {name for name, outs in self.outputs if any(t._version != v for t, v in outs)}
@@ -161,6 +165,65 @@ def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
 def _full_hook_sees(output: Any) -> bool:
     """Whether a full backward hook sees every tensor of ``output``: a tensor or a flat tuple."""
     return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
+
+
+#: Module types whose own forward makes one autograd node from its inputs (checked at every
+#: call by :func:`_one_node_edges`): their ``grad_input`` is read from that node, with no view.
+#: Exact types only: a subclass may compute more in its ``forward``.
+_ONE_NODE_TYPES = frozenset({
+    nn.Linear, nn.Bilinear, nn.Embedding,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm,
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Softplus,
+})
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+#: How many nodes :func:`_one_node_edges` follows from a node's edges that feed no input
+#: (``TBackward0`` of a ``Linear`` weight is one) before it gives up.
+_WALK = 4
+
+
+def _one_node_edges(output: Tensor, args: tuple) -> list[tuple[int, int]] | None:
+    """For a call that returned ``output``, made by one autograd node from ``args``: for each
+    input that requires grad, ``(its position in args, the node's edge it feeds)``. That edge's
+    gradient is then the input's ``grad_input``: all of it goes through that node.
+
+    None where this is not shown: ``output`` was made by no node; an input feeds the node by no
+    edge or by two (``x * x``), or reaches it through other nodes; the node's other edges lead
+    to more than :data:`_WALK` nodes before parameters, or to an input.
+    """
+    node = output.grad_fn
+    if node is None:
+        return None
+    inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    found: list[tuple[int, int]] = []
+    others = []
+    for j, (fn, nr) in enumerate(node.next_functions):
+        if fn is None:
+            continue
+        for i, a in inputs:
+            source = a.grad_fn
+            if (fn is source and nr == a.output_nr) if source is not None else (
+                type(fn) is _ACCUMULATE_GRAD and fn.variable is a
+            ):
+                found.append((i, j))
+                break
+        else:
+            others.append(fn)
+    if len(found) != len(inputs) or len({i for i, _ in found}) != len(found):
+        return None
+    sources = {a.grad_fn for _, a in inputs}
+    budget = _WALK
+    while others:  # these edges must end in parameters, without meeting an input
+        fn = others.pop()
+        if type(fn) is _ACCUMULATE_GRAD:
+            if any(fn.variable is a for _, a in inputs):
+                return None
+            continue
+        budget -= 1
+        if budget < 0 or fn in sources:
+            return None
+        others.extend(f for f, _ in fn.next_functions if f is not None)
+    return sorted(found)
 
 
 def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
@@ -364,6 +427,9 @@ class GradientMonitor:
         #: step has shown which modules are safe for it. None until then.
         self._plan: set[str] | None = None
         self._slots: list[_Slot] | None = None  # the planned hooks, once planned
+        #: Planned modules whose forward was one autograd node in every call of the first armed
+        #: step: their grad_input is read from that node's hook, with no view.
+        self._one_node: set[str] = set()
         #: Modules whose grad_output alone is read (modified in place, structured outputs, or not
         #: run in the first armed step).
         self.fallback: list[str] = []
@@ -407,6 +473,9 @@ class GradientMonitor:
         if self._slots is None:  # made once, put in and taken out at every logged step
             self._slots = []
             for label, module in self._hooked.items():
+                if label in self._one_node:
+                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_one_node, label)))
+                    continue
                 if label in self._plan:
                     self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._watch_inputs, label)))
                 self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_forward, label)))
@@ -430,6 +499,10 @@ class GradientMonitor:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             self._probe.structured.add(name)
+        if type(module) in _ONE_NODE_TYPES and not (
+            type(output) is Tensor and (not output.requires_grad or _one_node_edges(output, args) is not None)
+        ):
+            self._probe.several.add(name)
         self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
         self._watch_forward(name, module, args, output)
 
@@ -444,6 +517,9 @@ class GradientMonitor:
         unseen = set(self._hooked) - {name for name, _ in probe.outputs}
         fallback = in_place | probe.structured | unseen
         self._plan = set(self._hooked) - fallback
+        self._one_node = {
+            name for name in self._plan if type(self._hooked[name]) in _ONE_NODE_TYPES and name not in probe.several
+        }
         self.fallback = sorted(fallback)
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
@@ -543,6 +619,42 @@ class GradientMonitor:
                 self._hook(t, "grad_output", "/".join((name, *path)), self.histograms)
         if self._forward_checks and module.training:
             self._check_forward(name, output)
+
+    def _watch_one_node(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        """The forward hook of a module planned as one autograd node: a single hook on that node
+        reads both ``grad_output`` and ``grad_input``."""
+        if not (self._armed and torch.is_grad_enabled()):
+            return
+        if type(output) is not Tensor or (output.requires_grad and (edges := _one_node_edges(output, args)) is None):
+            self._watch_forward(name, module, args, output)  # no view was made: no grad_input
+            self._several(name)
+            return
+        if output.requires_grad:
+            inputs = [(name if len(args) == 1 else f"{name}/{i}", j) for i, j in edges]
+            output.grad_fn.register_hook(
+                functools.partial(self._one_node_grads, name, self.histograms, output.output_nr, inputs)
+            )
+        if self._forward_checks and module.training:
+            self._check_forward(name, output)
+
+    def _several(self, name: str) -> None:
+        """A one-node module made more than one node: read its inputs through views from now on."""
+        if name in self._one_node:
+            self._one_node.discard(name)
+            self._slots = None  # made again at the next arm
+            warnings.warn(
+                f"module `{name}` made more than one autograd node in a call (in the first logged step "
+                "it made one), so its grad_input is missing from this step; from the next logged "
+                "step on it is read through a view",
+                stacklevel=3,
+            )
+
+    def _one_node_grads(self, name: str, histogram: bool, index: int, inputs: list[tuple[str, int]],
+                        grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if self._armed:
+            self._reduce("grad_output", name, grad_outputs[index], histogram)
+            for label, j in inputs:
+                self._reduce("grad_input", label, grad_inputs[j], False)
 
     def _hook(self, t: Tensor, kind: str, label: str, histogram: bool) -> None:
         """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made

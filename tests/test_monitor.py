@@ -117,6 +117,127 @@ def test_grad_input_and_grad_output_equal_what_full_backward_hooks_receive():
     assert {k for k, _ in got} == {"grad_output", "grad_input"}
 
 
+class Doubled(nn.Linear):
+    """A subclass of Linear whose forward makes two nodes: not read as one node."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class Mixed(nn.Module):
+    """A Linear (one node), a Linear on 3-D input (a view, addmm and a view), a subclass, and a
+    Linear that gets a 3-D input only when ``wide`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat, self.seq, self.sub, self.late = nn.Linear(6, 6), nn.Linear(6, 6), Doubled(6, 6), nn.Linear(6, 6)
+        self.wide = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.sub(self.seq(self.flat(x).tanh().unsqueeze(1).expand(-1, 3, -1)))
+        late = self.late(h if self.wide else h.sum(1))
+        return late.sum(1) if self.wide else late
+
+
+def full_hook_reference(net: nn.Module, x: torch.Tensor, names: list[str]) -> dict[tuple[str, str], torch.Tensor]:
+    seen = {}
+    handles = [
+        getattr(net, n).register_full_backward_hook(
+            lambda m, gi, go, n=n: seen.update({("grad_output", n): go[0], ("grad_input", n): gi[0]})
+        )
+        for n in names
+    ]
+    (net(x) ** 2).sum().backward()
+    for h in handles:
+        h.remove()
+    net.zero_grad()
+    return seen
+
+
+def test_one_node_modules_are_read_from_their_node_others_through_a_view():
+    """Exact nn.Linear on 2-D input: one hook on its node gives grad_output and grad_input, no
+    view, no pre-hook. A Linear on 3-D input and a subclass: a view per input. A module planned
+    as one node that later makes several: a warning, no grad_input that step, a view after."""
+    torch.manual_seed(4)
+    net, x = Mixed(), torch.randn(5, 6, requires_grad=True)
+    names = ["flat", "seq", "sub", "late"]
+    monitor = GradientMonitor(net, parameters=False)
+    with monitor.attach():
+        for _ in range(2):  # the probe step, then the planned hooks
+            monitor.arm()
+            loss = (net(x) ** 2).sum()
+            nodes = graph_nodes(loss)
+            loss.backward()
+            assert [len(getattr(net, n)._forward_pre_hooks) for n in names] == [0, 1, 1, 0]
+            record = monitor.collect()
+        assert nodes["ViewBackward0"] == graph_nodes((net(x) ** 2).sum())["ViewBackward0"] + 2
+        want = full_hook_reference(net, x, names)
+        got = {(e.kind, e.name): e.stats for e in record.entries}
+        assert set(got) == set(want)
+        for key, grad in want.items():
+            assert_stats(got[key], ref_stats(grad))
+
+        net.wide = True  # `late` now makes several nodes
+        want = full_hook_reference(net, x, names)
+        monitor.arm()
+        with pytest.warns(UserWarning, match=r"module `late` made more than one autograd node .* grad_input is missing"):
+            (net(x) ** 2).sum().backward()
+        got = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+        assert set(got) == set(want) - {("grad_input", "late")}
+        assert_stats(got["grad_output", "late"], ref_stats(want["grad_output", "late"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once
+            monitor.arm()
+            (net(x) ** 2).sum().backward()
+            assert len(net.late._forward_pre_hooks) == 1  # read through a view now
+            got = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+        assert set(got) == set(want)
+        for key, grad in want.items():
+            assert_stats(got[key], ref_stats(grad))
+
+
+def test_one_node_check_sees_every_path_from_the_node_to_an_input():
+    from lightning_gradhooks.monitor import _one_node_edges
+
+    b, w = torch.randn(3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    for leaf in (True, False):
+        x = torch.randn(2, 4, requires_grad=True)
+        x = x if leaf else x * 1
+        assert _one_node_edges(torch.addmm(b, x, w.t()), (x,)) == [(0, 1)]  # w.t(): one node to w
+        assert _one_node_edges(torch.addmm(b, x, w.t()), (b, x)) == [(0, 0), (1, 1)]
+        assert _one_node_edges(torch.addmm(b, x, w.t()), (w, x)) is None  # w reached through t()
+        assert _one_node_edges(torch.mm(x, x.t()), (x,)) is None  # x also reached through t()
+        assert _one_node_edges(x * x, (x,)) is None  # two edges
+        assert _one_node_edges(x.tanh() + 1, (x,)) is None  # the output's node does not take x
+        assert _one_node_edges(x, (x,)) is None
+    deep = w
+    for _ in range(5):  # a weight made in more nodes than the walk follows
+        deep = deep * 1
+    assert _one_node_edges(torch.mm(x, w.t()), (x,)) == [(0, 0)]
+    assert _one_node_edges(torch.mm(x, deep.t()), (x,)) is None
+
+
+def test_parametrized_linear_is_still_read_exactly():
+    """weight_norm: the weight is made by nodes of its own on every call; few enough for the
+    walk, so the Linear stays one node; either way its grad_input equals a full hook's."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), torch.nn.utils.parametrizations.weight_norm(nn.Linear(6, 4)))
+    x = torch.randn(5, 6, requires_grad=True)
+    monitor = GradientMonitor(net, parameters=False)
+    with monitor.attach():
+        for _ in range(2):
+            monitor.arm()
+            (net(x) ** 2).sum().backward()
+            record = monitor.collect()
+    net.zero_grad()
+    seen = {}
+    net[2].register_full_backward_hook(lambda m, gi, go: seen.update(gi=gi[0], go=go[0]))
+    (net(x) ** 2).sum().backward()
+    got = {(e.kind, e.name): e.stats for e in record.entries}
+    assert_stats(got["grad_input", "2"], ref_stats(seen["gi"]))
+    assert_stats(got["grad_output", "2"], ref_stats(seen["go"]))
+
+
 def test_backward_order_and_histograms():
     net = model()
     monitor = GradientMonitor(net, bins=16)
@@ -156,8 +277,9 @@ def test_handle_restores_every_hook_and_flag():
         monitor.arm()
         net(torch.randn(2, 6)).sum().backward()
         assert monitor.attach() is handle  # attaching twice does not double the hooks
-        # One forward pre-hook (inputs) and one forward hook (outputs) per module, nothing else.
-        assert [len(net[i]._forward_pre_hooks) for i in (0, 1, 2, 3, 4)] == [1, 0, 1, 1, 1]
+        # One forward hook per module, nothing else: each is one autograd node, whose hook reads
+        # grad_input too (no forward pre-hook passing inputs through views).
+        assert [len(net[i]._forward_pre_hooks) for i in (0, 1, 2, 3, 4)] == [0, 0, 0, 0, 0]
         assert [len(net[i]._forward_hooks) for i in (0, 1, 2, 3, 4)] == [1, 0, 2, 1, 1]
         assert not any(m._backward_hooks or m._backward_pre_hooks for m in net)
         monitor.collect()
@@ -427,7 +549,6 @@ def test_steps_that_are_not_logged_run_exactly_as_without_the_monitor():
                 monitor.arm()
             else:
                 assert hook_snapshot(net) == before
-            planned = monitor._plan is not None  # the probe step is over
 
             def step() -> collections.Counter:
                 loss = net(torch.randn(4, 6)).sum()
@@ -437,9 +558,8 @@ def test_steps_that_are_not_logged_run_exactly_as_without_the_monitor():
 
             calls, nodes = calls_into_the_library(step)
             assert "BackwardHookFunctionBackward" not in nodes
-            # Logged steps after the probe pass the inputs of net.2, net.3, net.4 through a view.
-            extra = {"ViewBackward0": 3} if logged and planned else {}
-            assert nodes == bare + collections.Counter(extra)
+            # No step adds a node: every module here is one node, hooked where it is.
+            assert nodes == bare
             assert bool(calls) == logged  # not logged: no Python call of ours in forward or backward
             record = monitor.collect()
             assert bool(record.entries) == logged
