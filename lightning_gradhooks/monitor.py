@@ -189,41 +189,50 @@ def _one_node_edges(output: Tensor, args: tuple) -> list[tuple[int, int]] | None
 
     None where this is not shown: ``output`` was made by no node; an input feeds the node by no
     edge or by two (``x * x``), or reaches it through other nodes; the node's other edges lead
-    to more than :data:`_WALK` nodes before parameters, or to an input.
+    to more than :data:`_WALK` nodes before parameters, or to an input. Every logged call of a
+    one-node module runs this, hence the plain loops.
     """
     node = output.grad_fn
     if node is None:
         return None
-    inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    # (position, the node that made the input, its output number; or for a leaf, the leaf)
+    inputs = [(i, a.grad_fn, a.output_nr, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    leaves = [a for _, source, _, a in inputs if source is None]
     found: list[tuple[int, int]] = []
     others = []
     for j, (fn, nr) in enumerate(node.next_functions):
         if fn is None:
             continue
-        for i, a in inputs:
-            source = a.grad_fn
-            if (fn is source and nr == a.output_nr) if source is not None else (
+        for i, source, k, a in inputs:
+            if (fn is source and nr == k) if source is not None else (
                 type(fn) is _ACCUMULATE_GRAD and fn.variable is a
             ):
                 found.append((i, j))
                 break
         else:
             others.append(fn)
-    if len(found) != len(inputs) or len({i for i, _ in found}) != len(found):
-        return None
-    sources = {a.grad_fn for _, a in inputs}
+    if len(found) != len(inputs) or (len(found) > 1 and len({i for i, _ in found}) != len(found)):
+        return None  # an input feeds no edge or two
     budget = _WALK
     while others:  # these edges must end in parameters, without meeting an input
         fn = others.pop()
         if type(fn) is _ACCUMULATE_GRAD:
-            if any(fn.variable is a for _, a in inputs):
-                return None
+            if leaves:
+                variable = fn.variable
+                for leaf in leaves:
+                    if variable is leaf:
+                        return None
             continue
         budget -= 1
-        if budget < 0 or fn in sources:
+        if budget < 0:
             return None
-        others.extend(f for f, _ in fn.next_functions if f is not None)
-    return sorted(found)
+        for _, source, _, _ in inputs:
+            if fn is source:
+                return None
+        for f, _ in fn.next_functions:
+            if f is not None:
+                others.append(f)
+    return found
 
 
 def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:

@@ -16,7 +16,9 @@ from lightning_gradhooks.stats import _COUNT, STATISTICS, STATS_WIDTH, merge_his
 _SCALE_FREE = ("nonfinite", "zero_fraction")
 
 
-@dataclass(frozen=True)
+# Entries are plain dataclasses, not frozen ones: a frozen dataclass takes four times as long
+# to make (0.6 us against 0.14), and a logged step of a big model makes thousands.
+@dataclass
 class Histogram:
     """A histogram of the finite elements of one gradient tensor."""
 
@@ -25,7 +27,7 @@ class Histogram:
     counts: list[float]
 
 
-@dataclass(frozen=True)
+@dataclass
 class GradientEntry:
     """The statistics of one gradient tensor at one step.
 
