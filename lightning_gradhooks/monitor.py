@@ -182,16 +182,21 @@ _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 _WALK = 4
 
 
-def _one_node_edges(output: Tensor, args: tuple) -> list[tuple[int, int]] | None:
+def _one_node_edges(output: Any, args: tuple) -> list[tuple[int, int]] | None:
     """For a call that returned ``output``, made by one autograd node from ``args``: for each
     input that requires grad, ``(its position in args, the node's edge it feeds)``. That edge's
-    gradient is then the input's ``grad_input``: all of it goes through that node.
+    gradient is then the input's ``grad_input``: all of it goes through that node. An output
+    that needs no grad gives ``[]``: there is nothing to read.
 
-    None where this is not shown: ``output`` was made by no node; an input feeds the node by no
-    edge or by two (``x * x``), or reaches it through other nodes; the node's other edges lead
-    to more than :data:`_WALK` nodes before parameters, or to an input. Every logged call of a
-    one-node module runs this, hence the plain loops.
+    None where this is not shown: ``output`` is not a plain tensor, or was made by no node; an
+    input feeds the node by no edge or by two (``x * x``), or reaches it through other nodes;
+    the node's other edges lead to more than :data:`_WALK` nodes before parameters, or to an
+    input. Every logged call of a one-node module runs this, hence the plain loops.
     """
+    if type(output) is not Tensor:
+        return None
+    if not output.requires_grad:
+        return []
     node = output.grad_fn
     if node is None:
         return None
@@ -508,9 +513,7 @@ class GradientMonitor:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             self._probe.structured.add(name)
-        if type(module) in _ONE_NODE_TYPES and not (
-            type(output) is Tensor and (not output.requires_grad or _one_node_edges(output, args) is not None)
-        ):
+        if type(module) in _ONE_NODE_TYPES and _one_node_edges(output, args) is None:
             self._probe.several.add(name)
         self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
         self._watch_forward(name, module, args, output)
@@ -634,9 +637,10 @@ class GradientMonitor:
         reads both ``grad_output`` and ``grad_input``."""
         if not (self._armed and torch.is_grad_enabled()):
             return
-        if type(output) is not Tensor or (output.requires_grad and (edges := _one_node_edges(output, args)) is None):
+        edges = _one_node_edges(output, args)
+        if edges is None:
             self._watch_forward(name, module, args, output)  # no view was made: no grad_input
-            self._several(name)
+            self._read_through_views(name)
             return
         if output.requires_grad:
             inputs = [(name if len(args) == 1 else f"{name}/{i}", j) for i, j in edges]
@@ -646,7 +650,7 @@ class GradientMonitor:
         if self._forward_checks and module.training:
             self._check_forward(name, output)
 
-    def _several(self, name: str) -> None:
+    def _read_through_views(self, name: str) -> None:
         """A one-node module made more than one node: read its inputs through views from now on."""
         if name in self._one_node:
             self._one_node.discard(name)
