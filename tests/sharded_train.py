@@ -183,6 +183,9 @@ def main() -> None:
         facts = json.loads(facts_file.read_text())
         facts.update(offload_is_transparent(out / "offload"))
         facts_file.write_text(json.dumps(facts))
+    # Without this, gloo's worker threads can outlive the interpreter: "terminate called without
+    # an active exception", SIGABRT at exit (pytorch/pytorch#190489).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
