@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gloo_exit import finish
 from lightning_gradhooks import GradHooks
 
 STEPS = 3
@@ -79,9 +79,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Net(), DataLoader(data, batch_size=8))
-    # Without this, gloo's worker threads can outlive the interpreter: "terminate called without
-    # an active exception", SIGABRT at exit (pytorch/pytorch#190489).
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from gloo_exit import finish
 from lightning_gradhooks import GradientMonitor
 from lightning_gradhooks.distributed import RankReducer
 
@@ -82,11 +83,9 @@ def partial() -> dict:
 
 def run(rank: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
-    try:
-        facts = {"fsdp1": fsdp1(rank), "hsdp": hsdp(rank), "partial": partial()}
-        (out / f"ranks-{rank}.json").write_text(json.dumps(facts))
-    finally:
-        dist.destroy_process_group()
+    facts = {"fsdp1": fsdp1(rank), "hsdp": hsdp(rank), "partial": partial()}
+    (out / f"ranks-{rank}.json").write_text(json.dumps(facts))
+    finish()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
+from gloo_exit import finish
 from lightning_gradhooks import GradHooks, save_on_disk
 
 STEPS = 3
@@ -183,9 +184,7 @@ def main() -> None:
         facts = json.loads(facts_file.read_text())
         facts.update(offload_is_transparent(out / "offload"))
         facts_file.write_text(json.dumps(facts))
-    # Without this, gloo's worker threads can outlive the interpreter: "terminate called without
-    # an active exception", SIGABRT at exit (pytorch/pytorch#190489).
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
