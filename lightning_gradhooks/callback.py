@@ -78,7 +78,9 @@ class GradHooksLogic:
     the selected modules' parameter gradients are reduced too; the numbers reach the host once
     per logged step. Steps that are not logged run exactly as without the callback. Scalars go
     to every logger, histograms to every ``TensorBoardLogger``. Every hook is removed after
-    each logged step, at teardown and when fit raises.
+    each logged step, at teardown and when fit raises; a batch that Lightning ends without
+    ``on_train_batch_end`` (``on_train_batch_start`` returned -1) is ended at the end of the
+    epoch, before validation or before the next batch.
 
     With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
     inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for
@@ -97,10 +99,10 @@ class GradHooksLogic:
     Args:
         every_n_steps: log every this many optimizer steps (at ``trainer.global_step`` 0, n,
             2n, ...); default: the trainer's ``log_every_n_steps``.
-        include: glob patterns on qualified module names (``named_modules()`` of the
-            LightningModule) to monitor; default: every module that directly owns a trainable
-            parameter.
-        exclude: glob patterns of modules to leave out.
+        include: a list of glob patterns on qualified module names (``named_modules()`` of the
+            LightningModule) to monitor; None (default): every module that directly owns a
+            trainable parameter. An empty list is refused.
+        exclude: a list of glob patterns of modules to leave out.
         statistics: which statistics to log as scalars; default: all of
             ``["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction", "update_ratio",
             "param_norm"]``. ``zero_fraction`` is the share of exactly-zero gradient elements;
@@ -129,7 +131,8 @@ class GradHooksLogic:
             Text tab under ``gradhooks/health_report``.
 
     Raises:
-        ValueError: at construction, for an invalid argument; at fit start, for an ``include``
+        ValueError: at construction, for an invalid argument (naming it, what is accepted
+            and the value received); at fit start, for an ``include``
             pattern that matches no module (an ``exclude`` pattern that matches none is one
             warning: it excludes nothing).
         DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold

@@ -355,11 +355,11 @@ class GradientMonitor:
 
     Args:
         model: the module whose submodules are monitored.
-        include: glob patterns on qualified module names; default: every module that directly
-            owns a parameter requiring grad.
-        exclude: glob patterns of modules to leave out.
+        include: a list (or tuple) of glob patterns on qualified module names; None (default):
+            every module that directly owns a parameter requiring grad. An empty list is refused.
+        exclude: a list (or tuple) of glob patterns of modules to leave out.
         histograms: also count histograms of ``grad_output`` and parameter gradients.
-        bins: number of histogram bins.
+        bins: number of histogram bins, 1 to 4096.
         parameters: also reduce each selected module's own parameter gradients in
             :meth:`collect`.
         forward_checks: on armed steps, also sum each module's floating outputs in forward
@@ -368,7 +368,8 @@ class GradientMonitor:
             whose forward NaN or Inf were born.
 
     Raises:
-        ValueError: bad arguments, or a pattern that matches no module.
+        ValueError: an invalid argument (naming it, what is accepted and the value received),
+            or an ``include`` pattern that matches no module.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
