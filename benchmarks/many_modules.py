@@ -221,8 +221,10 @@ class Loop:
     def monitored(self, armed: bool, kernels: bool = True) -> Iterator[Variant]:
         monitor = self.monitor
         with contextlib.nullcontext() if kernels else torch_ops(), monitor.attach():
-            self.step(Variant(monitor.arm, monitor.collect))  # the first armed step: in-place probe
-            yield Variant(monitor.arm if armed else lambda: None, monitor.collect)
+            # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
+            # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
+            self.step(Variant(lambda: monitor.arm().__enter__(), monitor.collect))  # the first armed step: in-place probe
+            yield Variant((lambda: monitor.arm().__enter__()) if armed else lambda: None, monitor.collect)
 
     @contextlib.contextmanager
     def watched(self, run: Any, log_freq: int) -> Iterator[Variant]:
@@ -514,7 +516,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             synchronize()
             start = time.perf_counter()
             if stage != "bare":
-                m.arm()
+                m.arm().__enter__()  # as `with m.arm():` does: the collector paused to collect/disarm
             if stage == "hooks only":  # the hooks fire, their reductions are left out
                 m._reduce = lambda *a: None
             try:

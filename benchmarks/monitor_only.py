@@ -36,10 +36,9 @@ def main() -> None:
 
     def step(armed: bool) -> float:
         start = time.perf_counter()
-        if armed:
-            monitor.arm()
-        model(x).pow(2).mean().backward()
-        monitor.collect()
+        with monitor.arm(when=armed):
+            model(x).pow(2).mean().backward()
+            monitor.collect()
         optimizer.step()
         optimizer.zero_grad()
         return time.perf_counter() - start

@@ -10,6 +10,14 @@ import pytorch_lightning
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 from typing_extensions import override
 
+from lightning_gradhooks._checks import (
+    MAX_BINS,
+    check_bool,
+    check_choices,
+    check_folder,
+    check_int,
+    check_patterns,
+)
 from lightning_gradhooks._tensorboard import scalar_metrics, write_step
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.distributed import RankReducer
@@ -18,7 +26,6 @@ from lightning_gradhooks.monitor import (
     CollectorPause,
     GradientMonitor,
     GradientRecord,
-    check_patterns,
     listed,
 )
 from lightning_gradhooks.offload import save_on_disk
@@ -53,22 +60,11 @@ def _loss_scale(trainer: pl.Trainer) -> float | None:
     return float(scaler.get_scale())
 
 
-MAX_HISTOGRAM_BINS = 4096  # TensorBoard shows ~30 buckets; each bin costs bytes in every histogram event
-
-
 def _thresholds(overrides: dict[str, float]) -> Thresholds:
     known = Thresholds.__dataclass_fields__
     if not isinstance(overrides, dict) or not set(overrides) <= set(known):
         raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
     return Thresholds(**{k: type(known[k].default)(v) for k, v in overrides.items()})
-
-
-def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        accepted = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"`{argument}` expected {accepted}, got {value!r}")
 
 
 class GradHooksLogic:
@@ -82,7 +78,9 @@ class GradHooksLogic:
     the selected modules' parameter gradients are reduced too; the numbers reach the host once
     per logged step. Steps that are not logged run exactly as without the callback. Scalars go
     to every logger, histograms to every ``TensorBoardLogger``. Every hook is removed after
-    each logged step, at teardown and when fit raises.
+    each logged step, at teardown and when fit raises; a batch that Lightning ends without
+    ``on_train_batch_end`` (``on_train_batch_start`` returned -1) is ended at the end of the
+    epoch, before validation or before the next batch.
 
     With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
     inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for
@@ -101,10 +99,10 @@ class GradHooksLogic:
     Args:
         every_n_steps: log every this many optimizer steps (at ``trainer.global_step`` 0, n,
             2n, ...); default: the trainer's ``log_every_n_steps``.
-        include: glob patterns on qualified module names (``named_modules()`` of the
-            LightningModule) to monitor; default: every module that directly owns a trainable
-            parameter.
-        exclude: glob patterns of modules to leave out.
+        include: a list of glob patterns on qualified module names (``named_modules()`` of the
+            LightningModule) to monitor; None (default): every module that directly owns a
+            trainable parameter. An empty list is refused.
+        exclude: a list of glob patterns of modules to leave out.
         statistics: which statistics to log as scalars; default: all of
             ``["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction", "update_ratio",
             "param_norm"]``. ``zero_fraction`` is the share of exactly-zero gradient elements;
@@ -133,7 +131,8 @@ class GradHooksLogic:
             Text tab under ``gradhooks/health_report``.
 
     Raises:
-        ValueError: at construction, for an invalid argument; at fit start, for an ``include``
+        ValueError: at construction, for an invalid argument (naming it, what is accepted
+            and the value received); at fit start, for an ``include``
             pattern that matches no module (an ``exclude`` pattern that matches none is one
             warning: it excludes nothing).
         DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold
@@ -167,35 +166,25 @@ class GradHooksLogic:
         sync_dist: bool = False,
         report_thresholds: dict[str, float] | None = None,
     ) -> None:
-        _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
-        _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
-        if offload_dir is not None and not isinstance(offload_dir, str):
-            raise ValueError(f"`offload_dir` expected a str or None, got {offload_dir!r}")
-        if offload_dir is not None and (offload_dir == "" or "\0" in offload_dir):
-            raise ValueError(f"`offload_dir` expected a non-empty path without NUL bytes, got {offload_dir!r}")
+        check_int("every_n_steps", every_n_steps, allow_none=True)
+        check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
+        offload_dir = check_folder("offload_dir", offload_dir)
         if offload_dir is not None and offload_threshold_bytes is None:
             raise ValueError(
                 f"`offload_dir` expected `offload_threshold_bytes` to be set too, got offload_dir={offload_dir!r} "
                 "with offload_threshold_bytes=None (offload off)"
             )
-        _check_positive_int("histogram_bins", histogram_bins)
-        if histogram_bins > MAX_HISTOGRAM_BINS:
-            raise ValueError(f"`histogram_bins` expected at most {MAX_HISTOGRAM_BINS}, got {histogram_bins}")
-        check_patterns("include", include)
-        check_patterns("exclude", exclude)
-        if statistics is None:
-            statistics = [*STATISTICS, *UPDATE_STATISTICS]
-        if isinstance(statistics, str) or not all(s in (*STATISTICS, *UPDATE_STATISTICS) for s in statistics):
-            raise ValueError(
-                f"`statistics` expected a list drawn from {[*STATISTICS, *UPDATE_STATISTICS]}, got {statistics!r}"
-            )
-        for argument, value in (("histograms", histograms), ("sync_dist", sync_dist)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{argument}` expected a bool, got {value!r}")
+        check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
+        include = check_patterns("include", include, allow_empty=False)
+        exclude = check_patterns("exclude", exclude)
+        known = [*STATISTICS, *UPDATE_STATISTICS]
+        statistics = known if statistics is None else check_choices("statistics", statistics, known)
+        check_bool("histograms", histograms)
+        check_bool("sync_dist", sync_dist)
         self.every_n_steps = every_n_steps
-        self.include = None if include is None else list(include)
-        self.exclude = None if exclude is None else list(exclude)
-        self.statistics = list(statistics)
+        self.include = include
+        self.exclude = exclude
+        self.statistics = statistics
         self.histograms = histograms
         self.histogram_bins = histogram_bins
         self.offload_threshold_bytes = offload_threshold_bytes
@@ -222,6 +211,7 @@ class GradHooksLogic:
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False
         self._collector = CollectorPause()  # for the rest of a logged batch, see _pause_gc
+        self._in_batch = False  # between on_train_batch_start and _end_batch
 
     def _logger(self) -> logging.Logger:
         """A logger under the Lightning namespace of this class, which prints at INFO level."""
@@ -325,6 +315,7 @@ class GradHooksLogic:
             self._cleanup()
 
     def _cleanup(self) -> None:
+        self._in_batch = False
         self._collector.resume()
         self._reducer = None
         if self._updates is not None:
@@ -350,6 +341,9 @@ class GradHooksLogic:
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._in_batch:  # the last batch ended without on_train_batch_end (see _end_batch)
+            self._end_batch(trainer)
+        self._in_batch = True
         monitor = self._monitor
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
         observed = trainer.is_global_zero or (self._reducer is not None and self._reducer.hooks)
@@ -401,30 +395,56 @@ class GradHooksLogic:
     ) -> None:
         self._leave_offload()
         self._write_updates(trainer, wait=False)
-        # Hook statistics waiting for an optimizer step (accumulation) keep the monitor armed.
-        if self._monitor is not None and not self._monitor.pending:
-            self._monitor.disarm()
-        self._collector.resume()
+        self._end_batch(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_batch(trainer, epoch_over=True)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_batch(trainer)
+
+    def _end_batch(self, trainer: pl.Trainer, epoch_over: bool = False) -> None:
+        """End what ``on_train_batch_start`` began: the offload hooks exited, the monitor disarmed
+        and the garbage collector back on. Idempotent.
+
+        Lightning skips ``on_train_batch_end`` when ``on_train_batch_start`` of the
+        LightningModule returns -1 (the rest of the epoch is skipped), so this runs at the end
+        of every batch, of every epoch, before validation, and at the start of a batch whose
+        predecessor never ended; teardown and ``on_exception`` remove everything anyway. Hook
+        statistics waiting for their optimizer step (gradient accumulation) keep the monitor
+        armed, unless the epoch is over: a backward that no optimizer step followed (an epoch
+        cut short, by -1 or by the end of fit) is logged as it is.
+        """
+        self._in_batch = False
+        monitor = self._monitor
+        try:
+            self._leave_offload()
+            if epoch_over and monitor is not None and monitor.pending:
+                # Ranks may differ here, so this is rank 0's own record, with no collective.
+                self._write(trainer, monitor.collect(parameters=()), reduce=False)
+        finally:
+            if monitor is not None and (epoch_over or not monitor.pending):
+                monitor.disarm()
+            self._collector.resume()
 
     def _pause_gc(self) -> None:
         """Switch Python's cyclic garbage collector off for the rest of a logged batch.
 
-        The monitor pauses it from ``arm`` to ``collect`` (see :meth:`GradientMonitor.arm`); a
-        logged step then makes a record, TensorBoard values and report rows for every tensor,
-        alive long enough to be promoted to the oldest generation, which sets off full
-        collections of the whole process (~250 ms each with Lightning imported; on 500 modules
-        one every few logged steps). Paused here, first, the monitor leaves the collector alone,
-        and it is switched back on at the end of the batch, at teardown and when fit raises.
-        A collector the user switched off stays off.
+        A logged step makes a record, TensorBoard values and report rows for every tensor, alive
+        long enough to be promoted to the oldest generation, which sets off full collections of
+        the whole process (~250 ms each with Lightning imported; on 500 modules one every few
+        logged steps). The callback owns this pause (the monitor, armed without a ``with``
+        block, leaves the collector alone), and switches the collector back on when the batch
+        ends (:meth:`_end_batch`), at teardown and when fit raises. A collector the user switched
+        off stays off.
         """
         self._collector.pause()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A backward that no optimizer step followed (the end of an epoch cut short) is logged.
-        if self._monitor is not None and self._monitor.pending:
-            # Ranks may differ here, so this is rank 0's own record, with no collective.
-            self._write(trainer, self._monitor.collect(parameters=()), reduce=False)
+        self._end_batch(trainer, epoch_over=True)  # fit may end without ending its epoch (max_steps)
         self._write_updates(trainer, wait=True)
         self._draw_flow(trainer, final=True)
         self._print_report(trainer)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradhooks import _shards
+from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch
 
@@ -108,16 +109,21 @@ class MonitorHandle:
 
 
 class _Armed:
-    """What :meth:`GradientMonitor.arm` returns: leaving a ``with`` block disarms."""
+    """What :meth:`GradientMonitor.arm` returns: a ``with`` block pauses the cyclic garbage
+    collector while it runs and disarms on leaving, also by an exception."""
 
-    def __init__(self, monitor: GradientMonitor) -> None:
+    def __init__(self, monitor: GradientMonitor, armed: bool) -> None:
         self._monitor = monitor
+        self._armed = armed  # False: arm(when=False), a block that does nothing
 
     def __enter__(self) -> GradientMonitor:
+        if self._armed:
+            self._monitor._collector.pause()
         return self._monitor
 
     def __exit__(self, *args: object) -> None:
-        self._monitor.disarm()
+        if self._armed:
+            self._monitor.disarm()  # switches the collector back on too
 
 
 @dataclass
@@ -240,15 +246,6 @@ def _one_node_edges(output: Any, args: tuple) -> list[tuple[int, int]] | None:
     return found
 
 
-def check_patterns(argument: str, patterns: Sequence[str] | None) -> list[str]:
-    """``patterns`` as a list, or a ValueError saying what is accepted."""
-    if patterns is None:
-        return []
-    if isinstance(patterns, str) or not isinstance(patterns, Iterable) or not all(isinstance(p, str) for p in patterns):
-        raise ValueError(f"`{argument}` expected a list of glob patterns, got {patterns!r}")
-    return list(patterns)
-
-
 def listed(names: Sequence[str], limit: int = 8) -> str:
     """``a, b, c and 5 more``: names for a one-line message."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
@@ -316,7 +313,8 @@ def select_modules(
         ValueError: an ``include`` pattern matches no module (the message shows names that
             exist), or the selection is empty.
     """
-    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
+    include = check_patterns("include", include, allow_empty=False) or []
+    exclude = check_patterns("exclude", exclude) or []
     names = _named_modules(model)
     for argument, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns:
@@ -357,11 +355,11 @@ class GradientMonitor:
 
     Args:
         model: the module whose submodules are monitored.
-        include: glob patterns on qualified module names; default: every module that directly
-            owns a parameter requiring grad.
-        exclude: glob patterns of modules to leave out.
+        include: a list (or tuple) of glob patterns on qualified module names; None (default):
+            every module that directly owns a parameter requiring grad. An empty list is refused.
+        exclude: a list (or tuple) of glob patterns of modules to leave out.
         histograms: also count histograms of ``grad_output`` and parameter gradients.
-        bins: number of histogram bins.
+        bins: number of histogram bins, 1 to 4096.
         parameters: also reduce each selected module's own parameter gradients in
             :meth:`collect`.
         forward_checks: on armed steps, also sum each module's floating outputs in forward
@@ -370,7 +368,8 @@ class GradientMonitor:
             whose forward NaN or Inf were born.
 
     Raises:
-        ValueError: bad arguments, or a pattern that matches no module.
+        ValueError: an invalid argument (naming it, what is accepted and the value received),
+            or an ``include`` pattern that matches no module.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -396,8 +395,9 @@ class GradientMonitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
-            raise ValueError(f"`bins` expected a positive int, got {bins!r}")
+        check_int("bins", bins, maximum=MAX_BINS)
+        for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks)):
+            check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = [
@@ -421,15 +421,15 @@ class GradientMonitor:
                 f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}",
                 stacklevel=2,
             )
-        self.histograms = bool(histograms)
+        self.histograms = histograms
         self.bins = bins
         self._model = model
-        self._with_parameters = bool(parameters)
-        self._forward_checks = bool(forward_checks)
+        self._with_parameters = parameters
+        self._forward_checks = forward_checks
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
-        self._collector = CollectorPause()  # from arm() to collect() or disarm()
+        self._collector = CollectorPause()  # in a `with arm()` block, to collect() or disarm()
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
@@ -572,30 +572,49 @@ class GradientMonitor:
         """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
         return bool(self._pending)
 
-    def arm(self) -> _Armed:
+    def arm(self, when: bool = True) -> _Armed:
         """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
 
-        Arm before the forward of the step to log. The result is a context manager that
-        disarms on leaving, also by an exception::
+        Arm before the forward of the step to log; for gradient accumulation, once before the
+        first micro-batch (:meth:`collect` after the last pools them). The result is a context
+        manager that disarms on leaving, also by an exception; ``when=False`` gives one that does
+        nothing, so one loop serves logged and other steps::
 
-            with monitor.arm():
-                loss_fn(model(x), y).backward()
-                record = monitor.collect()
+            for step, (x, y) in enumerate(loader):
+                with monitor.arm(when=step % 50 == 0):
+                    loss_fn(model(x), y).backward()
+                    record = monitor.collect()  # empty unless armed
 
-        While armed, Python's cyclic garbage collector is paused (if it was on; :meth:`collect`
-        and :meth:`disarm` switch it back on). An armed step makes a few short-lived Python
-        objects per module (hook handles, the hooks of autograd nodes, rows and entries), and in
-        a process holding a few hundred thousand objects (torch, Lightning and TensorBoard
-        imported) the full collections they would set off cost more than the step's own work:
-        on 500 modules, about 45 ms a logged step. Objects freed by reference counting are freed
-        as always; only collecting reference cycles waits until the monitor disarms.
+        Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on;
+        :meth:`collect` and leaving the block switch it back on). An armed step makes a few
+        short-lived Python objects per module (hook handles, the hooks of autograd nodes, rows
+        and entries), and in a process holding a few hundred thousand objects (torch, Lightning
+        and TensorBoard imported) the full collections they would set off cost more than the
+        step's own work: on 500 modules, about 45 ms a logged step. Objects freed by reference
+        counting are freed as always; only collecting reference cycles waits. A bare ``arm()``
+        (no ``with``) pauses the collector inside :meth:`collect` only: nothing could switch it
+        back on if the step raised.
+
+        Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
+        in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
+        with a warning, and starts afresh: they are never pooled into the next record.
         """
-        if not self._armed:
-            self._armed = True
-            self._collector.pause()
-            if self._handle is not None and self._handle.active:
-                self._register()
-        return _Armed(self)
+        if not check_bool("when", when):
+            return _Armed(self, armed=False)
+        if self._armed:
+            warnings.warn(
+                "GradientMonitor.arm(): the monitor was still armed from a step that was neither "
+                "collected nor disarmed (did it raise?); its partial statistics are dropped. Call "
+                "collect() or disarm() after every armed step, or arm with `with monitor.arm():`, "
+                "which disarms also when the step raises.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.disarm()
+        self._armed = True
+        if self._handle is not None and self._handle.active:
+            self._register()
+        return _Armed(self, armed=True)
 
     def disarm(self) -> None:
         """Stop collecting, take the hooks out and drop what was collected but not returned."""
@@ -723,6 +742,8 @@ class GradientMonitor:
         """
         if not self._armed:
             return GradientRecord()
+        host = CollectorPause()  # for the record's many objects; a no-op inside `with arm()`
+        host.pause()
         try:
             self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
@@ -730,6 +751,7 @@ class GradientMonitor:
             return self._finish(pending, reducers)
         finally:
             self.disarm()
+            host.resume()
 
     def collect_parameters(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """The parameter gradients alone, armed or not; hook statistics stay pending.

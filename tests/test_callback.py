@@ -211,13 +211,13 @@ def test_validation_test_and_predict_do_no_hook_work_and_warn_nothing(tmp_path):
         (dict(every_n_steps=0), "`every_n_steps` expected a positive int or None, got 0"),
         (dict(every_n_steps=2.5), "`every_n_steps` expected a positive int or None, got 2.5"),
         (dict(every_n_steps=True), "`every_n_steps` expected a positive int or None, got True"),
-        (dict(include="net.0"), "`include` expected a list of glob patterns, got 'net.0'"),
-        (dict(exclude=[1]), r"`exclude` expected a list of glob patterns, got \[1\]"),
+        (dict(include="net.0"), r"`include` expected a non-empty list of glob patterns \(str\) or None, got 'net.0'"),
+        (dict(exclude=[1]), r"`exclude` expected a list of glob patterns \(str\) or None, got \[1\]"),
         (dict(statistics=["norm", "median"]), r"`statistics` expected a list drawn from \['norm'"),
         (dict(statistics="norm"), "`statistics` expected a list drawn from"),
-        (dict(histograms="yes"), "`histograms` expected a bool, got 'yes'"),
-        (dict(sync_dist=1), "`sync_dist` expected a bool, got 1"),
-        (dict(histogram_bins=0), "`histogram_bins` expected a positive int, got 0"),
+        (dict(histograms="yes"), r"`histograms` expected a bool \(True or False\), got 'yes'"),
+        (dict(sync_dist=1), r"`sync_dist` expected a bool \(True or False\), got 1"),
+        (dict(histogram_bins=0), "`histogram_bins` expected an int from 1 to 4096, got 0"),
     ],
 )
 def test_invalid_arguments_rejected_at_construction(kwargs, message):

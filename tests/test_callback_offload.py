@@ -168,10 +168,10 @@ def test_persistent_dataloader_workers_hold_no_offload_file(tmp_path):
         (dict(offload_dir="/tmp"), "`offload_dir` expected `offload_threshold_bytes` to be set too"),
         (dict(offload_threshold_bytes=1, offload_dir=""), "`offload_dir` expected a non-empty path without NUL"),
         (dict(offload_threshold_bytes=1, offload_dir="/tmp/a\0b"), "`offload_dir` expected a non-empty path"),
-        (dict(histogram_bins=10**30), "`histogram_bins` expected at most 4096, got 10000000000000000000000000000"),
-        (dict(histogram_bins=3_000_000), "`histogram_bins` expected at most 4096, got 3000000"),
-        (dict(include=5), r"`include` expected a list of glob patterns, got 5"),
-        (dict(exclude=5), r"`exclude` expected a list of glob patterns, got 5"),
+        (dict(histogram_bins=10**30), "`histogram_bins` expected an int from 1 to 4096, got 10000000000000000000000000000"),
+        (dict(histogram_bins=3_000_000), "`histogram_bins` expected an int from 1 to 4096, got 3000000"),
+        (dict(include=5), r"`include` expected a non-empty list of glob patterns \(str\) or None, got 5"),
+        (dict(exclude=5), r"`exclude` expected a list of glob patterns \(str\) or None, got 5"),
     ],
 )
 def test_invalid_offload_arguments(kwargs, message):

@@ -23,12 +23,11 @@ def train(model, optimizer, step_fn, log_dir, offload_dir, watched=None, steps=4
         with monitor.attach():
             for step in range(steps):
                 x = torch.randn(64, 8, generator=g)
-                if step % 2 == 0:
-                    monitor.arm()
-                with offload:
-                    loss = model(x).square().mean()
-                step_fn(loss)
-                write_record(writer, monitor.collect(), step)  # no-op on steps not armed
+                with monitor.arm(when=step % 2 == 0):
+                    with offload:
+                        loss = model(x).square().mean()
+                    step_fn(loss)
+                    write_record(writer, monitor.collect(), step)  # no-op on steps not armed
                 optimizer.step()
                 optimizer.zero_grad()
     finally:

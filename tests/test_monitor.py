@@ -339,9 +339,9 @@ def test_exclude_matching_nothing_is_one_warning_and_excludes_nothing():
     "kwargs, message",
     [
         (dict(include=["encoder.*"]), "'encoder.\\*' matches no module.*'0'"),
-        (dict(include="0"), "expected a list of glob patterns"),
+        (dict(include="0"), "expected a non-empty list of glob patterns"),
         (dict(include=["1"]), None),
-        (dict(bins=0), "`bins` expected a positive int, got 0"),
+        (dict(bins=0), "`bins` expected an int from 1 to 4096, got 0"),
     ],
 )
 def test_selection_errors(kwargs, message):
@@ -623,26 +623,30 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert forward == [] and first.kind != "forward"  # backward names a later module
 
 
-def test_armed_steps_pause_the_cyclic_garbage_collector_and_always_restore_it():
-    """Python's GC is off from arm() to collect()/disarm(), back on after, also when the step
-    raises; a collector the user switched off stays off."""
+def test_a_with_arm_block_pauses_the_cyclic_garbage_collector_and_always_restores_it():
+    """Python's GC is off inside `with monitor.arm():` up to collect(), back on after, also when
+    the step raises; a bare arm() leaves it on (nothing could switch it back on if the step
+    raised); a collector the user switched off stays off."""
     import gc
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     monitor = GradientMonitor(model)
     assert gc.isenabled()
     with monitor.attach():
-        monitor.arm()
-        assert not gc.isenabled()
-        model(torch.randn(3, 4)).sum().backward()
-        assert monitor.collect().entries
-        assert gc.isenabled()
+        with monitor.arm():
+            assert not gc.isenabled()
+            model(torch.randn(3, 4)).sum().backward()
+            assert monitor.collect().entries
+            assert gc.isenabled()
         with pytest.raises(RuntimeError, match="mid-step"):
             with monitor.arm():
                 assert not gc.isenabled()
                 raise RuntimeError("mid-step")
         assert gc.isenabled() and not monitor.armed
+        with monitor.arm(when=False):
+            assert gc.isenabled() and not monitor.armed
         monitor.arm()
+        assert gc.isenabled() and monitor.armed
     assert gc.isenabled() and not monitor.armed  # leaving attach() removes and disarms
     gc.disable()
     try:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_gradhooks._checks import check_bool, check_folder, check_int
 from lightning_gradhooks.offload._common import DiskOffloadError, OffloadStats
 from lightning_gradhooks.offload._engine import _Engine
 
@@ -73,8 +74,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             kernel's page cache, which writes them back when it needs the memory.
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: an argument is out of range.
+        ValueError: an argument has the wrong type or is out of range (naming it, what is
+            accepted and the value received).
         DiskOffloadError: at construction, the folder is missing or cannot hold an unnamed file
             (the message names the folder and the reason); later, a write or read fails (full
             disk, I/O error, short read), naming the folder and the bytes: raised in the forward
@@ -103,17 +104,12 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         segment_bytes: int = 1 << 30,
         drop_page_cache: bool = False,
     ) -> None:
-        _check_int("threshold_bytes", threshold_bytes, 0)
-        _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
-        _check_int("prefetch_bytes", prefetch_bytes, 0)
-        _check_int("segment_bytes", segment_bytes, 1)
-        if not isinstance(drop_page_cache, bool):
-            raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
-        if directory is not None and not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"expected directory to be a str, os.PathLike or None, got {type(directory).__name__}")
-        directory = tempfile.gettempdir() if directory is None else os.fspath(directory)
-        if not isinstance(directory, str) or directory == "" or "\0" in directory:
-            raise ValueError(f"expected directory to be a non-empty path without NUL bytes, got {directory!r}")
+        check_int("threshold_bytes", threshold_bytes, minimum=0)
+        check_int("max_bytes_in_flight", max_bytes_in_flight)
+        check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        check_int("segment_bytes", segment_bytes)
+        check_bool("drop_page_cache", drop_page_cache)
+        directory = check_folder("directory", directory, pathlike=True) or tempfile.gettempdir()
         self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
                                drop_page_cache)
         self._depth = 0
@@ -179,13 +175,3 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
 
     def __repr__(self) -> str:
         return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
-
-
-# ----------------------------------------------------------------------------- internals
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"expected {name} >= {minimum}, got {value}")

@@ -1,0 +1,87 @@
+"""Argument checks shared by ``GradHooks``, ``GradientMonitor`` and ``save_on_disk``.
+
+Every check runs at construction and raises a ``ValueError`` that names the argument, says what
+is accepted and shows the value received::
+
+    `histogram_bins` expected an int from 1 to 4096, got 1000000000000
+
+Each returns the value to keep (a list made from a tuple of patterns, a folder as a ``str``), so
+that a constructor checks and converts in one line. Pure Python: no torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+#: The most histogram bins anywhere (``GradHooks(histogram_bins=)``, ``GradientMonitor(bins=)``):
+#: TensorBoard shows ~30 buckets, and every bin costs bytes in every histogram event and memory in
+#: every reduction.
+MAX_BINS = 4096
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(
+    argument: str, value: object, minimum: int = 1, maximum: int | None = None, allow_none: bool = False
+) -> int | None:
+    """``value`` if it is an int (not a bool) from ``minimum`` to ``maximum`` (or None, if allowed)."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        if maximum is not None:
+            accepted = f"an int from {minimum} to {maximum}"
+        else:
+            accepted = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"`{argument}` expected {accepted}{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def check_bool(argument: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``: ``"no"``, ``0`` or ``None`` are refused, not read as truth values."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{argument}` expected a bool (True or False), got {value!r}")
+    return value
+
+
+def _strings(value: object) -> bool:
+    """A list or tuple of str. Generators (used up by a single look), sets (no order) and a bare str
+    (a pattern, or an iterable of one-letter patterns?) are refused rather than guessed at."""
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
+def check_patterns(argument: str, value: object, allow_empty: bool = True) -> list[str] | None:
+    """``value`` as a list of glob patterns, or None.
+
+    ``allow_empty=False`` (``include``): an empty list is refused, since it could mean "nothing"
+    or "the default selection"; None is the default selection.
+    """
+    if value is None:
+        return None
+    if not _strings(value) or (not value and not allow_empty):
+        accepted = "a list of glob patterns (str)" if allow_empty else "a non-empty list of glob patterns (str)"
+        raise ValueError(f"`{argument}` expected {accepted} or None, got {value!r}")
+    return list(value)
+
+
+def check_choices(argument: str, value: object, choices: Sequence[str]) -> list[str]:
+    """``value`` as a list of names, each one of ``choices``."""
+    if not _strings(value) or not all(v in choices for v in value):
+        raise ValueError(f"`{argument}` expected a list drawn from {list(choices)}, got {value!r}")
+    return list(value)
+
+
+def check_folder(argument: str, value: object, pathlike: bool = False) -> str | None:
+    """``value`` as a ``str`` path, or None: a ``str`` (or ``os.PathLike`` if ``pathlike``) that is
+    not empty and holds no NUL byte. Whether the folder exists is for the offload engine to say."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike) if pathlike else str):
+        accepted = "a str, os.PathLike or None" if pathlike else "a str or None"
+        raise ValueError(f"`{argument}` expected {accepted}, got {value!r}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or path == "" or "\0" in path:
+        raise ValueError(f"`{argument}` expected a non-empty path without NUL bytes, got {value!r}")
+    return path
