@@ -724,10 +724,10 @@ class GradientMonitor:
         if not self._armed:
             return GradientRecord()
         try:
-            self._reduce_parameters(parameters)
+            reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
-            return self._finish(pending, reducers)
+            return self._described(self._finish(pending, reducers), reduced)
         finally:
             self.disarm()
 
@@ -739,8 +739,8 @@ class GradientMonitor:
         """
         saved, (self._pending, self._reducers) = (self._pending, self._reducers), ([], {})
         try:
-            self._reduce_parameters(parameters)
-            return self._finish(self._pending, self._reducers)
+            reduced = self._reduce_parameters(parameters)
+            return self._described(self._finish(self._pending, self._reducers), reduced)
         finally:
             self._pending, self._reducers = saved
 
@@ -769,15 +769,25 @@ class GradientMonitor:
         views, _ = _shards.fsdp1_sharded(self._model)
         return [n for n, p in self.parameters.items() if id(p) in views or _shards.is_dtensor(p)]
 
-    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> None:
+    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> dict[str, nn.Parameter]:
+        """Reduce the chosen parameters' gradients (those in ``parameters`` only, if given) and
+        return all the chosen parameters, by name."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         views, flat = _shards.fsdp1_sharded(self._model)
         self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
-        for name, piece, reason in _shards.pieces(self.parameters, views, wanted):
+        chosen = self.parameters
+        for name, piece, reason in _shards.pieces(chosen, views, wanted):
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
                 self._reduce("param_grad", name, piece, self.histograms)
+        return chosen
+
+    def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:
+        """The record with what the log needs to know of this monitor (see :class:`GradientRecord`)."""
+        record.parameters, record.skipped, record.bins = parameters, dict(self.skipped), self.bins
+        record.sharded = tuple(self.sharded)
+        return record
 
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
