@@ -259,8 +259,9 @@ def _label(name: str) -> str:
     return name or ROOT_NAME
 
 
-#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing,
+#: Lightning Fabric's ``fabric.setup(model)``.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"})
 
 
 def _without_wrappers(name: str) -> str:
