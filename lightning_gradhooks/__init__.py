@@ -1,7 +1,9 @@
 """lightning_gradhooks: see inside the backward pass of PyTorch Lightning training.
 
-``GradHooks`` is the Lightning callback; ``GradientMonitor`` and ``save_on_disk`` are the
-plain-PyTorch core it builds on, which works in any training loop and never imports Lightning.
+``GradHooks`` is the Lightning callback, a thin shell over three plain-PyTorch pieces that work
+in any training loop and never import Lightning: ``GradientMonitor`` (the core: hooks and
+statistics), ``GradientLog`` (everything after: TensorBoard, update ratios, the flow picture,
+the health report) and ``save_on_disk`` (disk offload of saved activations).
 """
 
 import importlib
@@ -15,12 +17,14 @@ from lightning_gradhooks.stats import STATISTICS
 if TYPE_CHECKING:
     from lightning_gradhooks._tensorboard import write_record
     from lightning_gradhooks.callback import GradHooks
+    from lightning_gradhooks.log import GradientLog
 
 __all__ = [
     "STATISTICS",
     "DiskOffloadError",
     "GradHooks",
     "GradientEntry",
+    "GradientLog",
     "GradientMonitor",
     "GradientRecord",
     "save_on_disk",
@@ -29,12 +33,16 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-_LAZY = {"GradHooks": "lightning_gradhooks.callback", "write_record": "lightning_gradhooks._tensorboard"}
+_LAZY = {
+    "GradHooks": "lightning_gradhooks.callback",
+    "GradientLog": "lightning_gradhooks.log",
+    "write_record": "lightning_gradhooks._tensorboard",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The callback (and with it Lightning) and the TensorBoard writer are imported only when
-    # asked for, so that users of the plain-PyTorch core never pay for importing Lightning.
+    # The callback (and with it Lightning) and the TensorBoard writers are imported only when
+    # asked for, so that users of the core never pay for importing Lightning or TensorBoard.
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

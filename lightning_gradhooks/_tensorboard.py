@@ -58,7 +58,7 @@ def use_fast_checksums() -> bool:
 
 
 def scalar_metrics(
-    record: GradientRecord, statistics: Collection[str], nonfinite_seen: set[str] | None = None
+    record: GradientRecord, statistics: Collection[str], nonfinite_seen: set[str] | None = None, suffix: str = ""
 ) -> dict[str, float]:
     """The scalars of ``record`` under their tags, for the chosen statistics only, and the call
     count (``grad_output_calls/<name>``) of modules whose entry pools more than one gradient.
@@ -67,18 +67,17 @@ def scalar_metrics(
     written from the first step where it is non-zero on, and the overview section holds the
     run-level ``0_overview/nonfinite_total`` every step instead. The overview also holds
     ``0_overview/total_norm``: the L2 norm of all parameter gradients of the record, what
-    ``torch.nn.utils.clip_grad_norm_`` computes (with several optimizers, one per optimizer:
-    ``total_norm_optimizer_<i>``). Entries of kind ``forward`` (output checks) are not logged.
+    ``torch.nn.utils.clip_grad_norm_`` computes; the overview tags end with ``suffix`` (with
+    several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). Entries of kind
+    ``forward`` (output checks) are not logged.
     """
     metrics = {}
-    nonfinite_total, squares, prefix, params = 0.0, 0.0, "", False
+    nonfinite_total, squares, params = 0.0, 0.0, False
     for entry in record.entries:
         if entry.kind == "forward":
             continue
         if entry.kind == "param_grad":
             squares, params = squares + entry.stats["norm"] ** 2, True
-            head, _, rest = entry.name.partition("/")
-            prefix = f"_{head}" if rest and head.startswith("optimizer_") else ""
         nonfinite_total += entry.stats["nonfinite"]
         for stat, value in entry.stats.items():
             if stat in statistics:
@@ -91,9 +90,9 @@ def scalar_metrics(
         if entry.calls > 1 and entry.kind == "grad_output":
             metrics[f"grad_output_calls/{entry.name}"] = float(entry.calls)
     if "norm" in statistics and params:
-        metrics[f"{OVERVIEW}/total_norm{prefix}"] = squares**0.5
+        metrics[f"{OVERVIEW}/total_norm{suffix}"] = squares**0.5
     if "nonfinite" in statistics and nonfinite_seen is not None:
-        metrics[f"{OVERVIEW}/nonfinite_total{prefix}"] = nonfinite_total
+        metrics[f"{OVERVIEW}/nonfinite_total{suffix}"] = nonfinite_total
     return metrics
 
 

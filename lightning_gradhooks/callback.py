@@ -18,24 +18,16 @@ from lightning_gradhooks._checks import (
     check_int,
     check_patterns,
 )
-from lightning_gradhooks._tensorboard import scalar_metrics, write_step
-from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
-from lightning_gradhooks.distributed import RankReducer
+from lightning_gradhooks.log import LOGGED_STATISTICS, UPDATE_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import (
     DEFAULT_BINS,
     CollectorPause,
     GradientMonitor,
-    GradientRecord,
     listed,
 )
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.report import HealthReport, Thresholds
-from lightning_gradhooks.stats import STATISTICS, Statistic
-from lightning_gradhooks.updates import UpdateTracker
-
-#: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
-UPDATE_STATISTICS = ("update_ratio", "param_norm")
-LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
+from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.report import Thresholds
 
 
 if TYPE_CHECKING:
@@ -177,8 +169,8 @@ class GradHooksLogic:
         check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
         include = check_patterns("include", include, allow_empty=False)
         exclude = check_patterns("exclude", exclude)
-        known = [*STATISTICS, *UPDATE_STATISTICS]
-        statistics = known if statistics is None else check_choices("statistics", statistics, known)
+        statistics = list(LOGGED_STATISTICS) if statistics is None else check_choices(
+            "statistics", statistics, list(LOGGED_STATISTICS))
         check_bool("histograms", histograms)
         check_bool("sync_dist", sync_dist)
         self.every_n_steps = every_n_steps
@@ -192,16 +184,13 @@ class GradHooksLogic:
         self.sync_dist = sync_dist
         self.report_thresholds = dict(report_thresholds or {})
         self._thresholds = _thresholds(self.report_thresholds)
-        self._report: HealthReport | None = None
-        self._updates: UpdateTracker | None = None
-        self._flow: GradientFlow | None = None
-        self._layouts: set[int] = set()  # writers that hold the custom-scalars layout
-        self._nonfinite_seen: set[str] = set()
-        self._reducer: RankReducer | None = None
-        self._sharded: list[str] = []  # parameters each rank holds a piece of (FSDP, TP)
-        self._pieces_due = False  # a logged step on which this rank reduces its pieces only
-        self._told_skipped = False
         self._monitor: GradientMonitor | None = None
+        #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit: its
+        #: ``report`` is the health report, kept after fit. None before the first fit.
+        self.gradient_log: GradientLog | None = None
+        self._pooled = False  # the hook statistics of every rank are pooled (sync_dist, several ranks)
+        self._pieces = False  # every rank holds pieces of sharded parameters (FSDP, TP)
+        self._pieces_due = False  # a logged step on which this rank reduces its pieces only
         self._offload: save_on_disk | None = None
         #: The offload engine's counters (:class:`~lightning_gradhooks.offload.OffloadStats`)
         #: when the last fit ended; None without offload.
@@ -209,7 +198,7 @@ class GradHooksLogic:
         self._offload_active = False
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
-        self._in_nonfinite_episode = False
+        self._in_nonfinite_episode = False  # restored from a checkpoint, handed to the log
         self._collector = CollectorPause()  # for the rest of a logged batch, see _pause_gc
         self._in_batch = False  # between on_train_batch_start and _end_batch
 
@@ -233,11 +222,14 @@ class GradHooksLogic:
     def state_dict(self) -> dict[str, Any]:
         # The logging schedule follows `trainer.global_step`, which Lightning restores; what is
         # ours is whether the last logged step already warned about non-finite gradients.
-        return {"in_nonfinite_episode": self._in_nonfinite_episode}
+        episode = self.gradient_log.in_nonfinite_episode if self.gradient_log is not None else self._in_nonfinite_episode
+        return {"in_nonfinite_episode": episode}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callback states after `setup`, so this survives `_cleanup`.
         self._in_nonfinite_episode = bool(state_dict.get("in_nonfinite_episode", False))
+        if self.gradient_log is not None:
+            self.gradient_log.in_nonfinite_episode = self._in_nonfinite_episode
 
     # -- lifecycle -------------------------------------------------------------------------
     @override
@@ -245,16 +237,8 @@ class GradHooksLogic:
         if stage != "fit":
             return
         self._cleanup()
+        self.gradient_log = None  # made at fit start, when the optimizers exist
         self._in_nonfinite_episode = False
-        self._told_skipped = False
-        self._report = HealthReport(self._thresholds)
-        self._nonfinite_seen = set()
-        self._flow = GradientFlow() if have_matplotlib() and _tensorboard_loggers(trainer) else None
-        if self._flow is None and _tensorboard_loggers(trainer) and trainer.is_global_zero:
-            self._logger().info(
-                "GradHooks: `pip install lightning-gradhooks[plots]` (matplotlib) to get the gradient-flow "
-                "picture in TensorBoard's Images tab."
-            )
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -264,8 +248,7 @@ class GradHooksLogic:
             forward_checks="nonfinite" in self.statistics,  # where NaN/Inf are born
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
-        if self.sync_dist and trainer.world_size > 1:
-            self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device)
+        self._pooled = self.sync_dist and trainer.world_size > 1
         frozen = self._monitor.frozen
         if frozen and trainer.is_global_zero:
             self._logger().info(
@@ -285,20 +268,26 @@ class GradHooksLogic:
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._monitor is not None:
-            self._monitor.attach()
-            # After `configure_model`: `fully_shard` and `parallelize_module` have made their
-            # DTensor parameters. Their statistics need every rank's piece, with or without
-            # `sync_dist`, in the one gather of the logged step.
-            self._sharded = self._monitor.sharded
-            if trainer.is_global_zero and any(s in self.statistics for s in UPDATE_STATISTICS):
-                # Sharded parameters are left out: a local piece's norm is not the parameter's.
-                watched = {n: p for n, p in self._monitor.parameters.items() if n not in self._sharded}
-                self._updates = UpdateTracker(watched)
-                for optimizer in trainer.optimizers:
-                    self._updates.attach(getattr(optimizer, "_optimizer", optimizer))
-            if self._sharded and trainer.world_size > 1 and self._reducer is None:
-                self._reducer = RankReducer(self.histogram_bins, trainer.strategy.root_device, hooks=False)
+        if self._monitor is None:
+            return
+        self._monitor.attach()
+        # After `configure_model`: `fully_shard` and `parallelize_module` have made their DTensor
+        # parameters. Their statistics need every rank's piece, with or without `sync_dist`.
+        self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
+        writers: list[Any] = []
+        if trainer.is_global_zero:  # TensorBoard loggers get events; the others, scalars
+            tensorboards = _tensorboard_loggers(trainer)
+            writers = [lg.experiment for lg in tensorboards] + [lg for lg in trainer.loggers if lg not in tensorboards]
+        self.gradient_log = GradientLog(
+            writers,
+            trainer.optimizers,
+            statistics=self.statistics,
+            histograms=self.histograms,
+            thresholds=self._thresholds,
+            sync_dist=self.sync_dist,
+            echo=self._logger().info,
+        )
+        self.gradient_log.in_nonfinite_episode = self._in_nonfinite_episode
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -309,18 +298,17 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         try:
-            self._draw_flow(trainer, final=True)
-            self._print_report(trainer)
+            if self.gradient_log is not None:
+                self.gradient_log.close()
         finally:
             self._cleanup()
 
     def _cleanup(self) -> None:
         self._in_batch = False
         self._collector.resume()
-        self._reducer = None
-        if self._updates is not None:
-            self._updates.remove()
-            self._updates = None
+        if self.gradient_log is not None and not self.gradient_log.closed:
+            self._in_nonfinite_episode = self.gradient_log.in_nonfinite_episode
+            self.gradient_log.close()
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
@@ -345,10 +333,11 @@ class GradHooksLogic:
             self._end_batch(trainer)
         self._in_batch = True
         monitor = self._monitor
+        logged = trainer.global_step % self._interval == 0
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
-        observed = trainer.is_global_zero or (self._reducer is not None and self._reducer.hooks)
-        self._pieces_due = self._reducer is not None and trainer.global_step % self._interval == 0
-        if monitor is not None and observed and not monitor.armed and trainer.global_step % self._interval == 0:
+        observed = trainer.is_global_zero or self._pooled
+        self._pieces_due = (self._pooled or self._pieces) and logged
+        if monitor is not None and observed and not monitor.armed and logged:
             self._step = trainer.global_step
             self._pause_gc()
             monitor.arm()
@@ -370,31 +359,20 @@ class GradHooksLogic:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.
             if pl_module.automatic_optimization:
                 self._pieces_due = False
-            self._write(trainer, monitor.collect_parameters(params))
+            self._write(trainer, monitor.collect_parameters(params), optimizer)
             return
         # One record per optimizer step: the hook statistics of every backward since the last
         # one (micro-batches, several manual_backward calls) pooled, and the gradients of the
         # parameters this optimizer is about to step.
         record = monitor.collect(params)
-        prefix = ""
-        if len(trainer.optimizers) > 1:
-            index = next(i for i, o in enumerate(trainer.optimizers) if o is getattr(optimizer, "_optimizer", optimizer))
-            record = record.prefixed(f"optimizer_{index}")
-            prefix = f"optimizer_{index}/"
-        if self._updates is not None:
-            # Lightning runs this hook inside `optimizer.step(closure)`, after the step pre-hook:
-            # the weights are copied now, the post-hook measures the update.
-            self._updates.expect(getattr(optimizer, "_optimizer", optimizer), self._step, prefix, now=True)
         if not pl_module.automatic_optimization:
             monitor.arm()  # later backward passes of this training step are logged too
-        self._write(trainer, record)
+        self._write(trainer, record, optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._leave_offload()
-        self._write_updates(trainer, wait=False)
         self._end_batch(trainer)
 
     @override
@@ -423,7 +401,7 @@ class GradHooksLogic:
             self._leave_offload()
             if epoch_over and monitor is not None and monitor.pending:
                 # Ranks may differ here, so this is rank 0's own record, with no collective.
-                self._write(trainer, monitor.collect(parameters=()), reduce=False)
+                self._write(trainer, monitor.collect(parameters=()), None, pool=False)
         finally:
             if monitor is not None and (epoch_over or not monitor.pending):
                 monitor.disarm()
@@ -445,104 +423,21 @@ class GradHooksLogic:
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_batch(trainer, epoch_over=True)  # fit may end without ending its epoch (max_steps)
-        self._write_updates(trainer, wait=True)
-        self._draw_flow(trainer, final=True)
-        self._print_report(trainer)
+        if self.gradient_log is not None:
+            self.gradient_log.close()
 
-    def _write_updates(self, trainer: pl.Trainer, wait: bool) -> None:
-        """Log the update ratios and parameter norms of the measured steps that reached the host."""
-        if self._updates is None:
-            return
-        tensorboards = _tensorboard_loggers(trainer)
-        for step, values in self._updates.ready(wait):
-            metrics = {}
-            for name, (ratio, norm) in values.items():
-                if "update_ratio" in self.statistics:
-                    metrics[f"param_update_ratio/{name}"] = ratio
-                if "param_norm" in self.statistics:
-                    metrics[f"param_norm/{name}"] = norm
-            for logger in trainer.loggers:
-                if logger not in tensorboards:
-                    logger.log_metrics(metrics, step=step)
-            for logger in tensorboards:
-                write_step(logger.experiment, metrics, None, step)
-            if self._report is not None:
-                stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
-                self._report.add_stats(step, stats, new_step=False)
-
-    def _draw_flow(self, trainer: pl.Trainer, final: bool = False) -> None:
-        """Write the gradient-flow picture of the latest logged step (at the end: if not yet drawn)."""
-        if self._flow is None or not trainer.is_global_zero or not self._flow.steps:
-            return
-        if final and self._flow.drawn == self._flow.steps[-1]:
-            return
-        image = self._flow.image()
-        for logger in _tensorboard_loggers(trainer):
-            logger.experiment.add_image("gradient_flow", image, self._flow.steps[-1], dataformats="HWC")
-
-    def _print_report(self, trainer: pl.Trainer) -> None:
-        """Rank 0 prints the health report and writes it to TensorBoard's Text tab, once per fit."""
-        report, self._report = self._report, None
-        if report is None or not trainer.is_global_zero or not report.steps:
-            return
-        self._logger().info(report.table())
-        for logger in _tensorboard_loggers(trainer):
-            logger.experiment.add_text("gradhooks/health_report", report.markdown(), self._step)
-            logger.experiment.flush()
-
-    def _write(self, trainer: pl.Trainer, record: GradientRecord, reduce: bool = True) -> None:
+    def _write(self, trainer: pl.Trainer, record: GradientRecord, optimizer: Any, pool: bool = True) -> None:
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
         # changed since that backward (it is updated after the optimizer step). Parameter
         # gradients are already unscaled by the time `on_before_optimizer_step` runs.
         scale = _loss_scale(trainer)
         if scale is not None:
             record = record.unscaled(scale)
-        if reduce and self._reducer is not None:
-            record = self._reducer.reduce(record, self._sharded)  # every rank, even with an empty record
-        skipped = self._monitor.skipped if self._monitor is not None else {}
-        if skipped and not self._told_skipped and trainer.is_global_zero:
-            self._told_skipped = True  # silence is a bug: say once what gives no entry, and why
-            reasons: dict[str, list[str]] = {}
-            for name, reason in skipped.items():
-                reasons.setdefault(reason, []).append(name)
-            rank_zero_warn(
-                f"GradHooks: {len(skipped)} chosen parameters give no param_grad entry: "
-                + "; ".join(f"{listed(names)} ({reason})" for reason, names in reasons.items())
-            )
-        if record.entries and trainer.is_global_zero:
-            self._log(trainer, record, {} if scale is None else {"loss_scale": scale})
-
-    def _log(self, trainer: pl.Trainer, record: GradientRecord, extra: dict[str, float]) -> None:
-        metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen), **extra}
-        tensorboards = _tensorboard_loggers(trainer)
-        for logger in trainer.loggers:
-            if logger not in tensorboards:
-                logger.log_metrics(metrics, step=self._step)
-        for logger in tensorboards:
-            write_step(logger.experiment, metrics, record, self._step)  # histograms only if collected
-            if id(logger.experiment) not in self._layouts:  # once per run
-                self._layouts.add(id(logger.experiment))
-                logger.experiment.add_custom_scalars(custom_scalars_layout(self.statistics))
-        if self._flow is not None:
-            self._flow.add(self._step, record)
-            if self._flow.steps and self._flow.steps[-1] == self._step and self._flow.due():
-                self._draw_flow(trainer)
-        if self._report is not None:
-            self._report.add(self._step, record)
-        first = record.first_nonfinite
-        if first is not None and not self._in_nonfinite_episode and first.kind == "forward":
-            rank_zero_warn(
-                f"GradHooks: non-finite values at step {self._step}; first made in the forward of "
-                f"`{first.name}` (its output holds NaN/Inf; the first module in forward order whose "
-                "output does)."
-            )
-        elif first is not None and not self._in_nonfinite_episode:
-            rank_zero_warn(
-                f"GradHooks: non-finite gradients at step {self._step}; first seen in backward "
-                f"order in {first.kind} of `{first.name}` ({int(first.stats['nonfinite'])} "
-                "NaN/Inf elements)."
-            )
-        self._in_nonfinite_episode = first is not None
+        if self.gradient_log is not None:
+            # Lightning runs this hook inside `optimizer.step(closure)`, after the step's
+            # pre-hook: the log copies the weights now, and the post-hook measures the update.
+            self.gradient_log.write(record, self._step, optimizer=optimizer, stepping=optimizer is not None,
+                            scalars=None if scale is None else {"loss_scale": scale}, pool=pool)
 
 
 class GradHooks(GradHooksLogic, pytorch_lightning.Callback):

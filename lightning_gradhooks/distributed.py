@@ -98,7 +98,7 @@ class RankReducer:
         if gathered[:, 0].any() or (gathered[:, 1] != gathered[0, 1]).any():  # the ranks differ: agree
             self.layout = self._agree_on_layout(keys)
             gathered = self._gather(local)
-        return GradientRecord(self._unpack(gathered) + kept)
+        return record.with_entries(self._unpack(gathered) + kept)
 
     def _agree_on_layout(self, keys: list[tuple[str, str]]) -> list[tuple[str, str]]:
         everyone: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size(self.group)

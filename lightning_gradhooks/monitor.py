@@ -256,8 +256,9 @@ def _label(name: str) -> str:
     return name or ROOT_NAME
 
 
-#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing,
+#: Lightning Fabric's ``fabric.setup(model)``.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"})
 
 
 def _without_wrappers(name: str) -> str:
@@ -745,10 +746,10 @@ class GradientMonitor:
         host = CollectorPause()  # for the record's many objects; a no-op inside `with arm()`
         host.pause()
         try:
-            self._reduce_parameters(parameters)
+            reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
-            return self._finish(pending, reducers)
+            return self._described(self._finish(pending, reducers), reduced)
         finally:
             self.disarm()
             host.resume()
@@ -761,8 +762,8 @@ class GradientMonitor:
         """
         saved, (self._pending, self._reducers) = (self._pending, self._reducers), ([], {})
         try:
-            self._reduce_parameters(parameters)
-            return self._finish(self._pending, self._reducers)
+            reduced = self._reduce_parameters(parameters)
+            return self._described(self._finish(self._pending, self._reducers), reduced)
         finally:
             self._pending, self._reducers = saved
 
@@ -791,15 +792,25 @@ class GradientMonitor:
         views, _ = _shards.fsdp1_sharded(self._model)
         return [n for n, p in self.parameters.items() if id(p) in views or _shards.is_dtensor(p)]
 
-    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> None:
+    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> dict[str, nn.Parameter]:
+        """Reduce the chosen parameters' gradients (those in ``parameters`` only, if given) and
+        return all the chosen parameters, by name."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         views, flat = _shards.fsdp1_sharded(self._model)
         self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
-        for name, piece, reason in _shards.pieces(self.parameters, views, wanted):
+        chosen = self.parameters
+        for name, piece, reason in _shards.pieces(chosen, views, wanted):
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
                 self._reduce("param_grad", name, piece, self.histograms)
+        return chosen
+
+    def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:
+        """The record with what the log needs to know of this monitor (see :class:`GradientRecord`)."""
+        record.parameters, record.skipped, record.bins = parameters, dict(self.skipped), self.bins
+        record.sharded = tuple(self.sharded)
+        return record
 
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from lightning_gradhooks.stats import _COUNT, STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
@@ -60,9 +61,30 @@ class GradientEntry:
 
 @dataclass
 class GradientRecord:
-    """Everything the monitor collected for one step, in backward order, parameters last."""
+    """Everything the monitor collected for one step, in backward order, parameters last.
+
+    Beside the entries it carries what the monitor knows and a
+    :class:`~lightning_gradhooks.log.GradientLog` needs, so that data flows one way, from the
+    monitor through the record to the log.
+
+    Attributes:
+        entries: the statistics, one entry per gradient tensor.
+        parameters: the monitor's chosen parameters, by name (for update ratios).
+        sharded: names of parameters whose gradient each rank holds a piece of (pooled over
+            the ranks in a distributed job).
+        skipped: chosen parameters that gave no entry, with the reason.
+        bins: the monitor's histogram bin count.
+    """
 
     entries: list[GradientEntry] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    sharded: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    skipped: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    bins: int = field(default=0, repr=False, compare=False)
+
+    def with_entries(self, entries: list[GradientEntry]) -> GradientRecord:
+        """A copy holding ``entries`` instead, with the same monitor facts."""
+        return replace(self, entries=entries)
 
     def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
         """A copy with the gradients of ``kinds`` divided by a mixed-precision loss scale.
@@ -77,11 +99,11 @@ class GradientRecord:
                 hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
                 e = replace(e, stats=stats, histogram=hist)
             entries.append(e)
-        return GradientRecord(entries)
+        return self.with_entries(entries)
 
     def prefixed(self, prefix: str) -> GradientRecord:
         """A copy with every name prefixed, as ``f"{prefix}/{name}"``."""
-        return GradientRecord([replace(e, name=f"{prefix}/{e.name}") for e in self.entries])
+        return self.with_entries([replace(e, name=f"{prefix}/{e.name}") for e in self.entries])
 
     @property
     def first_nonfinite(self) -> GradientEntry | None:

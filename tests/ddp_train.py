@@ -51,9 +51,8 @@ class Reference(pl.Callback):
     def on_train_end(self, trainer, pl_module):  # noqa: ANN001
         self.handle.remove()
         torch.save(self.grads, self.out / f"grads-rank{trainer.global_rank}.pt")
-        reducer = self.gradhooks._reducer
         offload = self.gradhooks._offload.stats()
-        facts = {"collectives": reducer.collectives if reducer else 0, "offload_dir": offload.directory,
+        facts = {"collectives": self.gradhooks.gradient_log.collectives, "offload_dir": offload.directory,
                  "offload_written": offload.bytes_written}
         (self.out / f"facts-rank{trainer.global_rank}.json").write_text(json.dumps(facts))
 

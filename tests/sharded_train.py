@@ -118,7 +118,7 @@ class Reference(pl.Callback):
         self.handle.remove()
         rank = trainer.global_rank
         torch.save({"batches": self.batches, "grads": self.grads}, self.out / f"seen-rank{rank}.pt")
-        self.facts = {"collectives": self.collectives, "gathers": self.gradhooks._reducer.collectives}
+        self.facts = {"collectives": self.collectives, "gathers": self.gradhooks.gradient_log.collectives}
 
     def teardown(self, trainer, pl_module, stage):  # noqa: ANN001
         self.facts["hooks_left"] = hooks_on(pl_module) != self.hooks_before

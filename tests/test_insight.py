@@ -81,17 +81,9 @@ class Net(pl.LightningModule):
 def fit_report(tmp_path, model, steps=12, **kwargs):  # noqa: ANN001, ANN201
     pl.seed_everything(0, verbose=False)
     callback = GradHooks(every_n_steps=2, histograms=False, **kwargs)
-    reports = []
-    original = callback._print_report
-
-    def keep(trainer):  # noqa: ANN001, ANN202
-        reports.append(callback._report)
-        original(trainer)
-
-    callback._print_report = keep
     trainer = make_trainer(tmp_path, [callback], max_steps=steps)
     trainer.fit(model, loader(n=256))
-    return trainer, reports[0]
+    return trainer, callback.gradient_log.report
 
 
 def mlp(*layers: nn.Module) -> nn.Sequential:
@@ -205,7 +197,7 @@ def test_update_ratio_equals_a_copy_of_the_weights_before_the_step(tmp_path, cas
         norms = events.Scalars(f"param_norm/{name}")
         assert [e.step for e in norms] == [e.step for e in events.Scalars(tag)]
     assert compared >= len(tags) * 2
-    assert not callback._updates and not any(o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks for o in trainer.optimizers)
+    assert not any(o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks for o in trainer.optimizers)
 
 
 def test_update_ratio_and_norm_are_chosen_through_statistics(tmp_path):

@@ -1,0 +1,325 @@
+"""``GradientLog``: everything after :meth:`GradientMonitor.collect`, in any training loop.
+
+A :class:`GradientLog` takes one :class:`~lightning_gradhooks.records.GradientRecord` per logged
+step and owns what follows from it: the TensorBoard events (scalars and histograms in one event
+per step, the custom-scalars layout), the update ratios of the optimizers it is given, the
+gradient-flow picture, the warning that names where NaN/Inf were born, pooling over the ranks
+of a distributed job and the health report. It never imports Lightning: the ``GradHooks``
+callback is a thin shell that decides *when* and hands the records to one of these.
+
+Example:
+    >>> import tempfile
+    >>> from torch.utils.tensorboard import SummaryWriter
+    >>> from lightning_gradhooks import GradientMonitor
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> monitor = GradientMonitor(model)
+    >>> log = GradientLog(SummaryWriter(folder.name), optimizers=[optimizer])
+    >>> with monitor.attach():
+    ...     for step in range(4):
+    ...         with monitor.arm(when=step % 2 == 0):
+    ...             model(torch.randn(16, 4)).square().mean().backward()
+    ...             log.write(monitor.collect(), step)   # before optimizer.step(): the update is measured
+    ...         optimizer.step(); optimizer.zero_grad()
+    >>> report = log.close()  # doctest: +ELLIPSIS
+    GradHooks: ...
+    >>> report.steps
+    2
+    >>> folder.cleanup()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from lightning_gradhooks._tensorboard import scalar_metrics, write_step
+from lightning_gradhooks.distributed import RankReducer
+from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
+from lightning_gradhooks.monitor import listed
+from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.report import HealthReport, Thresholds
+from lightning_gradhooks.stats import STATISTICS, Statistic
+from lightning_gradhooks.updates import UpdateTracker
+
+#: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
+UPDATE_STATISTICS = ("update_ratio", "param_norm")
+LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
+#: Every statistic a log can write, in the order of the docs.
+LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
+
+def _is_tensorboard(writer: Any) -> bool:
+    """A ``torch.utils.tensorboard.SummaryWriter`` (or one that writes the same way)."""
+    return hasattr(writer, "_get_file_writer") and hasattr(writer, "add_text")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather_device() -> torch.device:
+    """Where a collective of the default group runs: the current CUDA device under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GradientLog:
+    """Writes what a :class:`~lightning_gradhooks.GradientMonitor` collects and keeps the report.
+
+    Call :meth:`write` once per optimizer step with the monitor's record (an empty record, from
+    a step that was not armed, costs nothing), *before* ``optimizer.step()``: the step that
+    follows is measured for the update ratios. :meth:`close` at the end prints the health report,
+    writes it to TensorBoard's Text tab and returns it.
+
+    In a distributed job every rank calls :meth:`write` at the same steps: the records are
+    pooled over the ranks there (the hook statistics with ``sync_dist``, the pieces of sharded
+    parameters always, see :class:`~lightning_gradhooks.distributed.RankReducer`), and only
+    rank 0 writes, warns and reports.
+
+    Args:
+        writer: where scalars go: a ``torch.utils.tensorboard.SummaryWriter`` (scalars,
+            histograms, the flow picture and the report), any object with
+            ``log_metrics(metrics, step)`` (a Lightning logger: scalars only), a list of those,
+            or None (nothing is written; the report is still kept).
+        optimizers: the optimizers whose steps are measured for ``update_ratio`` and
+            ``param_norm`` (through their own step hooks, removed by :meth:`close`).
+        statistics: the statistics to write as scalars; default: all of
+            :data:`LOGGED_STATISTICS`.
+        histograms: write the records' histograms to the TensorBoard writers.
+        thresholds: when the health report raises a flag; default
+            :class:`~lightning_gradhooks.report.Thresholds`.
+        sync_dist: in a distributed job, pool the hook statistics of every rank into those of
+            the global batch (one ``all_gather`` per logged step); default: rank 0's own.
+        echo: how the report (and a note when matplotlib is missing) is printed: a function of
+            one string; None: nothing is printed.
+
+    Raises:
+        ValueError: an argument of the wrong type or out of range.
+    """
+
+    def __init__(
+        self,
+        writer: Any = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        statistics: Sequence[str] | None = None,
+        histograms: bool = True,
+        thresholds: Thresholds | None = None,
+        sync_dist: bool = False,
+        echo: Callable[[str], Any] | None = print,
+    ) -> None:
+        writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
+        for w in writers:
+            if not (_is_tensorboard(w) or hasattr(w, "log_metrics")):
+                raise ValueError(
+                    "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
+                    f"those or None, got {type(w).__name__}"
+                )
+        statistics = list(LOGGED_STATISTICS if statistics is None else statistics)
+        unknown = [s for s in statistics if s not in LOGGED_STATISTICS]
+        if unknown:
+            raise ValueError(f"`statistics` expected names from {list(LOGGED_STATISTICS)}, got {unknown}")
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise ValueError(f"`thresholds` expected a Thresholds or None, got {type(thresholds).__name__}")
+        self._tensorboards = [w for w in writers if _is_tensorboard(w)]
+        self._others = [w for w in writers if not _is_tensorboard(w)]
+        self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning/Fabric wrappers
+        self.statistics = statistics
+        self.histograms = bool(histograms)
+        self.sync_dist = bool(sync_dist)
+        self._echo = echo
+        #: The health report of the steps written so far (kept after :meth:`close`).
+        self.report = HealthReport(thresholds)
+        #: Collectives made to pool records over the ranks (for tests and the curious).
+        self.collectives = 0
+        self.closed = False
+        self._flow = GradientFlow() if self._tensorboards and have_matplotlib() else None
+        if self._tensorboards and self._flow is None and _rank() == 0 and echo is not None:
+            echo("GradHooks: `pip install lightning-gradhooks[plots]` (matplotlib) to get the gradient-flow picture "
+                 "in TensorBoard's Images tab.")
+        self._layout_written = False
+        self._nonfinite_seen: set[str] = set()
+        #: Whether the last logged step had non-finite values (warned once per episode).
+        self.in_nonfinite_episode = False
+        self._told_skipped = False
+        self._reducer: RankReducer | None = None
+        self._updates: UpdateTracker | None = None
+        self._last_step = 0
+
+    # -- per step ------------------------------------------------------------------------------
+    def write(
+        self,
+        record: GradientRecord,
+        step: int,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        stepping: bool = False,
+        scalars: dict[str, float] | None = None,
+        pool: bool = True,
+    ) -> None:
+        """Write one logged step's record and measure the optimizer step that follows.
+
+        Args:
+            record: from :meth:`GradientMonitor.collect`; that of a step that was not armed is
+                empty and costs nothing (no collective either).
+            step: the step it is logged at.
+            optimizer: the optimizer about to step, one of ``optimizers``; with several, the
+                record's names are prefixed with ``optimizer_<i>/``; default: all of them step.
+            stepping: the optimizer's step has already begun (called from its closure): its
+                weights are copied now for the update ratio.
+            scalars: more scalars of this step (a loss scale, say).
+            pool: pool over the ranks (every rank must write at the same steps); False for a
+                record that only this rank has.
+        """
+        collected = record.bins > 0  # by a monitor that was armed (or reduced its pieces)
+        if pool and collected and (self.sync_dist or record.sharded) and dist.is_available() \
+                and dist.is_initialized() and dist.get_world_size() > 1:
+            if self._reducer is None:
+                self._reducer = RankReducer(record.bins, _gather_device(), hooks=self.sync_dist)
+            before = self._reducer.collectives
+            record = self._reducer.reduce(record, record.sharded)
+            self.collectives += self._reducer.collectives - before
+        if self.closed:
+            raise RuntimeError("GradientLog.write: the log is closed")
+        if _rank() != 0:
+            return
+        self._warn_skipped(record)
+        index = self._index(optimizer)
+        suffix = ""
+        if index is not None and len(self.optimizers) > 1:
+            record, suffix = record.prefixed(f"optimizer_{index}"), f"_optimizer_{index}"
+        self._write_updates(wait=False)  # of earlier steps: first, as it drops a snapshot not taken yet
+        if record.entries:
+            self._last_step = step
+            self._measure_update(record, step, index, suffix, stepping)
+            self._write_record(record, step, suffix, scalars or {})
+
+    def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
+        if optimizer is None:
+            return None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for i, o in enumerate(self.optimizers):
+            if o is optimizer:
+                return i
+        raise ValueError(f"`optimizer` expected one of the log's {len(self.optimizers)} optimizers, got another")
+
+    def _measure_update(self, record: GradientRecord, step: int, index: int | None, suffix: str,
+                        stepping: bool) -> None:
+        if not self.optimizers or not any(s in self.statistics for s in UPDATE_STATISTICS):
+            return
+        if self._updates is None:
+            # A sharded parameter is left out: the norm of a local piece is not the parameter's.
+            watched = {n: p for n, p in record.parameters.items() if n not in record.sharded}
+            if not watched:
+                return
+            self._updates = UpdateTracker(watched)
+            for o in self.optimizers:
+                self._updates.attach(o)
+        prefix = f"optimizer_{index}/" if suffix else ""
+        for i, o in enumerate(self.optimizers):
+            if index is None or i == index:
+                self._updates.expect(o, step, prefix, now=stepping)
+
+    def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float]) -> None:
+        metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix), **extra}
+        for other in self._others:
+            other.log_metrics(metrics, step=step)
+        for writer in self._tensorboards:
+            write_step(writer, metrics, record if self.histograms else None, step)
+            if not self._layout_written:
+                writer.add_custom_scalars(custom_scalars_layout(self.statistics))
+        self._layout_written = True
+        if self._flow is not None:
+            self._flow.add(step, record)
+            if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
+                self._draw_flow()
+        self.report.add(step, record)
+        self._warn_nonfinite(record, step)
+
+    def _warn_nonfinite(self, record: GradientRecord, step: int) -> None:
+        first = record.first_nonfinite
+        if first is not None and not self.in_nonfinite_episode and first.kind == "forward":
+            warnings.warn(
+                f"GradHooks: non-finite values at step {step}; first made in the forward of `{first.name}` (its "
+                "output holds NaN/Inf; the first module in forward order whose output does).",
+                stacklevel=4,
+            )
+        elif first is not None and not self.in_nonfinite_episode:
+            warnings.warn(
+                f"GradHooks: non-finite gradients at step {step}; first seen in backward order in {first.kind} of "
+                f"`{first.name}` ({int(first.stats['nonfinite'])} NaN/Inf elements).",
+                stacklevel=4,
+            )
+        self.in_nonfinite_episode = first is not None
+
+    def _warn_skipped(self, record: GradientRecord) -> None:
+        """Silence is a bug: say once which chosen parameters give no entry, and why."""
+        if not record.skipped or self._told_skipped:
+            return
+        self._told_skipped = True
+        reasons: dict[str, list[str]] = {}
+        for name, reason in record.skipped.items():
+            reasons.setdefault(reason, []).append(name)
+        warnings.warn(
+            f"GradHooks: {len(record.skipped)} chosen parameters give no param_grad entry: "
+            + "; ".join(f"{listed(names)} ({reason})" for reason, names in reasons.items()),
+            stacklevel=4,
+        )
+
+    def _write_updates(self, wait: bool) -> None:
+        """Write the update ratios and parameter norms of the measured steps that reached the host."""
+        if self._updates is None:
+            return
+        for step, values in self._updates.ready(wait):
+            metrics = {}
+            for name, (ratio, norm) in values.items():
+                if "update_ratio" in self.statistics:
+                    metrics[f"param_update_ratio/{name}"] = ratio
+                if "param_norm" in self.statistics:
+                    metrics[f"param_norm/{name}"] = norm
+            for other in self._others:
+                other.log_metrics(metrics, step=step)
+            for writer in self._tensorboards:
+                write_step(writer, metrics, None, step)
+            stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
+            self.report.add_stats(step, stats, new_step=False)
+
+    def _draw_flow(self, final: bool = False) -> None:
+        """Write the flow picture of the latest logged step (at the end: if not drawn yet)."""
+        flow = self._flow
+        if flow is None or not flow.steps or (final and flow.drawn == flow.steps[-1]):
+            return
+        image = flow.image()
+        for writer in self._tensorboards:
+            writer.add_image("gradient_flow", image, flow.steps[-1], dataformats="HWC")
+
+    # -- the end -------------------------------------------------------------------------------
+    def close(self) -> HealthReport | None:
+        """Write what is still due (update ratios, the last flow picture), print the report,
+        write it to the Text tab and remove the optimizer hooks. Returns the report on rank 0
+        (None on other ranks). Idempotent; the writers stay open (they are the caller's)."""
+        if self.closed:
+            return self.report if _rank() == 0 else None
+        self.closed = True
+        try:
+            if _rank() != 0:
+                return None
+            self._write_updates(wait=True)
+            self._draw_flow(final=True)
+            if self.report.steps:
+                if self._echo is not None:
+                    self._echo(self.report.table())
+                for writer in self._tensorboards:
+                    writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)
+                    writer.flush()
+            return self.report
+        finally:
+            if self._updates is not None:
+                self._updates.remove()
+                self._updates = None
