@@ -60,80 +60,47 @@ def _thresholds(overrides: dict[str, float]) -> Thresholds:
 
 
 class GradHooksLogic:
-    r"""Log per-module gradient statistics and histograms to TensorBoard.
+    r"""Log per-module gradient statistics, histograms and a health report to TensorBoard.
 
-    At fit start the modules are chosen (see :class:`~lightning_gradhooks.GradientMonitor`). On
-    logging steps only, forward hooks on them hook the autograd graph, and backward hands the
-    hooks each module's ``grad_output`` and ``grad_input`` (what a full backward hook receives;
-    ``grad_output`` only for modules that the first logged step shows to be modified in place,
-    see docs/usage.md), which they reduce to statistics on the device; before the optimizer step
-    the selected modules' parameter gradients are reduced too; the numbers reach the host once
-    per logged step. Steps that are not logged run exactly as without the callback. Scalars go
-    to every logger, histograms to every ``TensorBoardLogger``. Every hook is removed after
-    each logged step, at teardown and when fit raises; a batch that Lightning ends without
-    ``on_train_batch_end`` (``on_train_batch_start`` returned -1) is ended at the end of the
-    epoch, before validation or before the next batch.
-
-    With ``offload_threshold_bytes`` set, the forward (and backward) of every training step runs
-    inside one :class:`~lightning_gradhooks.offload.save_on_disk` engine: tensors saved for
-    backward of at least that many bytes go to disk and come back in backward. Validation,
-    test and prediction are not offloaded. The engine's files have no name; they are closed
-    (their space returned) when each step's graph is freed, at teardown and when fit raises.
-
-    Tags (one TensorBoard section per statistic): ``grad_output_<stat>/<module>``,
-    ``grad_input_<stat>/<module>``, ``param_grad_<stat>/<parameter>``,
-    ``grad_output_hist/<module>`` and ``param_grad_hist/<parameter>``, where ``<stat>`` is one
-    of ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``. One record is logged per
-    optimizer step: the gradients of a module called several times, or in several accumulated
-    micro-batches, are pooled (``grad_output_calls/<module>`` counts them); with several
-    optimizers, names start with ``optimizer_<i>/``.
+    A thin shell: a :class:`~lightning_gradhooks.GradientMonitor` collects on logged steps, a
+    :class:`~lightning_gradhooks.log.GradientLog` writes and keeps the report, and an optional
+    :class:`~lightning_gradhooks.offload.save_on_disk` engine offloads; this class decides when
+    (logged steps, micro-batches, optimizers), where (the trainer's loggers) and what only
+    Lightning knows (AMP scale, strategies, checkpoints). Steps that are not logged run exactly
+    as without it. Every hook is removed after each logged step, at teardown and when fit raises,
+    however Lightning ends a batch. Tags and behaviour: README.md and docs/usage.md.
 
     Args:
         every_n_steps: log every this many optimizer steps (at ``trainer.global_step`` 0, n,
             2n, ...); default: the trainer's ``log_every_n_steps``.
-        include: a list of glob patterns on qualified module names (``named_modules()`` of the
-            LightningModule) to monitor; None (default): every module that directly owns a
-            trainable parameter. An empty list is refused.
-        exclude: a list of glob patterns of modules to leave out.
-        statistics: which statistics to log as scalars; default: all of
-            ``["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction", "update_ratio",
-            "param_norm"]``. ``zero_fraction`` is the share of exactly-zero gradient elements;
-            ``update_ratio`` (‖Δw‖/‖w‖ of the optimizer step, healthy near 1e-3) and
-            ``param_norm`` are measured on logged steps through the optimizers' own step hooks
-            (:class:`~lightning_gradhooks.updates.UpdateTracker`: one copy of the monitored
-            parameters of the optimizer being stepped, held during its ``step()`` only) and
-            logged as ``param_update_ratio/<parameter>`` and ``param_norm/<parameter>``.
+        include: glob patterns on qualified module names (``named_modules()`` of the
+            LightningModule) to monitor; None: every module that directly owns a trainable
+            parameter. An empty list is refused.
+        exclude: glob patterns of modules to leave out.
+        statistics: the statistics logged as scalars, from ``norm``, ``mean``, ``std``,
+            ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` (‖Δw‖/‖w‖ of the
+            optimizer step) and ``param_norm``; default: all.
         histograms: log histograms of module output gradients and parameter gradients.
-        histogram_bins: number of bins of each histogram (1 to 4096).
-        offload_threshold_bytes: offload saved activations of at least this many bytes to
-            disk; ``None`` (default) turns offload off.
-        offload_dir: an existing folder in which the offload engine opens files that never
-            have a name; ``None``: the system temporary folder. Needs ``offload_threshold_bytes``.
-        sync_dist: under a data-parallel strategy, pool the hook statistics of all ranks into
-            those of the global batch (one ``all_gather`` per logged step, see
-            :class:`~lightning_gradhooks.distributed.RankReducer`); default: rank 0 logs the
-            statistics of its own shard and the other ranks' hooks do no work. Parameter
-            gradients are the same on every rank either way; sharded ones (FSDP2, tensor
-            parallel ``DTensor`` parameters) are always those of the full gradient, pooled from
-            every rank's piece in one gather per logged step. Only rank 0 writes.
-        report_thresholds: overrides of the health report's thresholds (field names of
-            :class:`~lightning_gradhooks.report.Thresholds`). At the end of fit, and when fit
-            raises, rank 0 prints the report (a table of module, flag, since step, last value,
-            or one line saying nothing was seen) and writes it as Markdown to TensorBoard's
-            Text tab under ``gradhooks/health_report``.
+        histogram_bins: bins of each histogram (1 to 4096).
+        offload_threshold_bytes: offload saved activations of at least this many bytes to disk
+            during training steps; None (default): no offload.
+        offload_dir: an existing folder for the offload engine's unnamed files; None: the
+            system temporary folder. Needs ``offload_threshold_bytes``.
+        sync_dist: under a data-parallel strategy, pool the hook statistics of all ranks (one
+            ``all_gather`` per logged step); default: rank 0's own. Sharded parameters (FSDP2,
+            tensor parallel) always give the full gradient's statistics.
+        report_thresholds: overrides of the health report's thresholds (fields of
+            :class:`~lightning_gradhooks.report.Thresholds`).
 
     Raises:
-        ValueError: at construction, for an invalid argument (naming it, what is accepted
-            and the value received); at fit start, for an ``include``
-            pattern that matches no module (an ``exclude`` pattern that matches none is one
-            warning: it excludes nothing).
-        DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold
-            an unnamed file (naming the folder and the reason); during a step, when a write or
-            read fails (full disk, I/O error), naming folder and bytes.
+        ValueError: at construction, for an invalid argument (naming it, what is accepted and
+            the value); at fit start, for an ``include`` pattern that matches no module.
+        DiskOffloadError: at fit start, for an offload folder that is missing or cannot hold an
+            unnamed file; during a step, when a write or read fails (full disk, I/O error).
 
-    ``GradHooks`` exists once per Lightning namespace, with this same behaviour:
-    ``from lightning_gradhooks import GradHooks`` for ``pytorch_lightning``, and
-    ``from lightning_gradhooks.lightning import GradHooks`` for ``lightning.pytorch``.
+    ``GradHooks`` exists once per Lightning namespace: ``from lightning_gradhooks import
+    GradHooks`` for ``pytorch_lightning``, ``from lightning_gradhooks.lightning import
+    GradHooks`` for ``lightning.pytorch``.
 
     Example::
 
@@ -199,7 +166,11 @@ class GradHooksLogic:
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False  # restored from a checkpoint, handed to the log
-        self._collector = CollectorPause()  # for the rest of a logged batch, see _pause_gc
+        # Python's cyclic collector is off from the start of a logged batch to its end: the
+        # record, events and report rows of a logged step would otherwise set off full
+        # collections of the whole process (~250 ms each with Lightning imported). A collector
+        # the user switched off stays off.
+        self._collector = CollectorPause()
         self._in_batch = False  # between on_train_batch_start and _end_batch
 
     def _logger(self) -> logging.Logger:
@@ -339,10 +310,10 @@ class GradHooksLogic:
         self._pieces_due = (self._pooled or self._pieces) and logged
         if monitor is not None and observed and not monitor.armed and logged:
             self._step = trainer.global_step
-            self._pause_gc()
+            self._collector.pause()
             monitor.arm()
         elif monitor is not None and monitor.armed:  # a later micro-batch of a logged step
-            self._pause_gc()
+            self._collector.pause()
         if self._offload is not None and not self._offload_active:
             self._offload_active = True  # first: an interrupt inside __enter__ still gets an exit
             self._offload.__enter__()
@@ -406,19 +377,6 @@ class GradHooksLogic:
             if monitor is not None and (epoch_over or not monitor.pending):
                 monitor.disarm()
             self._collector.resume()
-
-    def _pause_gc(self) -> None:
-        """Switch Python's cyclic garbage collector off for the rest of a logged batch.
-
-        A logged step makes a record, TensorBoard values and report rows for every tensor, alive
-        long enough to be promoted to the oldest generation, which sets off full collections of
-        the whole process (~250 ms each with Lightning imported; on 500 modules one every few
-        logged steps). The callback owns this pause (the monitor, armed without a ``with``
-        block, leaves the collector alone), and switches the collector back on when the batch
-        ends (:meth:`_end_batch`), at teardown and when fit raises. A collector the user switched
-        off stays off.
-        """
-        self._collector.pause()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
