@@ -229,12 +229,20 @@ class GradHooksLogic:
             # Fails here, before the first step, when the folder cannot be written.
             self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)
             self._offload.keep_in_memory(pl_module)
-        if not trainer.loggers:
-            rank_zero_warn("GradHooks found no logger (`Trainer(logger=False)`?): nothing will be logged.")
-        elif not _tensorboard_loggers(trainer):
+        if trainer.fast_dev_run:
+            pass  # Lightning has switched logging off: nothing to say
+        elif not trainer.loggers:
             rank_zero_warn(
-                "GradHooks found no TensorBoardLogger in `trainer.loggers`: scalars go to the "
-                "other loggers and histograms are not written."
+                "GradHooks found no logger (`Trainer(logger=False)`?): no statistics, histograms or gradient-flow "
+                "picture are written; the health report is still printed at the end of fit."
+            )
+        elif not _tensorboard_loggers(trainer):
+            wandb = any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers)
+            rank_zero_warn(
+                "GradHooks found no TensorBoardLogger in `trainer.loggers`: the gradient-flow picture is not drawn"
+                + (" (W&B gets the scalars, histograms and the report)." if wandb else
+                   ", histograms and the report's Text tab are not written and the other loggers get the scalars "
+                   "only; add a TensorBoardLogger (or a WandbLogger) to get them.")
             )
 
     @override
@@ -246,7 +254,7 @@ class GradHooksLogic:
         # parameters. Their statistics need every rank's piece, with or without `sync_dist`.
         self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
         writers: list[Any] = []
-        if trainer.is_global_zero:  # TensorBoard loggers get events; the others, scalars
+        if trainer.is_global_zero and not trainer.fast_dev_run:  # TensorBoard loggers get events; others, scalars
             tensorboards = _tensorboard_loggers(trainer)
             writers = [lg.experiment for lg in tensorboards] + [lg for lg in trainer.loggers if lg not in tensorboards]
         self.gradient_log = GradientLog(

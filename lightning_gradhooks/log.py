@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -54,8 +55,30 @@ LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
 
 def _is_tensorboard(writer: Any) -> bool:
-    """A ``torch.utils.tensorboard.SummaryWriter`` (or one that writes the same way)."""
-    return hasattr(writer, "_get_file_writer") and hasattr(writer, "add_text")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return isinstance(writer, SummaryWriter)
+
+
+def _is_wandb(writer: Any) -> bool:
+    """A Lightning ``WandbLogger``: its ``log_metrics`` takes W&B objects too (histograms, HTML)."""
+    return any(c.__name__ == "WandbLogger" for c in type(writer).__mro__)
+
+
+def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
+    """The record's histograms as ``wandb.Histogram`` values, under the TensorBoard tags."""
+    import wandb
+
+    values = {}
+    for entry in record.entries:
+        hist = entry.histogram
+        if hist is None or sum(hist.counts) == 0:
+            continue
+        bins = len(hist.counts)
+        width = (hist.high - hist.low) if hist.high > hist.low else 1.0
+        edges = [hist.low + width * i / bins for i in range(bins + 1)]
+        values[f"{entry.kind}_hist/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
+    return values
 
 
 def _rank() -> int:
@@ -83,9 +106,10 @@ class GradientLog:
     rank 0 writes, warns and reports.
 
     Args:
-        writer: where scalars go: a ``torch.utils.tensorboard.SummaryWriter`` (scalars,
+        writer: where the log goes: a ``torch.utils.tensorboard.SummaryWriter`` (scalars,
             histograms, the flow picture and the report), any object with
-            ``log_metrics(metrics, step)`` (a Lightning logger: scalars only), a list of those,
+            ``log_metrics(metrics, step)`` (a Lightning logger: scalars; a ``WandbLogger`` also
+            gets the histograms, as W&B histograms, and the report, as text), a list of those,
             or None (nothing is written; the report is still kept).
         optimizers: the optimizers whose steps are measured for ``update_ratio`` and
             ``param_norm`` (through their own step hooks, removed by :meth:`close`).
@@ -229,7 +253,10 @@ class GradientLog:
     def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float]) -> None:
         metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix), **extra}
         for other in self._others:
-            other.log_metrics(metrics, step=step)
+            if self.histograms and _is_wandb(other):
+                other.log_metrics({**metrics, **_wandb_histograms(record)}, step=step)
+            else:
+                other.log_metrics(metrics, step=step)
         for writer in self._tensorboards:
             write_step(writer, metrics, record if self.histograms else None, step)
             if not self._layout_written:
@@ -318,6 +345,11 @@ class GradientLog:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)
                     writer.flush()
+                for other in filter(_is_wandb, self._others):
+                    import wandb
+
+                    text = wandb.Html(f"<pre>{html.escape(self.report.table())}</pre>")
+                    other.log_metrics({"gradhooks/health_report": text}, step=self._last_step)
             return self.report
         finally:
             if self._updates is not None:
