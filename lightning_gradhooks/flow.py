@@ -201,7 +201,8 @@ class GradientFlow:
         norm = Normalize(*data.limits)
         low = data.limits[0]
         shown = heat.imshow(
-            np.where(np.isneginf(data.grid), low - 1, data.grid),  # zero: "under", not masked aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
+            np.where(np.isneginf(data.grid), low - 1, data.grid),  # a zero RMS: "under", not masked
+            aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
             extent=(-0.5, columns - 0.5, n - 0.5, -0.5),
         )
         # The bars, on the colour scale: from its low end to log10 RMS, coloured alike.
