@@ -49,12 +49,12 @@ from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS
 
 WIDTH = 720
-HEIGHT = 480
+HEIGHT = 400
 DPI = 100
-#: Font height in pixels: ~10 pixels on TensorBoard's card, which shows the image at ~0.45x.
-FONT_PX = 22
+#: Font height in pixels: ~12 pixels on TensorBoard's card, which shows the image at ~0.5x.
+FONT_PX = 24
 #: Longer module names keep their last dotted parts that fit (``…11.mlp.c_proj``).
-LABEL_CHARS = 16
+LABEL_CHARS = 14
 #: Steps the heatmap keeps; older columns are dropped (the scalars keep everything).
 MAX_STEPS = 400
 #: Share of the wall time since the first logged step that drawing may take.
@@ -110,7 +110,7 @@ def _label(name: str) -> str:
         return name
     tail = name[-(LABEL_CHARS - 1) :]
     cut = re.search(r"[./]", tail)
-    return "…" + (tail[cut.end() :] if cut and cut.end() < len(tail) else tail)
+    return "…" + (tail[cut.end() :] if cut and len(tail) - cut.end() >= LABEL_CHARS // 2 else tail)
 
 
 class GradientFlow:
