@@ -235,8 +235,9 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
     """``names`` (in order) cut into consecutive groups of at most ``limit``, each titled.
 
     A group is a subtree of the module hierarchy (the names that share a prefix of their dotted
-    path, ``blocks.3``) where it fits, else an even piece of one (``blocks.3 (1/2)``); small
-    neighbouring subtrees are packed together (titled ``first … last``).
+    path, ``blocks.3``) where it fits, else an even piece of one, titled by its first and last
+    children (``blocks.3.norm1 … blocks.3.attn``); small neighbouring subtrees are packed
+    together (``net.0 … net.2``).
     """
 
     def parts(name: str) -> list[str]:
@@ -277,7 +278,8 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
             groups[-1].extend(group)
         else:
             groups.append(group)
-    prefixes = []
+    prefixes: list[str] = []
+    depths: list[int] = []
     for group in groups:
         common = parts(group[0])
         for name in group[1:]:
@@ -287,12 +289,14 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
                 k += 1
             common = common[:k]
         prefixes.append(".".join(common))
+        depths.append(len(common))
     titled: list[tuple[str, list[str]]] = []
     used: set[str] = set()
-    for group, prefix in zip(groups, prefixes):
+    for group, prefix, depth in zip(groups, prefixes, depths):
         title = group[0] if len(group) == 1 else prefix or f"{group[0]} … {group[-1]}"
-        if len(group) > 1 and prefix and prefixes.count(prefix) > 1:  # a subtree cut in pieces
-            title = f"{prefix} ({prefixes[: len(titled) + 1].count(prefix)}/{prefixes.count(prefix)})"
+        if len(group) > 1 and prefix and prefixes.count(prefix) > 1:  # a subtree cut in pieces:
+            first, last = (".".join(parts(n)[: depth + 1]) for n in (group[0], group[-1]))  # its children
+            title = first if first == last else f"{first} … {last}"
         while title in used:
             title += " "
         used.add(title)

@@ -360,7 +360,7 @@ def test_custom_scalars_charts_hold_a_block_each_and_at_most_max_lines():
     groups = chart_groups(names)
     assert [n for _, g in groups for n in g] == names and max(len(g) for _, g in groups) <= MAX_LINES
     assert ("blocks.3", [n for n in blocks if n.startswith("blocks.3.")]) in groups
-    assert [t for t, _ in chart_groups([f"net.{i}" for i in range(30)])] == ["net (1/3)", "net (2/3)", "net (3/3)"]
+    assert [t for t, _ in chart_groups([f"net.{i}" for i in range(30)])] == ["net.0 … net.9", "net.10 … net.19", "net.20 … net.29"]
     record = GradientRecord(
         [_entry("grad_output", n, 1.0) for n in reversed(names)] + [_entry("param_grad", f"{n}.weight", 1.0) for n in names[:3]]
     )
