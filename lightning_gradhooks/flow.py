@@ -61,6 +61,8 @@ MAX_STEPS = 400
 DRAW_BUDGET = 0.02
 #: Lines per Custom Scalars chart at most.
 MAX_LINES = 12
+#: The callback's per-parameter tags of the optimizer step, and their statistic.
+UPDATE_TAGS = (("param_update_ratio", "update_ratio"), ("param_norm", "param_norm"))
 
 
 def have_matplotlib() -> bool:
@@ -264,7 +266,8 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
         whole = False  # whether packed[-1] holds whole subtrees only, so may take another
         for run in runs:
             pieces = split(run, depth + 1)
-            parent = len(run) == 1 and packed and packed[-1][-1].startswith((run[0] + ".", run[0] + "/"))  # a container, after its last child
+            # A container's own entry comes after its last child's: it joins that chart.
+            parent = len(run) == 1 and packed and packed[-1][-1].startswith((run[0] + ".", run[0] + "/"))
             if len(pieces) == 1 and (whole or parent) and len(packed[-1]) + len(run) <= target:
                 packed[-1].extend(run)
             else:
@@ -344,16 +347,14 @@ def custom_scalars_layout(
         layout["0_overview"] = overview
     if record is None:
         return layout
-    names: dict[str, list[str]] = {}
+    names: dict[str, dict[str, None]] = {}  # kind: names, in order, once each
     for entry in record.entries:
-        names.setdefault(entry.kind, [])
-        if entry.name not in names[entry.kind]:
-            names[entry.kind].append(entry.name)
-    for kind in ("grad_output", "grad_input"):  # hook entries come in backward order
-        names.get(kind, []).reverse()
-    tags = [(f"{kind}_{stat}", names.get(kind, [])) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
-    tags += [(tag, names.get("param_grad", [])) for tag, stat in (("param_update_ratio", "update_ratio"), ("param_norm", "param_norm")) if stat in statistics]
-    for tag, members in tags:
-        if members:
-            layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(members)}
+        names.setdefault(entry.kind, {})[entry.name] = None
+    ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
+    # Hook entries come in backward order: reversed, the charts follow the forward order.
+    tags = [(f"{kind}_{stat}", kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
+    tags += [(tag, "param_grad") for tag, stat in UPDATE_TAGS if stat in statistics]
+    for tag, kind in tags:
+        if ordered.get(kind):
+            layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}
     return layout
