@@ -1,41 +1,68 @@
 """The gradient-flow picture and the custom-scalars layout, for TensorBoard.
 
 :class:`GradientFlow` keeps, for every module, the per-element RMS of its ``grad_output``
-(``norm / sqrt(count)``) at each logged step, and draws one image of two panels:
+(``norm / sqrt(count)``) at each logged step, and draws one image of two panels that share one
+colour scale, ``log10`` of the RMS:
 
 - left, a heatmap: modules in forward order (top to bottom) by logged steps so far (left to
-  right), colour = ``log10`` of the RMS; a module that vanishes is a dark row, an explosion a
-  bright column;
-- right, the current step's RMS per module as bars on a log scale: the classic
-  "gradient flow" plot.
+  right); a module that vanishes is a dark row, an explosion a bright column; black is an RMS of
+  exactly zero, grey no gradient at that step;
+- right, the current step as bars: each bar ends at the module's ``log10`` RMS, on a linear axis
+  that is the colour bar itself (drawn under the bars, labelled "log10 RMS of grad_output"),
+  and is coloured like the heatmap's last column. A bar one unit longer is 10x the RMS, as one
+  colour step is: the two panels cannot disagree. :func:`flow_data` computes the numbers both
+  panels are drawn from.
+
+The image is :data:`WIDTH` x :data:`HEIGHT` pixels (3:2) with fonts :data:`FONT_PX` pixels
+high, for TensorBoard's Time Series card, which shows an image at most ~370 x 215 pixels (the
+card's height is fixed; ``object-fit: contain``, scaled without smoothing): a wide image is
+shown bigger there than a square one (215 x 215), and its fonts stay ~10 pixels high. Module
+names longer than :data:`LABEL_CHARS` keep their last dotted parts (``…42.linear``), and every
+k-th one is written when they do not all fit.
 
 Drawing needs matplotlib (``pip install lightning-gradhooks[plots]``); :func:`have_matplotlib`
-says whether it is there. The image is ``WIDTH`` pixels wide and :func:`image_height` high.
+says whether it is there. Drawing is host work of ~0.1 s, so the picture is not drawn at every
+logged step: :meth:`GradientFlow.due` allows a drawing while the time spent drawing stays within
+:data:`DRAW_BUDGET` of the time since the first logged step, and the callback draws the last
+logged step at the end of fit. The heatmap holds every logged step, so a skipped drawing loses
+no data.
 
-Drawing is host work of 0.1 s to 1 s (more modules, more tick labels), so the picture is not
-drawn at every logged step: :meth:`GradientFlow.due` allows a drawing while the time spent
-drawing stays within :data:`DRAW_BUDGET` of the time since the first logged step, and the
-callback draws the last logged step at the end of fit. The heatmap holds every logged step, so
-a skipped drawing loses no data.
+:func:`custom_scalars_layout` is the Custom Scalars tab: per statistic, charts of at most
+:data:`MAX_LINES` modules each, a block of the model per chart (modules grouped by their name's
+prefix, ``blocks.3``, ``encoder.layers.0``: neighbours in depth, whose lines are worth
+comparing). One chart with every module on it was unreadable (150 lines on a ViT, all one
+colour); the gradient-flow picture already shows every module at once, so the charts are for
+reading values within a block. ``*_nonfinite`` charts are left out: a module's non-finite count
+is only written once it is non-zero, so on a healthy run they were empty; the overview charts
+hold the run's total instead.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, NamedTuple
 
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS
 
-WIDTH = 960
-DPI = 96
+WIDTH = 720
+HEIGHT = 400
+DPI = 100
+#: Font height in pixels: ~12 pixels on TensorBoard's card, which shows the image at ~0.5x.
+FONT_PX = 24
+#: Longer module names keep their last dotted parts that fit (``…11.mlp.c_proj``).
+LABEL_CHARS = 14
 #: Steps the heatmap keeps; older columns are dropped (the scalars keep everything).
 MAX_STEPS = 400
-#: Module names on the heatmap's axis at most (every k-th module past that: 1,600 px hold ~110).
-MAX_LABELS = 100
 #: Share of the wall time since the first logged step that drawing may take.
 DRAW_BUDGET = 0.02
+#: Lines per Custom Scalars chart at most.
+MAX_LINES = 12
+#: The callback's per-parameter tags of the optimizer step, and their statistic.
+UPDATE_TAGS = (("param_update_ratio", "update_ratio"), ("param_norm", "param_norm"))
 
 
 def have_matplotlib() -> bool:
@@ -46,9 +73,46 @@ def have_matplotlib() -> bool:
     return True
 
 
-def image_height(modules: int) -> int:
-    """Pixels: 180 plus 14 per module, between 320 and 1600."""
-    return min(max(180 + 14 * modules, 320), 1600)
+class FlowData(NamedTuple):
+    """The numbers the picture is drawn from.
+
+    Attributes:
+        grid: ``log10`` RMS, one row per module (forward order), one column per step; ``-inf``
+            for an RMS of zero, ``nan`` where the module has no finite value at that step.
+        bars: the bars' ends: the grid's last column.
+        limits: the colour scale and the bars' axis, ``(low, high)``, with room below the
+            smallest value so that its bar shows.
+    """
+
+    grid: Any
+    bars: Any
+    limits: tuple[float, float]
+
+
+def flow_data(modules: Sequence[str], rms: Sequence[dict[str, float]]) -> FlowData:
+    """The heatmap, the bars and their common scale, from each step's RMS per module."""
+    import numpy as np
+
+    nan = math.nan
+    grid = np.array([[values.get(name, nan) for values in rms] for name in modules], dtype=float).reshape(len(modules), len(rms))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        grid = np.where(np.isfinite(grid) & (grid >= 0), np.log10(grid), nan)  # log10(0) = -inf
+    finite = grid[np.isfinite(grid)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (-1.0, 0.0)
+    if high - low < 0.5:  # one value, or nearly: half a decade around it
+        low, high = (low + high) / 2 - 0.25, (low + high) / 2 + 0.25
+    low -= 0.05 * (high - low)  # the smallest bar has a length
+    bars = grid[:, -1].copy() if len(rms) else np.zeros(0)
+    return FlowData(grid, bars, (low, high))
+
+
+def _label(name: str) -> str:
+    """``name``, or its last dotted parts that fit in :data:`LABEL_CHARS` after an ellipsis."""
+    if len(name) <= LABEL_CHARS:
+        return name
+    tail = name[-(LABEL_CHARS - 1) :]
+    cut = re.search(r"[./]", tail)
+    return "…" + (tail[cut.end() :] if cut and len(tail) - cut.end() >= LABEL_CHARS // 2 else tail)
 
 
 class GradientFlow:
@@ -86,7 +150,7 @@ class GradientFlow:
         del self.steps[:-MAX_STEPS], self.rms[:-MAX_STEPS]
 
     def image(self) -> Any:
-        """The picture of the latest step as an ``(height, WIDTH, 3)`` uint8 numpy array (needs
+        """The picture of the latest step as a ``(HEIGHT, WIDTH, 3)`` uint8 numpy array (needs
         matplotlib); the time it takes counts against :data:`DRAW_BUDGET`."""
         begin = time.perf_counter()
         self._started = begin if self._started is None else self._started
@@ -98,43 +162,199 @@ class GradientFlow:
 
     def _draw(self) -> Any:
         import numpy as np
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
-        n = len(self.modules)
-        height = image_height(n)
-        grid = np.full((n, len(self.steps)), np.nan)
-        for j, values in enumerate(self.rms):
-            for i, name in enumerate(self.modules):
-                value = values.get(name)
-                if value is not None and value > 0 and math.isfinite(value):
-                    grid[i, j] = math.log10(value)
-        figure = Figure(figsize=(WIDTH / DPI, height / DPI), dpi=DPI)
-        FigureCanvasAgg(figure)
-        heat, bars = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1]})
-        shown = heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=(-0.5, len(self.steps) - 0.5, n - 0.5, -0.5))
-        figure.colorbar(shown, ax=bars, label="log10 RMS of grad_output")
-        every = -(-n // MAX_LABELS)  # more labels than fit would overlap, and cost seconds to lay out
-        heat.set_yticks(range(0, n, every), self.modules[::every], fontsize=max(5, min(9, 700 // max(n, 1))))
-        ticks = sorted({0, len(self.steps) - 1, *range(0, len(self.steps), max(1, len(self.steps) // 8))})
-        heat.set_xticks(ticks, [str(self.steps[t]) for t in ticks], fontsize=8)
-        heat.set_xlabel("logged step")
-        heat.set_title("gradient flow (modules in forward order)", fontsize=10)
-        current = np.nan_to_num(10 ** grid[:, -1], nan=0.0) if n else np.zeros(0)
-        bars.barh(range(n), np.where(current > 0, current, np.nan), color="tab:blue")
-        if (current > 0).any():
-            bars.set_xscale("log")
-        bars.set_xlabel(f"RMS at step {self.steps[-1]}")
-        figure.subplots_adjust(left=0.2, right=0.97, bottom=max(0.06, 60 / height), top=1 - max(0.04, 40 / height), wspace=0.05)
+        figure = self.figure()
         figure.canvas.draw()
         return np.asarray(figure.canvas.buffer_rgba())[:, :, :3].copy()
 
+    def figure(self) -> Any:
+        """The matplotlib ``Figure`` of the latest step (not yet rendered)."""
+        import matplotlib
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.collections import PolyCollection
+        from matplotlib.colors import Normalize
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
-def custom_scalars_layout(statistics: list[str], kinds: tuple[str, ...] = ("grad_output", "grad_input", "param_grad")) -> dict:
-    """A layout for ``SummaryWriter.add_custom_scalars``: one multi-line chart per statistic and
-    kind with every module on it, and one each for the update ratio and the parameter norm."""
-    charts = {f"{kind}_{stat}": ["Multiline", [rf"^{kind}_{stat}/"]] for kind in kinds for stat in STATISTICS if stat in statistics}
-    for stat, tag in (("update_ratio", "param_update_ratio"), ("param_norm", "param_norm")):
-        if stat in statistics:
-            charts[tag] = ["Multiline", [rf"^{tag}/"]]
-    return {"GradHooks": charts}
+        data = flow_data(self.modules, self.rms)
+        n, columns = data.grid.shape
+        font = FONT_PX * 72 / DPI  # points
+        figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
+        FigureCanvasAgg(figure)
+        labels = [_label(m) for m in self.modules]
+        # Axes placed in pixels: labels on the left, heatmap, bars; under the bars, the colour
+        # bar is their axis; under everything, the two axis titles on one line.
+        left = 12 + 0.6 * FONT_PX * max((len(s) for s in labels), default=1)
+        bottom, top, gap, right = 2.6 * FONT_PX + 14, FONT_PX + 12, 10, 16
+        strip = 0.7 * FONT_PX
+        bars_width = 0.3 * (WIDTH - left - right)
+        heat_width = WIDTH - left - right - gap - bars_width
+        plot_bottom = bottom + strip + 4
+        plot_height = HEIGHT - plot_bottom - top
+
+        def box(x: float, y: float, w: float, h: float) -> list[float]:
+            return [x / WIDTH, y / HEIGHT, w / WIDTH, h / HEIGHT]
+
+        heat = figure.add_axes(box(left, plot_bottom, heat_width, plot_height))
+        bars = figure.add_axes(box(left + heat_width + gap, plot_bottom, bars_width, plot_height), sharey=heat)
+        strip_axes = figure.add_axes(box(left + heat_width + gap, bottom, bars_width, strip))
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85", under="black")
+        norm = Normalize(*data.limits)
+        low = data.limits[0]
+        shown = heat.imshow(
+            np.where(np.isneginf(data.grid), low - 1, data.grid),  # a zero RMS: "under", not masked
+            aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
+            extent=(-0.5, columns - 0.5, n - 0.5, -0.5),
+        )
+        # The bars, on the colour scale: from its low end to log10 RMS, coloured alike.
+        ends = np.where(np.isfinite(data.bars), data.bars, low)
+        x0, y = low, np.arange(n)[:, None]
+        boxes = np.stack([np.broadcast_to(x0, (n, 4)), y + [-0.4, 0.4, 0.4, -0.4]], axis=2)
+        boxes[:, 2:, 0] = ends[:, None]  # one collection: 500 bar patches take ~0.5 s to draw
+        bars.add_collection(PolyCollection(boxes, facecolors=cmap(norm(ends)), linewidths=0))
+        bars.set_xlim(*data.limits)
+        bars.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
+        bars.set_title(f"step {self.steps[-1]}", fontsize=font, pad=4, loc="right")
+        bar = figure.colorbar(shown, cax=strip_axes, orientation="horizontal")
+        bar.set_label("log10 RMS of grad_output", fontsize=font, loc="right", labelpad=2)
+        strip_axes.xaxis.set_major_locator(MaxNLocator(nbins=3, steps=[1, 2, 5, 10]))
+        strip_axes.tick_params(labelsize=font, length=3, pad=2)
+        rows = max(1, int(plot_height // (1.25 * FONT_PX)))
+        every = -(-n // rows)  # more labels than fit would overlap
+        heat.set_yticks(range(0, n, every), labels[::every], fontsize=font)
+        heat.tick_params(axis="y", length=2, pad=2)
+        ticks = MaxNLocator(nbins=3, integer=True, min_n_ticks=1).tick_values(0, columns - 1)
+        ticks = [int(t) for t in ticks if 0 <= t <= columns - 1] or [0]
+        heat.set_xticks(ticks, [str(self.steps[t]) for t in ticks], fontsize=font)
+        heat.tick_params(axis="x", length=3, pad=2)
+        heat.set_xlabel("logged step", fontsize=font, loc="left", labelpad=2)
+        heat.set_xlim(-0.5, columns - 0.5)
+        return figure
+
+
+def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str, list[str]]]:
+    """``names`` (in order) cut into consecutive groups of at most ``limit``, each titled.
+
+    A group is a subtree of the module hierarchy (the names that share a prefix of their dotted
+    path, ``blocks.3``) where it fits, else an even piece of one, titled by its first and last
+    children (``blocks.3.norm1 … blocks.3.attn``); small neighbouring subtrees are packed
+    together (``net.0 … net.2``).
+    """
+
+    def parts(name: str) -> list[str]:
+        return re.split(r"[./]", name)
+
+    def split(group: list[str], depth: int) -> list[list[str]]:
+        if len(group) <= limit:
+            return [group]
+        runs: list[list[str]] = []
+        key: object = object()
+        for name in group:
+            p = parts(name)
+            here = p[depth] if len(p) > depth + 1 else None  # a name ending here: on its own
+            if here is None or here != key or not runs:
+                runs.append([])
+            runs[-1].append(name)
+            key = here
+        if len(runs) == 1:
+            if all(len(parts(n)) <= depth + 1 for n in group):  # nothing deeper: cut
+                return [group[i : i + limit] for i in range(0, len(group), limit)]
+            return split(group, depth + 1)
+        packed: list[list[str]] = []
+        target = -(-len(group) // -(-len(group) // limit))  # as few charts as fit, evenly filled
+        whole = False  # whether packed[-1] holds whole subtrees only, so may take another
+        for run in runs:
+            pieces = split(run, depth + 1)
+            # A container's own entry comes after its last child's: it joins that chart.
+            parent = len(run) == 1 and packed and packed[-1][-1].startswith((run[0] + ".", run[0] + "/"))
+            if len(pieces) == 1 and (whole or parent) and len(packed[-1]) + len(run) <= target:
+                packed[-1].extend(run)
+            else:
+                packed.extend(list(piece) for piece in pieces)
+                whole = len(pieces) == 1
+        return packed
+
+    groups: list[list[str]] = []
+    for group in split(list(names), 0) if names else []:
+        if groups and len(groups[-1]) <= 2 and len(group) <= 2:  # lone leftovers of two subtrees
+            groups[-1].extend(group)
+        else:
+            groups.append(group)
+    prefixes: list[str] = []
+    depths: list[int] = []
+    for group in groups:
+        common = parts(group[0])
+        for name in group[1:]:
+            p = parts(name)
+            k = 0
+            while k < min(len(common), len(p)) and common[k] == p[k]:
+                k += 1
+            common = common[:k]
+        prefixes.append(".".join(common))
+        depths.append(len(common))
+    titled: list[tuple[str, list[str]]] = []
+    used: set[str] = set()
+    for group, prefix, depth in zip(groups, prefixes, depths):
+        title = group[0] if len(group) == 1 else prefix or f"{group[0]} … {group[-1]}"
+        if len(group) > 1 and prefix and prefixes.count(prefix) > 1:  # a subtree cut in pieces:
+            first, last = (".".join(parts(n)[: depth + 1]) for n in (group[0], group[-1]))  # its children
+            title = first if first == last else f"{first} … {last}"
+        while title in used:
+            title += " "
+        used.add(title)
+        titled.append((title, group))
+    return titled
+
+
+def _exact(tag_prefix: str, names: Sequence[str]) -> str:
+    """One regular expression matching exactly the tags ``<tag_prefix>/<name>`` of ``names``."""
+    return f"^{re.escape(tag_prefix)}/(" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def custom_scalars_layout(
+    statistics: Collection[str],
+    record: GradientRecord | None = None,
+    kinds: tuple[str, ...] = ("grad_output", "grad_input", "param_grad"),
+) -> dict:
+    """A layout for ``SummaryWriter.add_custom_scalars``, from a logged step's record.
+
+    Categories: ``0_overview`` (the total gradient norm and the non-finite total), then one per
+    kind and statistic (``grad_output_norm``), and ``param_update_ratio`` and ``param_norm``
+    for the parameters of ``record``'s ``param_grad`` entries. Each holds the charts of
+    :func:`chart_groups`: at most :data:`MAX_LINES` lines each. No per-module ``nonfinite``
+    charts (empty on healthy runs). Without a record, only the overview.
+
+    Args:
+        statistics: the statistics that are logged.
+        record: the first logged step's record, whose entry names are the charts' lines.
+        kinds: the kinds of gradient to make charts for.
+
+    Example:
+        >>> from lightning_gradhooks.records import GradientEntry, GradientRecord
+        >>> stats = dict.fromkeys(STATISTICS, 0.0)
+        >>> record = GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)])
+        >>> custom_scalars_layout(["norm"], record)["grad_output_norm"]
+        {'net.0': ['Multiline', ['^grad_output_norm/(net\\\\.0)$']]}
+    """
+    layout: dict[str, dict[str, list]] = {}
+    overview = {}
+    if "norm" in statistics:
+        overview["total_norm"] = ["Multiline", [r"^0_overview/total_norm"]]
+    if "nonfinite" in statistics:
+        overview["nonfinite_total"] = ["Multiline", [r"^0_overview/nonfinite_total"]]
+    if overview:
+        layout["0_overview"] = overview
+    if record is None:
+        return layout
+    names: dict[str, dict[str, None]] = {}  # kind: names, in order, once each
+    for entry in record.entries:
+        names.setdefault(entry.kind, {})[entry.name] = None
+    ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
+    # Hook entries come in backward order: reversed, the charts follow the forward order.
+    tags = [(f"{kind}_{stat}", kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
+    tags += [(tag, "param_grad") for tag, stat in UPDATE_TAGS if stat in statistics]
+    for tag, kind in tags:
+        if ordered.get(kind):
+            layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}
+    return layout
