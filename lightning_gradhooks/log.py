@@ -260,7 +260,7 @@ class GradientLog:
         for writer in self._tensorboards:
             write_step(writer, metrics, record if self.histograms else None, step)
             if not self._layout_written:
-                writer.add_custom_scalars(custom_scalars_layout(self.statistics))
+                writer.add_custom_scalars(custom_scalars_layout(self.statistics, record))
         self._layout_written = True
         if self._flow is not None:
             self._flow.add(step, record)
