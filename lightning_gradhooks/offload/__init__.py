@@ -48,7 +48,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
     During backward the first unpack of a tensor starts reading the tensors saved before it,
     in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
-    running without the context. Metadata (dtype, shape, strides, offsets) stays in memory;
+    running without the context, and a saved tensor changed in place after it was saved is
+    refused at unpack with autograd's ``RuntimeError`` (torch skips that check whenever
+    saved-tensor hooks are set; this engine makes it for every saved tensor). Metadata (dtype, shape, strides, offsets) stays in memory;
     files hold raw bytes only and are never unpickled.
 
     Not offloaded: parameters and other leaves that require grad, views of those, tensors of

@@ -42,15 +42,52 @@ _STOP = object()  # tells a thread to finish
 _ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
 
 
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
 class _Handle:
-    """What autograd keeps instead of an offloaded tensor: metadata and its record. No ``__del__``."""
+    """What autograd keeps instead of an offloaded tensor: metadata, its record and what checks its
+    version at unpack. No ``__del__``."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "storage_offset", "rel_offset", "__weakref__")
+    __slots__ = ("record", "dtype", "size", "stride", "storage_offset", "rel_offset", "keeper", "version", "uses",
+                 "__weakref__")
 
-    def __init__(self, record: _Record, t: torch.Tensor) -> None:
+    def __init__(self, record: _Record, t: torch.Tensor, keeper: torch.Tensor, version: int) -> None:
         self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.storage_offset = t.size(), t.stride(), t.storage_offset()
         self.rel_offset = (t.storage_offset() * t.element_size() - record.byte_start) // t.element_size()
+        self.keeper, self.version = keeper, version
+        self.uses = 0  # unpacks served to this handle
+
+
+def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A tensor that shares ``t``'s version counter but none of its memory, and ``t``'s version now;
+    None where torch refuses. Autograd's own saved variables keep the same: the counter, which every
+    view and ``detach()`` alias of the storage bumps, not the data."""
+    version = t._version
+    try:
+        keeper = t.detach()
+        keeper.set_()  # an empty storage; this bumps the shared counter...
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    _set_versions((keeper,), (version,))  # ...which is set back at once (one thread: the forward's)
+    return keeper, version
+
+
+def _check_version(tensor: torch.Tensor, version: int, dtype: torch.dtype, size: torch.Size) -> None:
+    """Raise, as autograd does without hooks, if a saved tensor changed since it was saved (torch skips its
+    own check whenever saved-tensor hooks are set)."""
+    now = tensor._version
+    if now != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {dtype} tensor of shape {list(size)} saved for backward at version {version} is now at version "
+            f"{now} (checked by save_on_disk, since torch skips this check under saved-tensor hooks; autograd "
+            "raises the same error without offload). Hint: look for an in-place change of this tensor, or of a "
+            "view of it, between the forward and this backward (an operation ending in '_', out=, an optimizer "
+            "step); enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find the operation "
+            "that failed to compute its gradient."
+        )
 
 
 def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tensor:
@@ -239,8 +276,8 @@ class _Engine:
             return storage, start, nbytes, 0, total
         return storage, start, nbytes, start, nbytes
 
-    def _new_handle(self, rec: _Record, t: torch.Tensor) -> _Handle:
-        handle = _Handle(rec, t)
+    def _new_handle(self, rec: _Record, t: torch.Tensor, keeper: tuple[torch.Tensor, int]) -> _Handle:
+        handle = _Handle(rec, t, *keeper)
         ref = _HandleRef(handle, self._events.put)
         ref.record = rec
         rec.refs.append(ref)
@@ -248,12 +285,13 @@ class _Engine:
 
     def pack(self, t: torch.Tensor) -> Any:
         region = self._region(t)
-        if region is None:
+        keeper = None if region is None else _version_keeper(t)
+        if keeper is None:
             with self._lock:
                 self._check_usable()
                 self._raise_pending()
                 self._kept += 1
-            return t.detach()
+            return t.detach(), t._version  # kept in memory; its version is checked at unpack
         storage, start, nbytes, region_start, region_bytes = region
         while True:
             with self._lock:
@@ -262,7 +300,7 @@ class _Engine:
                 rec = self._find_duplicate(t, storage, start, nbytes)
                 if rec is not None:
                     self._deduplicated += 1
-                    return self._new_handle(rec, t)
+                    return self._new_handle(rec, t, keeper)
                 if not (self._in_flight and self._in_flight + region_bytes > self.max_in_flight):
                     break
                 waiter = self._waiter()  # backpressure: wait for the writer
@@ -270,7 +308,7 @@ class _Engine:
         # Nothing below changes the engine until the queue's put: an interrupt before it leaves a
         # record that nobody knows, and one after it a record written but not counted in flight.
         rec = _Record(t, storage, region_start, region_bytes)
-        handle = self._new_handle(rec, t)
+        handle = self._new_handle(rec, t, keeper)
         if rec.device.type == "cuda":
             self._copy_to_host(rec, storage)
         with self._lock:
@@ -358,7 +396,6 @@ class _Engine:
                 seg.io += 1
                 fd, direct_fd = seg.fd, seg.direct_fd
             src, pinned, event = rec.src, rec.pinned, rec.event
-        modified = None
         if seg is not None:
             try:
                 if event is not None:
@@ -372,10 +409,6 @@ class _Engine:
                 if self.drop_page_cache and not rec.direct:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, rec.offset, n, os.POSIX_FADV_DONTNEED)
-                if src is not None and src._version != rec.version:
-                    modified = (f"save_on_disk: a tensor saved for backward was modified by an in-place operation "
-                                f"before it was written (version {rec.version}, now {src._version}); autograd "
-                                "cannot use it")
             except OSError as exc:
                 failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not write {n} bytes to folder "
                                                          f"{self.folder!r} (offset {rec.offset}): {exc.strerror}"))
@@ -384,7 +417,6 @@ class _Engine:
         del src
         with self._lock:
             rec.src = None
-            rec.error = modified
             if pinned is not None:
                 rec.pinned = rec.event = None
                 if self._pool is not None:
@@ -417,9 +449,12 @@ class _Engine:
 
     # -- unpack (backward)
     def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
-            return packed
+        if type(packed) is tuple:  # kept in memory
+            tensor, version = packed
+            _check_version(tensor, version, tensor.dtype, tensor.shape)
+            return tensor
         h, rec = packed, packed.record
+        _check_version(h.keeper, h.version, h.dtype, h.size)
         asked = False
         while True:
             ask = False
@@ -429,26 +464,21 @@ class _Engine:
                     if self._error is rec.failed:  # told here: the next step must not tell it again
                         self._error = None
                     _raise(rec.failed)
-                if rec.error is not None:
-                    raise RuntimeError(rec.error)
                 if rec.read_error is not None:
                     failure, rec.read_error = rec.read_error, None
                     _raise(failure)
                 src = rec.src
-                if src is not None:  # CPU, not written yet: still in memory
-                    if src._version != rec.version:
-                        raise RuntimeError("save_on_disk: a tensor saved for backward was modified by an in-place "
-                                           "operation; autograd cannot use it")
+                if src is not None:  # not written yet: still in memory
                     buf = event = None
+                    h.uses += 1
                     break
                 if rec.loaded is not None:
                     buf, event = rec.loaded, rec.load_event
-                    handles = sum(ref() is not None for ref in rec.refs)
-                    rec.served += 1
-                    rec.asked = False
-                    if rec.served >= handles:
+                    h.uses += 1
+                    if all(other.uses >= h.uses for other in rec.handles()):  # every live handle served
                         rec.loaded = rec.load_event = None
                         self._prefetched -= rec.nbytes
+                    rec.asked = False
                     break
                 if rec.done and not rec.written:
                     raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
@@ -523,7 +553,7 @@ class _Engine:
             while seg is not None and found is None and self.prefetch_bytes:
                 while seg.cursor >= 0 and found is None and seg.fd >= 0 and seg.failed is None:
                     r = seg.records[seg.cursor]
-                    if self._needs_load(r):
+                    if self._needs_load(r) and r.awaited():  # not one this pass already used
                         if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
                             return False
                         found = r
@@ -553,7 +583,7 @@ class _Engine:
             if failure is None:
                 self._bytes_read += rec.nbytes
             if failure is None and not rec.dead:
-                rec.loaded, rec.load_event, rec.served = buf, event, 0
+                rec.loaded, rec.load_event = buf, event
             else:
                 self._prefetched -= rec.nbytes
                 rec.read_error = failure
