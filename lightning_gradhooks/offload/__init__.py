@@ -104,11 +104,14 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         prefetch_bytes: int = 32 << 20,
         segment_bytes: int = 1 << 30,
         drop_page_cache: bool = False,
+        budget_bytes: int | None = None,
     ) -> None:
         _check_int("threshold_bytes", threshold_bytes, 0)
         _check_int("max_bytes_in_flight", max_bytes_in_flight, 1)
         _check_int("prefetch_bytes", prefetch_bytes, 0)
         _check_int("segment_bytes", segment_bytes, 1)
+        if budget_bytes is not None:
+            _check_int("budget_bytes", budget_bytes, 1)
         if not isinstance(drop_page_cache, bool):
             raise TypeError(f"expected drop_page_cache to be a bool, got {type(drop_page_cache).__name__}")
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
@@ -117,7 +120,7 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         if not isinstance(directory, str) or directory == "" or "\0" in directory:
             raise ValueError(f"expected directory to be a non-empty path without NUL bytes, got {directory!r}")
         self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
-                               drop_page_cache)
+                               drop_page_cache, budget_bytes)
         self._depth = 0
         super().__init__(self._engine.pack, self._engine.unpack)
 

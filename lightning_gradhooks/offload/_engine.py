@@ -140,8 +140,9 @@ class _Engine:
     """Owns the files, threads and records of one :class:`save_on_disk`."""
 
     def __init__(self, threshold: int, directory: str, max_in_flight: int, prefetch_bytes: int,
-                 segment_bytes: int, drop_page_cache: bool) -> None:
+                 segment_bytes: int, drop_page_cache: bool, budget: int | None = None) -> None:
         self.threshold, self.max_in_flight, self.drop_page_cache = threshold, max_in_flight, drop_page_cache
+        self.budget = budget  # bytes of offloadable tensors held in memory at once (None: write all)
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = os.path.abspath(directory)
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
@@ -162,6 +163,11 @@ class _Engine:
         self._resident_ptrs: set[int] = set()
         self._error: Failure | None = None
         self._in_flight = self._prefetched = self._bytes_offloaded = self._bytes_written = self._bytes_read = 0
+        # Offloadable tensors kept in memory, oldest first (an insertion-ordered set): under a budget
+        # the newest stay, and the oldest are handed to the writer when the total would exceed it.
+        self._parked: dict[_Record, None] = {}
+        self._parked_bytes = self._held_peak = 0
+        self._space_warned = False
         self._offloaded = self._deduplicated = self._kept = 0
         self._prefetch_seg: _Segment | None = None
         self._pool: _PinnedPool | None = None
@@ -216,6 +222,19 @@ class _Engine:
         if self._prefetch_seg is seg:
             self._prefetch_seg = None
         return seg.take_fds()
+
+    def _held(self) -> int:
+        """Bytes of offloadable tensors the engine holds: kept under the budget, being written, read back."""
+        return self._parked_bytes + self._in_flight + self._prefetched
+
+    def _note_held(self) -> None:
+        held = self._parked_bytes + self._in_flight + self._prefetched
+        if held > self._held_peak:
+            self._held_peak = held
+
+    def _unpark(self, rec: _Record) -> None:
+        del self._parked[rec]
+        self._parked_bytes -= rec.nbytes
 
     def _sync(self) -> None:
         """Wait until the reader thread has handled every handle death queued so far."""
@@ -293,34 +312,73 @@ class _Engine:
                 self._kept += 1
             return t.detach(), t._version  # kept in memory; its version is checked at unpack
         storage, start, nbytes, region_start, region_bytes = region
-        while True:
-            with self._lock:
-                self._check_usable()
-                self._raise_pending()
-                rec = self._find_duplicate(t, storage, start, nbytes)
-                if rec is not None:
-                    self._deduplicated += 1
-                    return self._new_handle(rec, t, keeper)
-                if not (self._in_flight and self._in_flight + region_bytes > self.max_in_flight):
-                    break
-                waiter = self._waiter()  # backpressure: wait for the writer
-            waiter.get(timeout=1.0)
-        # Nothing below changes the engine until the queue's put: an interrupt before it leaves a
-        # record that nobody knows, and one after it a record written but not counted in flight.
+        with self._lock:
+            self._check_usable()
+            self._raise_pending()
+            rec = self._find_duplicate(t, storage, start, nbytes)
+            if rec is not None:
+                self._deduplicated += 1
+                return self._new_handle(rec, t, keeper)
+        # An interrupt before the record is parked leaves a record that nobody knows; after, its
+        # handle dies with the interrupted pack, and the reader thread unparks it.
         rec = _Record(t, storage, region_start, region_bytes)
         handle = self._new_handle(rec, t, keeper)
-        if rec.device.type == "cuda":
-            self._copy_to_host(rec, storage)
         with self._lock:
             self._check_usable()
             rec.step = self._step
-            self._writes.put(rec)
-            rec.queued = True
-            self._in_flight += region_bytes
-            self._bytes_offloaded += region_bytes
-            self._offloaded += 1
+            self._parked[rec] = None
+            self._parked_bytes += region_bytes
+            self._note_held()
             self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
+        self._spill(region_bytes)
         return handle
+
+    def _spill(self, newest: int) -> None:
+        """Hand the oldest kept records to the writer: all of them without a budget, else until what the
+        engine holds fits in it. Wait (backpressure) while more than ``max_in_flight`` bytes are being
+        written, or, under a budget, while what is held but the newest tensor exceeds it."""
+        while True:
+            copy = None
+            with self._lock:
+                self._check_usable()
+                self._raise_pending()
+                budget = self.budget
+                while self._parked and (budget is None or self._held() > budget):
+                    rec = next(iter(self._parked))
+                    if rec.src is None:  # failed or dead meanwhile: nothing to write
+                        self._unpark(rec)
+                        continue
+                    if self._in_flight and self._in_flight + rec.nbytes > self.max_in_flight:
+                        break
+                    if rec.device.type == "cuda" and rec.pinned is None:
+                        copy = rec, rec.src  # the device-to-host copy runs outside the lock
+                        break
+                    self._queue(rec)
+                if copy is None:
+                    blocked = bool(self._parked) and (budget is None or self._held() > budget)
+                    if not (blocked or (budget is not None and self._in_flight and self._held() - newest > budget)):
+                        return
+                    waiter = self._waiter()
+            if copy is not None:
+                rec, src = copy
+                if src is not None:
+                    self._copy_to_host(rec, src.untyped_storage())
+                continue
+            waiter.get(timeout=1.0)
+
+    def _queue(self, rec: _Record) -> None:
+        """Hand a parked record to the writer (with the lock held). The queue's C ``put`` comes first
+        and no call follows it: an interrupt lands before it (the record stays parked) or right after
+        it (the writer then unparks the record, which is not counted in flight)."""
+        self._writes.put(rec)
+        rec.queued = True
+        del self._parked[rec]
+        self._parked_bytes -= rec.nbytes
+        self._in_flight += rec.nbytes
+        self._bytes_offloaded += rec.nbytes
+        self._offloaded += 1
+        if rec.device.type == "cuda":
+            rec.src = None  # its pinned host copy is written; the device memory goes back
 
     def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int,
                         nbytes: int) -> _Record | None:
@@ -373,6 +431,8 @@ class _Engine:
         failure: Failure | None = None
         n = rec.nbytes
         with self._lock:
+            if rec in self._parked:  # its hand-over was interrupted right after the put
+                self._unpark(rec)
             if rec.dead or not rec.alive() or self.closed or rec.step == self._failed_step:
                 rec.dead = rec.dead or not rec.alive()
                 if rec.step == self._failed_step and not rec.dead:
@@ -446,6 +506,9 @@ class _Engine:
             for r in seg.records:
                 r.src = r.loaded = None
                 r.failed = failure
+        for r in [r for r in self._parked if r.step == rec.step]:  # kept in memory: dropped too
+            self._unpark(r)
+            r.src, r.failed = None, failure
 
     # -- unpack (backward)
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -512,6 +575,8 @@ class _Engine:
                 return
             rec.dead = True
             rec.src = None  # a running write keeps its own reference until done
+            if rec in self._parked:
+                self._unpark(rec)
             if rec.loaded is not None:
                 rec.loaded = rec.load_event = None
                 self._prefetched -= rec.nbytes
@@ -530,7 +595,13 @@ class _Engine:
     def _demand(self, rec: _Record, load: bool) -> None:
         with self._lock:
             seg = rec.segment
-            if seg is None:
+            if seg is None:  # kept in memory: read ahead from the newest record of its step on disk
+                if rec.step > 0 and (self._prefetch_seg is None or self._prefetch_seg.step != rec.step):
+                    newest = max((s for s in self._segments.values() if s.step == rec.step and s.fd >= 0),
+                                 key=lambda s: s.index, default=None)
+                    if newest is not None and newest.last_unpacked < 0:
+                        newest.cursor = len(newest.records) - 1
+                    self._prefetch_seg = newest
                 return
             seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
             seg.last_unpacked = rec.index
@@ -544,6 +615,7 @@ class _Engine:
     def _start_load(self, rec: _Record) -> None:
         rec.loading = True
         self._prefetched += rec.nbytes
+        self._note_held()
         rec.segment.io += 1
 
     def _prefetch_one(self) -> bool:
@@ -556,6 +628,9 @@ class _Engine:
                     if self._needs_load(r) and r.awaited():  # not one this pass already used
                         if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
                             return False
+                        held = self._held()
+                        if self.budget is not None and held and held + r.nbytes > self.budget:
+                            return False  # reads ahead count against the budget: wait for room
                         found = r
                         self._start_load(r)
                     seg.cursor -= 1
@@ -632,7 +707,7 @@ class _Engine:
             fds = [s.fd for s in self._segments.values() if s.fd >= 0]
             return OffloadStats(
                 directory=self.folder,
-                bytes_in_memory=self._in_flight + self._prefetched,
+                bytes_in_memory=self._held(),
                 bytes_pending_write=self._in_flight,
                 bytes_prefetched=self._prefetched,
                 bytes_offloaded=self._bytes_offloaded,
@@ -643,6 +718,9 @@ class _Engine:
                 tensors_offloaded=self._offloaded,
                 tensors_deduplicated=self._deduplicated,
                 tensors_kept=self._kept,
+                bytes_parked=self._parked_bytes,
+                bytes_in_memory_peak=self._held_peak,
+                budget_bytes=self.budget,
             )
 
     def flush(self) -> None:
@@ -660,6 +738,10 @@ class _Engine:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            for r in self._parked:
+                r.src = None
+            self._parked.clear()
+            self._parked_bytes = 0
             self._notify()
         _ENGINES.discard(self._me)
         if os.getpid() != self._pid:

@@ -193,7 +193,7 @@ class _Record:
         self.storage_ref, self.version = weakref.ref(storage), t._version
         self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
-        self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
+        self.src: torch.Tensor | None = t.detach()  # until written (CUDA: until copied to host)
         self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
         self.event: Any = None  # CUDA: device-to-host copy done
         self.refs: list[_HandleRef] = []  # weak references to the handles autograd keeps
