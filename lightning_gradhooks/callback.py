@@ -131,6 +131,10 @@ class GradHooksLogic:
             raises, rank 0 prints the report (a table of module, flag, since step, last value,
             or one line saying nothing was seen) and writes it as Markdown to TensorBoard's
             Text tab under ``gradhooks/health_report``.
+        offload_budget_bytes: with offload on, the engine keeps at most this many bytes of
+            offloadable saved tensors in memory (plus one tensor), the newest, and writes the
+            oldest to disk (``save_on_disk(budget_bytes=...)``); ``None`` (default): every tensor
+            of at least ``offload_threshold_bytes`` is written. Needs ``offload_threshold_bytes``.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``
@@ -166,8 +170,15 @@ class GradHooksLogic:
         offload_dir: str | None = None,
         sync_dist: bool = False,
         report_thresholds: dict[str, float] | None = None,
+        offload_budget_bytes: int | None = None,
     ) -> None:
         _check_positive_int("every_n_steps", every_n_steps, allow_none=True)
+        _check_positive_int("offload_budget_bytes", offload_budget_bytes, allow_none=True)
+        if offload_budget_bytes is not None and offload_threshold_bytes is None:
+            raise ValueError(
+                f"`offload_budget_bytes` expected `offload_threshold_bytes` to be set too, got "
+                f"offload_budget_bytes={offload_budget_bytes!r} with offload_threshold_bytes=None (offload off)"
+            )
         _check_positive_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
         if offload_dir is not None and not isinstance(offload_dir, str):
             raise ValueError(f"`offload_dir` expected a str or None, got {offload_dir!r}")
@@ -200,6 +211,7 @@ class GradHooksLogic:
         self.histogram_bins = histogram_bins
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
+        self.offload_budget_bytes = offload_budget_bytes
         self.sync_dist = sync_dist
         self.report_thresholds = dict(report_thresholds or {})
         self._thresholds = _thresholds(self.report_thresholds)
@@ -283,7 +295,8 @@ class GradHooksLogic:
             )
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
-            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)
+            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir,
+                                         budget_bytes=self.offload_budget_bytes)
             self._offload.keep_in_memory(pl_module)
         if not trainer.loggers:
             rank_zero_warn("GradHooks found no logger (`Trainer(logger=False)`?): nothing will be logged.")

@@ -100,7 +100,7 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         threshold_bytes: int,
         directory: str | os.PathLike[str] | None = None,
         *,
-        max_bytes_in_flight: int = 256 << 20,
+        max_bytes_in_flight: int = 32 << 20,
         prefetch_bytes: int = 32 << 20,
         segment_bytes: int = 1 << 30,
         drop_page_cache: bool = False,

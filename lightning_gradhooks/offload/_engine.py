@@ -16,6 +16,7 @@ import itertools
 import os
 import queue
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -27,6 +28,7 @@ from lightning_gradhooks.offload._files import (
     Failure,
     _close_all,
     _Files,
+    _free_bytes,
     _HandleRef,
     _in_thread,
     _open_folder,
@@ -168,6 +170,7 @@ class _Engine:
         self._parked: dict[_Record, None] = {}
         self._parked_bytes = self._held_peak = 0
         self._space_warned = False
+        self._step_offloaded = 0  # bytes handed to the writer before this step began
         self._offloaded = self._deduplicated = self._kept = 0
         self._prefetch_seg: _Segment | None = None
         self._pool: _PinnedPool | None = None
@@ -182,6 +185,8 @@ class _Engine:
         )
         for thread in self._threads:
             thread.start()
+        # At setup a step's size is unknown: only a nearly full folder can be told.
+        self._check_space(self.max_in_flight, "at setup, a step's size is not known yet; this is max_bytes_in_flight")
 
     @property
     def tmpfile(self) -> bool:
@@ -255,6 +260,7 @@ class _Engine:
             self._raise_pending()
             self._step += 1  # the writer starts a new file for each step
             self._dedupe = {}
+            self._step_offloaded = self._bytes_offloaded
             self._resident_ptrs = resident
 
     def end_step(self, raise_error: bool) -> None:
@@ -262,6 +268,30 @@ class _Engine:
             self._dedupe = {}
             if raise_error:
                 self._raise_pending()
+            step_bytes = self._bytes_offloaded - self._step_offloaded
+            self._step_offloaded = self._bytes_offloaded
+        if raise_error and step_bytes and not self._space_warned:
+            self._check_space(step_bytes, "what the step just ended handed to the writer")
+
+    def _check_space(self, step_bytes: int, what: str) -> None:
+        """Warn once when the folder cannot hold two steps: before ENOSPC, not after."""
+        with self._lock:
+            if self._space_warned or self.closed or self._files.dir_fd < 0:
+                return
+            fds = [s.fd for s in self._segments.values() if s.fd >= 0]
+            try:  # our files are given back after each backward; what is still to be written is not there yet
+                free = _free_bytes(self._files.dir_fd) + sum(os.fstat(fd).st_size for fd in fds) - self._in_flight
+            except OSError:
+                return
+            if free >= 2 * step_bytes:
+                return
+            self._space_warned = True
+        warnings.warn(
+            f"save_on_disk: the offload folder {self.folder!r} has {free} bytes ({free / (1 << 20):.0f} MiB) free "
+            f"for this engine, less than twice a step: {2 * step_bytes} bytes needed ({step_bytes} bytes a step: "
+            f"{what}). Offloading will fail with ENOSPC (DiskOffloadError) once it fills: free space there, "
+            "choose another folder, raise threshold_bytes or set budget_bytes.",
+            UserWarning, stacklevel=4)
 
     def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
         ptrs = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
@@ -335,15 +365,19 @@ class _Engine:
 
     def _spill(self, newest: int) -> None:
         """Hand the oldest kept records to the writer: all of them without a budget, else until what the
-        engine holds fits in it. Wait (backpressure) while more than ``max_in_flight`` bytes are being
-        written, or, under a budget, while what is held but the newest tensor exceeds it."""
+        engine holds, once written, leaves room in it for one more tensor (``newest`` bytes). Wait
+        (backpressure) while more than ``max_in_flight`` bytes are being written, or, under a budget,
+        while what is held exceeds it: the next save then finds at most the budget held."""
         while True:
             copy = None
             with self._lock:
                 self._check_usable()
                 self._raise_pending()
                 budget = self.budget
-                while self._parked and (budget is None or self._held() > budget):
+                # Spill until what stays once the writes are done leaves room for one more tensor, which
+                # can then be written while the forward goes on.
+                keep = None if budget is None else budget - newest
+                while self._parked and (keep is None or self._parked_bytes + self._prefetched > keep):
                     rec = next(iter(self._parked))
                     if rec.src is None:  # failed or dead meanwhile: nothing to write
                         self._unpark(rec)
@@ -355,8 +389,8 @@ class _Engine:
                         break
                     self._queue(rec)
                 if copy is None:
-                    blocked = bool(self._parked) and (budget is None or self._held() > budget)
-                    if not (blocked or (budget is not None and self._in_flight and self._held() - newest > budget)):
+                    blocked = bool(self._parked) and (keep is None or self._parked_bytes + self._prefetched > keep)
+                    if not (blocked or (budget is not None and self._in_flight and self._held() > budget)):
                         return
                     waiter = self._waiter()
             if copy is not None:

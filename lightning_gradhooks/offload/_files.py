@@ -41,6 +41,12 @@ def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None
         done += n
 
 
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged process can still write in the file system of ``fd``."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
 def _reopen_direct(path: str, dir_fd: int | None = None) -> int:
     """A second descriptor of the same file with O_DIRECT, or -1 where refused (tmpfs)."""
     try:
