@@ -2,8 +2,8 @@
 
 Workload (the one of issue 27): ``depth`` x (Linear(width, width) + GELU), batch ``batch``, fp32,
 CPU, forward + backward; by default 6 x 1024 wide, batch 4096, which saves 192 MiB per step in
-12 tensors of 16 MiB. Variants, each run in its own process (peak RSS: VmHWM reset after the
-warm-up steps, minus the RSS at that moment), interleaved round by round so that a noisy
+12 tensors of 16 MiB. Variants, each run in its own process (peak RSS: VmHWM of the steps after
+the warm-up, minus the RSS before the first step), interleaved round by round so that a noisy
 machine affects all of them alike:
 
 - ``none``: no offload;
@@ -133,7 +133,6 @@ def worker(args: argparse.Namespace) -> None:
         if i == args.warmup:  # the peak of the measured steps only, over the memory they start from
             if engine is not None:
                 written = engine.stats().bytes_written
-            run_peak = peak_rss_bytes()
             baseline = rss_bytes()
             if not reset_peak_rss():
                 baseline = peak_rss_bytes()
@@ -145,7 +144,6 @@ def worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     peak = peak_rss_bytes()
-    run_peak = max(run_peak, peak)
     extra = {}
     if engine is not None:
         s = engine.stats()
@@ -156,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
         extra = {"files_left": len(os.listdir(docs_dir))}
         os.rmdir(docs_dir)
     print(json.dumps({"variant": variant, "times": times, "peak_over_baseline": peak - baseline,
-                      "run_peak_over_start": run_peak - start, **extra}))
+                      "peak_over_start": peak - start, **extra}))
 
 
 def activation_bytes(args: argparse.Namespace) -> int:
@@ -326,25 +324,26 @@ def main() -> None:
             results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             res = results[v][-1]
             print(f"  round {r + 1}/{args.rounds} {v:<15} " + " ".join(f"{t:.2f}s" for t in res["times"])
-                  + f"  peak +{res['run_peak_over_start'] / MiB:.0f} MiB, after warm-up +"
+                  + f"  peak +{res['peak_over_start'] / MiB:.0f} MiB, over the step's start +"
                   f"{res['peak_over_baseline'] / MiB:.0f} MiB", flush=True)
 
     med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in args.variants}
-    rss = {v: statistics.median(res["run_peak_over_start"] for res in results[v]) for v in args.variants}
+    rss = {v: statistics.median(res["peak_over_start"] for res in results[v]) for v in args.variants}
     warm = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
     wrote = {v: statistics.median(res.get("written_per_step", 0) for res in results[v]) for v in args.variants}
     held = {v: max(res.get("held_peak", 0) for res in results[v]) for v in args.variants}
     ref_t, ref_rss = med.get("none"), rss.get("none")
     print()
-    print("peak: the run's peak RSS (VmHWM) over the RSS before its first step; after warm-up: the peak of the")
-    print("measured steps over the RSS before them; medians over rounds. step: median step time. written: per")
-    print("step; engine held: the engine's high-water mark (OffloadStats.bytes_in_memory_peak)")
-    print(f"{'variant':<15}{'step':>8}{'vs none':>9}{'peak':>10}{'vs none':>10}{'after warm-up':>15}{'written':>10}"
+    print("peak: the peak RSS (VmHWM) of the measured steps (after the warm-up) over the RSS before the first")
+    print("step (model and batch loaded); over step start: the same peak over the RSS just before the measured")
+    print("steps (which keeps what the warm-up left in the heap); medians over rounds. step: median step time.")
+    print("written: per step; engine held: the engine's high-water mark (OffloadStats.bytes_in_memory_peak)")
+    print(f"{'variant':<15}{'step':>8}{'vs none':>9}{'peak':>10}{'vs none':>10}{'over step start':>17}{'written':>10}"
           f"{'engine held':>13}")
     for v in args.variants:
         ratio = f"{med[v] / ref_t:.3f}x" if ref_t else "-"
         delta = f"{(rss[v] - ref_rss) / MiB:+.0f} MiB" if ref_rss is not None else "-"
-        print(f"{v:<15}{med[v]:>7.2f}s{ratio:>9}{rss[v] / MiB:>6.0f} MiB{delta:>10}{warm[v] / MiB:>11.0f} MiB"
+        print(f"{v:<15}{med[v]:>7.2f}s{ratio:>9}{rss[v] / MiB:>6.0f} MiB{delta:>10}{warm[v] / MiB:>13.0f} MiB"
               f"{wrote[v] / MiB:>6.0f} MiB{held[v] / MiB:>9.0f} MiB")
         if "files_left" in results[v][-1] and results[v][-1]["files_left"]:
             print(f"  warning: {v} left {results[v][-1]['files_left']} files")

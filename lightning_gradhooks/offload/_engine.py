@@ -76,6 +76,27 @@ def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return keeper, version
 
 
+def _freeing_first(records: list[_Record]) -> Any:
+    """``records`` (oldest first), those whose memory writing them would free first, then the others;
+    looked at lazily, so that a spill costs what it writes plus what it skips."""
+    later = []
+    for rec in records:
+        if rec.src is not None and _held_elsewhere(rec.src):
+            later.append(rec)
+        else:
+            yield rec
+    yield from later
+
+
+def _held_elsewhere(src: torch.Tensor) -> bool:
+    """Whether a tensor other than the engine's own alias ``src`` uses its storage (the batch, a tensor
+    the caller keeps, a view): writing it would free nothing."""
+    try:  # src, and the storage object made for the call
+        return torch._C._storage_Use_Count(src.untyped_storage()._cdata) > 2
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _check_version(tensor: torch.Tensor, version: int, dtype: torch.dtype, size: torch.Size) -> None:
     """Raise, as autograd does without hooks, if a saved tensor changed since it was saved (torch skips its
     own check whenever saved-tensor hooks are set)."""
@@ -377,8 +398,13 @@ class _Engine:
                 # Spill until what stays once the writes are done leaves room for one more tensor, which
                 # can then be written while the forward goes on.
                 keep = None if budget is None else budget - newest
+                # Oldest first; under a budget, first those that only the engine holds: writing a tensor
+                # the caller also keeps (the batch, the output being used) frees nothing. Then the rest.
+                candidates = iter(list(self._parked)) if keep is None else _freeing_first(list(self._parked))
                 while self._parked and (keep is None or self._parked_bytes + self._prefetched > keep):
-                    rec = next(iter(self._parked))
+                    rec = next(candidates, None)
+                    if rec is None:
+                        break
                     if rec.src is None:  # failed or dead meanwhile: nothing to write
                         self._unpark(rec)
                         continue
@@ -389,7 +415,8 @@ class _Engine:
                         break
                     self._queue(rec)
                 if copy is None:
-                    blocked = bool(self._parked) and (keep is None or self._parked_bytes + self._prefetched > keep)
+                    blocked = bool(self._parked) and (
+                        keep is None or self._parked_bytes + self._prefetched > keep)
                     if not (blocked or (budget is not None and self._in_flight and self._held() > budget)):
                         return
                     waiter = self._waiter()
