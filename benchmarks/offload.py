@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint  # imported before the RSS baseline, not during the first step
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,6 +296,9 @@ def main() -> None:
     parser.add_argument("--io-mib", type=int, default=1024, help="MiB moved by each bandwidth test")
     parser.add_argument("--io-repeats", type=int, default=3, help="repetitions of each bandwidth test")
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="run the variants with MALLOC_MMAP_THRESHOLD_=BYTES: a fixed glibc mmap threshold, so "
+                             "freed tensors of that size or more go back to the system and RSS follows live memory")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--saved", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -315,10 +319,16 @@ def main() -> None:
     forwarded = ["--batch", str(args.batch), "--width", str(args.width), "--depth", str(args.depth),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--saved", str(saved)]
     forwarded += ["--dir", args.dir] if args.dir else []
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        print(f"allocator: glibc with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
+    else:
+        print("allocator: glibc defaults (dynamic mmap threshold)")
     for r in range(args.rounds):
         for v in args.variants:
             proc = subprocess.run([sys.executable, __file__, "--worker", v, *forwarded], capture_output=True,
-                                  text=True)
+                                  text=True, env=env)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {v} failed:\n{proc.stderr}")
             results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))

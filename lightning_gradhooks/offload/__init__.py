@@ -44,7 +44,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
 
     Under the context, a saved tensor spanning at least ``threshold_bytes`` of storage is
     queued for a background writer thread that appends its raw bytes to the current step's
-    file and then drops the engine's reference, so its memory is freed once written. The
+    file and then drops the engine's reference, so its memory is freed once written (under
+    ``budget_bytes``, only the oldest that do not fit in the budget are). The
     forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
     During backward the first unpack of a tensor starts reading the tensors saved before it,
     in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
@@ -64,7 +65,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             this many bytes.
         directory: an existing folder in which the unnamed files are opened; ``None`` uses the
             system temporary folder. Nothing in it is ever visible by name (see docs/offload.md).
-        max_bytes_in_flight: bytes queued for writing before the forward pass waits.
+        max_bytes_in_flight: bytes queued for writing before the forward pass waits (32 MiB:
+            a write overlaps the next layer's compute, and the forward never runs far ahead
+            of the disk holding what it has not written yet).
         prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
             0 disables prefetching.
         segment_bytes: a step's file is closed and a new one started past this size, so
@@ -73,6 +76,11 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             where the filesystem allows (else flush them with ``fdatasync`` and drop them
             from the page cache). Costs device bandwidth. By default writes land in the
             kernel's page cache, which writes them back when it needs the memory.
+        budget_bytes: hold at most this many bytes of offloadable saved tensors (at least
+            ``threshold_bytes``, not parameters) at any moment, plus the one being saved:
+            tensors kept in memory, writes in flight and reads ahead together. The newest stay
+            in memory (backward needs them first) and the oldest are written; reads ahead wait
+            for room. ``None``: every offloadable tensor is written.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -81,6 +89,13 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             (the message names the folder and the reason); later, a write or read fails (full
             disk, I/O error, short read), naming the folder and the bytes: raised in the forward
             pass, at the latest at the first unpack or when the context exits.
+        RuntimeError: at unpack, a saved tensor was changed in place since it was saved (as
+            autograd raises without hooks).
+
+    Warns:
+        UserWarning: once, when the folder's free space is less than two steps' offloaded bytes
+            (at construction: less than twice ``max_bytes_in_flight``), naming the folder, the
+            bytes free and the bytes needed.
 
     Example::
 
@@ -183,7 +198,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         self._engine.close()
 
     def __repr__(self) -> str:
-        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
+        budget = "" if self._engine.budget is None else f", budget_bytes={self._engine.budget}"
+        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r}{budget})"
 
 
 # ----------------------------------------------------------------------------- internals
