@@ -1,21 +1,24 @@
-"""Benchmark disk offload of saved activations: ``save_on_disk`` against the alternatives.
+"""Benchmark disk offload of saved activations: the memory/time frontier of ``save_on_disk``.
 
-Workload: an activation-heavy MLP, ``depth`` x (Linear(width, width) + GELU), batch ``batch``,
-fp32, CPU, forward + backward. Variants, each step run in its own process (peak RSS via
-VmHWM minus the RSS just before the first step), interleaved round by round so that a
-noisy machine affects all of them alike:
+Workload (the one of issue 27): ``depth`` x (Linear(width, width) + GELU), batch ``batch``, fp32,
+CPU, forward + backward; by default 6 x 1024 wide, batch 4096, which saves 192 MiB per step in
+12 tensors of 16 MiB. Variants, each run in its own process (peak RSS: VmHWM of the steps after
+the warm-up, minus the RSS before the first step), interleaved round by round so that a noisy
+machine affects all of them alike:
 
 - ``none``: no offload;
-- ``save_on_disk``: this package, threshold 1 MiB, default knobs;
-- ``save_on_disk_drop``: the same with ``drop_page_cache=True`` (bytes really leave RAM);
-- ``torch_save``: the PyTorch docs' hooks, one ``torch.save`` file per tensor (same threshold),
-  synchronous, ``torch.load`` on unpack;
-- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around each Linear + GELU.
+- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around each Linear + GELU;
+- ``threshold``: ``save_on_disk(threshold_bytes=1 MiB)``, default knobs (every tensor of 1 MiB
+  or more is written);
+- ``budget25``, ``budget50``, ``budget75``: the same with ``budget_bytes`` = 25, 50 and 75 % of
+  the bytes saved per step (the newest stay in memory, the oldest are written);
+- optional (``--variants``): ``threshold_drop`` (``drop_page_cache=True``) and ``torch_save``
+  (the PyTorch docs' hooks, one ``torch.save`` file per tensor).
 
-Then the raw sequential write and read bandwidth of the same folder (64 MiB blocks, O_DIRECT
-where the filesystem allows, else buffered + fsync) and the bandwidth of the engine alone.
+``--bandwidth`` adds the raw sequential write and read bandwidth of the folder (64 MiB
+blocks) and that of the engine alone.
 
-Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 2]``.
+Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [--bandwidth]``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint  # imported before the RSS baseline, not during the first step
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +46,8 @@ from lightning_gradhooks.offload import save_on_disk  # noqa: E402
 
 MiB = 1 << 20
 THRESHOLD = MiB
-VARIANTS = ("none", "save_on_disk", "save_on_disk_drop", "torch_save", "checkpoint")
+VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_drop", "torch_save")
+DEFAULT_VARIANTS = VARIANTS[:6]
 
 
 def rss_bytes() -> int:
@@ -102,8 +107,9 @@ def worker(args: argparse.Namespace) -> None:
     model, x = make_model(args)
     variant, folder = args.worker, args.dir or tempfile.gettempdir()
     engine = None
-    if variant in ("save_on_disk", "save_on_disk_drop"):
-        engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "save_on_disk_drop")
+    if variant.startswith(("threshold", "budget")):
+        budget = int(args.saved * int(variant[6:]) / 100) if variant.startswith("budget") else None
+        engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "threshold_drop", budget_bytes=budget)
     docs_dir = tempfile.mkdtemp(dir=folder) if variant == "torch_save" else None
 
     def forward() -> torch.Tensor:
@@ -120,11 +126,17 @@ def worker(args: argparse.Namespace) -> None:
                 return model(x).sum()
         return model(x).sum()
 
-    baseline = rss_bytes()
+    times, written = [], 0
+    start = rss_bytes()  # model and batch loaded
     if not reset_peak_rss():
-        baseline = peak_rss_bytes()  # the peak so far stands in for the baseline
-    times = []
+        start = peak_rss_bytes()  # the peak so far stands in for it
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # the peak of the measured steps only, over the memory they start from
+            if engine is not None:
+                written = engine.stats().bytes_written
+            baseline = rss_bytes()
+            if not reset_peak_rss():
+                baseline = peak_rss_bytes()
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss = forward()
@@ -136,12 +148,14 @@ def worker(args: argparse.Namespace) -> None:
     extra = {}
     if engine is not None:
         s = engine.stats()
-        extra = {"written_per_step": s.bytes_written / (args.warmup + args.steps), "files_left": s.files_on_disk}
+        extra = {"written_per_step": (s.bytes_written - written) / args.steps, "files_left": s.files_on_disk,
+                 "held_peak": s.bytes_in_memory_peak}
         engine.close()
     if docs_dir is not None:
         extra = {"files_left": len(os.listdir(docs_dir))}
         os.rmdir(docs_dir)
-    print(json.dumps({"variant": variant, "times": times, "peak_over_baseline": peak - baseline, **extra}))
+    print(json.dumps({"variant": variant, "times": times, "peak_over_baseline": peak - baseline,
+                      "peak_over_start": peak - start, **extra}))
 
 
 def activation_bytes(args: argparse.Namespace) -> int:
@@ -158,7 +172,7 @@ def activation_bytes(args: argparse.Namespace) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x).sum()
-    return sum(seen.values()) - x.numel() * x.element_size()  # the input is resident anyway
+    return sum(seen.values())  # the input included: the engine counts (and may write) it too
 
 
 # ----------------------------------------------------------------------------- bandwidth
@@ -273,15 +287,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=None, help="folder to offload to (default: the temp folder)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all variants")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per variant and round")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per variant and round")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
-    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--bandwidth", action="store_true", help="also measure raw and engine bandwidth")
     parser.add_argument("--io-mib", type=int, default=1024, help="MiB moved by each bandwidth test")
     parser.add_argument("--io-repeats", type=int, default=3, help="repetitions of each bandwidth test")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="run the variants with MALLOC_MMAP_THRESHOLD_=BYTES: a fixed glibc mmap threshold, so "
+                             "freed tensors of that size or more go back to the system and RSS follows live memory")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--saved", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -292,36 +311,80 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {os.cpu_count()} cores, {cpu_model()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; folder {folder}: {filesystem(folder)}")
-    acts = activation_bytes(args)
+    saved = activation_bytes(args)
     print(f"workload: {args.depth} x (Linear({args.width}, {args.width}) + GELU), batch {args.batch}, fp32; "
-          f"activations above 1 MiB (excluding the input): {acts / MiB:.0f} MiB")
+          f"saved for backward in tensors of 1 MiB or more: {saved / MiB:.0f} MiB per step")
 
     results: dict[str, list[dict]] = {v: [] for v in args.variants}
     forwarded = ["--batch", str(args.batch), "--width", str(args.width), "--depth", str(args.depth),
-                 "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--dir", args.dir] if args.dir else [])
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--saved", str(saved)]
+    forwarded += ["--dir", args.dir] if args.dir else []
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        print(f"allocator: glibc with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
+    else:
+        print("allocator: glibc defaults (dynamic mmap threshold)")
     for r in range(args.rounds):
         for v in args.variants:
             proc = subprocess.run([sys.executable, __file__, "--worker", v, *forwarded], capture_output=True,
-                                  text=True)
+                                  text=True, env=env)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {v} failed:\n{proc.stderr}")
             results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"  round {r + 1}/{args.rounds} {v:<18} " + " ".join(f"{t:.2f}s" for t in results[v][-1]["times"]),
-                  flush=True)
+            res = results[v][-1]
+            print(f"  round {r + 1}/{args.rounds} {v:<15} " + " ".join(f"{t:.2f}s" for t in res["times"])
+                  + f"  peak +{res['peak_over_start'] / MiB:.0f} MiB, over the step's start +"
+                  f"{res['peak_over_baseline'] / MiB:.0f} MiB", flush=True)
 
     med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in args.variants}
-    rss = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
+    # Time ratios: the median over rounds of the ratio within each round (rounds run back to back,
+    # so a burst of load on a shared machine hits the variants of one round alike).
+    ratio_of = {v: statistics.median(statistics.median(a["times"]) / statistics.median(b["times"])
+                                     for a, b in zip(results[v], results["none"], strict=True))
+                for v in args.variants} if "none" in results else {}
+    rss = {v: statistics.median(res["peak_over_start"] for res in results[v]) for v in args.variants}
+    warm = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
+    wrote = {v: statistics.median(res.get("written_per_step", 0) for res in results[v]) for v in args.variants}
+    held = {v: max(res.get("held_peak", 0) for res in results[v]) for v in args.variants}
     ref_t, ref_rss = med.get("none"), rss.get("none")
     print()
-    print(f"{'variant':<20}{'median step':>12}{'vs none':>9}{'peak RSS':>12}{'RSS saved':>11}{'of acts':>9}")
+    print("peak: the peak RSS (VmHWM) of the measured steps (after the warm-up) over the RSS before the first")
+    print("step (model and batch loaded); over step start: the same peak over the RSS just before the measured")
+    print("steps (which keeps what the warm-up left in the heap); medians over rounds. step: median step time;")
+    print("vs none: the median over rounds of the within-round ratio of median step times.")
+    print("written: per step; engine held: the engine's high-water mark (OffloadStats.bytes_in_memory_peak)")
+    print(f"{'variant':<15}{'step':>8}{'vs none':>9}{'peak':>10}{'vs none':>10}{'over step start':>17}{'written':>10}"
+          f"{'engine held':>13}")
     for v in args.variants:
-        ratio = f"{med[v] / ref_t:.3f}x" if ref_t else "-"
-        saved = (ref_rss - rss[v]) if ref_rss is not None else None
-        print(f"{v:<20}{med[v]:>11.2f}s{ratio:>9}{rss[v] / MiB:>8.0f} MiB"
-              + (f"{saved / MiB:>7.0f} MiB{saved / acts:>9.0%}" if saved is not None else ""))
+        ratio = f"{ratio_of[v]:.3f}x" if ratio_of else "-"
+        delta = f"{(rss[v] - ref_rss) / MiB:+.0f} MiB" if ref_rss is not None else "-"
+        print(f"{v:<15}{med[v]:>7.2f}s{ratio:>9}{rss[v] / MiB:>6.0f} MiB{delta:>10}{warm[v] / MiB:>13.0f} MiB"
+              f"{wrote[v] / MiB:>6.0f} MiB{held[v] / MiB:>9.0f} MiB")
         if "files_left" in results[v][-1] and results[v][-1]["files_left"]:
             print(f"  warning: {v} left {results[v][-1]['files_left']} files")
 
+    if {"none", "threshold", "budget50"} <= set(args.variants):
+        def verdict(ok: bool) -> str:
+            return "met " if ok else "MISS"
+
+        print()
+        print("targets (budget50 = half the saved bytes):")
+        limit = ref_rss - 0.5 * wrote["budget50"]
+        print(f"  [{verdict(rss['budget50'] <= limit)}] peak <= none's peak - 50% of bytes written: "
+              f"{rss['budget50'] / MiB:.0f} MiB <= {ref_rss / MiB:.0f} - {0.5 * wrote['budget50'] / MiB:.0f} "
+              f"= {limit / MiB:.0f} MiB")
+        over_b, over_t = ratio_of["budget50"] - 1, ratio_of["threshold"] - 1
+        print(f"  [{verdict(over_b <= 0.6 * over_t)}] overhead <= 0.6x threshold-only's: "
+              f"{over_b:+.1%} vs {over_t:+.1%} ({over_b / over_t if over_t > 0 else float('inf'):.2f}x)")
+        print(f"  [{verdict(rss['threshold'] < ref_rss)}] threshold-only (default knobs) lowers the peak: "
+              f"{rss['threshold'] / MiB:.0f} vs {ref_rss / MiB:.0f} MiB")
+
+    if args.bandwidth:
+        bandwidth(folder, args)
+
+
+def bandwidth(folder: str, args: argparse.Namespace) -> None:
     total = args.io_mib * MiB
     raw = median_of([raw_bandwidth(folder, total) for _ in range(args.io_repeats)])
     for drop in (False, True):  # warm up: the first huge-page faults may compact memory
@@ -342,28 +405,6 @@ def main() -> None:
             ("engine read (drop_page_cache)", eng[True][1], "read_device_fresh"))
     for label, value, key in rows:
         print(f"  {label:<34}{value:>8.0f} MB/s  = {value / raw[key][0]:.0%} of raw {raw[key][1]}")
-
-    if {"none", "save_on_disk"} <= set(args.variants):
-        print()
-        print("targets (save_on_disk, default knobs):")
-
-        def verdict(ok: bool) -> str:
-            return "met " if ok else "MISS"
-
-        r = med["save_on_disk"] / ref_t
-        print(f"  [{verdict(r <= 1.05)}] step time <= 1.05x no offload: {r:.3f}x")
-        frac = (ref_rss - rss["save_on_disk"]) / acts
-        print(f"  [{verdict(frac >= 0.9)}] peak RSS reduced by >= 90% of activation bytes: {frac:.0%}")
-        if "torch_save" in med:
-            r = med["torch_save"] / med["save_on_disk"]
-            print(f"  [{verdict(r >= 1.5)}] >= 1.5x faster than per-tensor torch.save: {r:.2f}x")
-        if "checkpoint" in med:
-            ok = med["save_on_disk"] < med["checkpoint"] and rss["save_on_disk"] < rss["checkpoint"]
-            print(f"  [{verdict(ok)}] faster than checkpoint with less memory: {med['save_on_disk']:.2f}s vs "
-                  f"{med['checkpoint']:.2f}s, {rss['save_on_disk'] / MiB:.0f} vs {rss['checkpoint'] / MiB:.0f} MiB")
-        for label, value, key in rows:
-            w = value / raw[key][0]
-            print(f"  [{verdict(w >= 0.7)}] {label} >= 70% of raw: {w:.0%}")
 
 
 if __name__ == "__main__":

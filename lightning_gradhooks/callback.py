@@ -91,6 +91,10 @@ class GradHooksLogic:
             tensor parallel) always give the full gradient's statistics.
         report_thresholds: overrides of the health report's thresholds (fields of
             :class:`~lightning_gradhooks.report.Thresholds`).
+        offload_budget_bytes: with offload on, keep at most this many bytes of offloadable saved
+            tensors in memory (plus one tensor), the newest, and write the oldest to disk
+            (``save_on_disk(budget_bytes=...)``); None (default): every tensor of at least
+            ``offload_threshold_bytes`` is written. Needs ``offload_threshold_bytes``.
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -124,9 +128,16 @@ class GradHooksLogic:
         offload_dir: str | None = None,
         sync_dist: bool = False,
         report_thresholds: dict[str, float] | None = None,
+        offload_budget_bytes: int | None = None,
     ) -> None:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
+        check_int("offload_budget_bytes", offload_budget_bytes, allow_none=True)
+        if offload_budget_bytes is not None and offload_threshold_bytes is None:
+            raise ValueError(
+                f"`offload_budget_bytes` expected `offload_threshold_bytes` to be set too, got "
+                f"offload_budget_bytes={offload_budget_bytes!r} with offload_threshold_bytes=None (offload off)"
+            )
         offload_dir = check_folder("offload_dir", offload_dir)
         if offload_dir is not None and offload_threshold_bytes is None:
             raise ValueError(
@@ -148,6 +159,7 @@ class GradHooksLogic:
         self.histogram_bins = histogram_bins
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
+        self.offload_budget_bytes = offload_budget_bytes
         self.sync_dist = sync_dist
         self.report_thresholds = dict(report_thresholds or {})
         self._thresholds = _thresholds(self.report_thresholds)
@@ -227,7 +239,8 @@ class GradHooksLogic:
             )
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
-            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir)
+            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir,
+                                         budget_bytes=self.offload_budget_bytes)
             self._offload.keep_in_memory(pl_module)
         if trainer.fast_dev_run:
             pass  # Lightning has switched logging off: nothing to say

@@ -543,9 +543,11 @@ class Interrupting:
         raise KeyboardInterrupt
 
 
+@pytest.mark.parametrize("budget", [None, 2 * MiB])  # under a budget the hand-over comes from a later pack
 @pytest.mark.parametrize("after", [False, True])
-def test_interrupted_pack_leaves_nothing_behind(engine: save_on_disk, monkeypatch: pytest.MonkeyPatch,
-                                               after: bool) -> None:
+def test_interrupted_pack_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after: bool,
+                                               budget: int | None) -> None:
+    engine = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, budget_bytes=budget)
     model, x = mlp(), batch()
     monkeypatch.setattr(engine._engine, "_writes", Interrupting(engine._engine._writes, after))
     with pytest.raises(KeyboardInterrupt):
@@ -559,6 +561,7 @@ def test_interrupted_pack_leaves_nothing_behind(engine: save_on_disk, monkeypatc
     assert s.bytes_pending_write == 0 and s.bytes_in_memory == 0 and files(engine) == []
     ref = train_step(model, x, None)
     assert all(torch.equal(a, b) for a, b in zip(ref, train_step(model, x, engine), strict=True))
+    engine.close()
 
 
 def test_no_engine_code_when_a_handle_dies(engine: save_on_disk) -> None:

@@ -45,11 +45,14 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
 
     Under the context, a saved tensor spanning at least ``threshold_bytes`` of storage is
     queued for a background writer thread that appends its raw bytes to the current step's
-    file and then drops the engine's reference, so its memory is freed once written. The
+    file and then drops the engine's reference, so its memory is freed once written (under
+    ``budget_bytes``, only the oldest that do not fit in the budget are). The
     forward pass waits only when ``max_bytes_in_flight`` bytes are queued (backpressure).
     During backward the first unpack of a tensor starts reading the tensors saved before it,
     in reverse order, up to ``prefetch_bytes`` ahead. Results are bitwise identical to
-    running without the context. Metadata (dtype, shape, strides, offsets) stays in memory;
+    running without the context, and a saved tensor changed in place after it was saved is
+    refused at unpack with autograd's ``RuntimeError`` (torch skips that check whenever
+    saved-tensor hooks are set; this engine makes it for every saved tensor). Metadata (dtype, shape, strides, offsets) stays in memory;
     files hold raw bytes only and are never unpickled.
 
     Not offloaded: parameters and other leaves that require grad, views of those, tensors of
@@ -63,7 +66,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             this many bytes.
         directory: an existing folder in which the unnamed files are opened; ``None`` uses the
             system temporary folder. Nothing in it is ever visible by name (see docs/offload.md).
-        max_bytes_in_flight: bytes queued for writing before the forward pass waits.
+        max_bytes_in_flight: bytes queued for writing before the forward pass waits (32 MiB:
+            a write overlaps the next layer's compute, and the forward never runs far ahead
+            of the disk holding what it has not written yet).
         prefetch_bytes: bytes read ahead of need during backward (at least one tensor);
             0 disables prefetching.
         segment_bytes: a step's file is closed and a new one started past this size, so
@@ -72,6 +77,11 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             where the filesystem allows (else flush them with ``fdatasync`` and drop them
             from the page cache). Costs device bandwidth. By default writes land in the
             kernel's page cache, which writes them back when it needs the memory.
+        budget_bytes: hold at most this many bytes of offloadable saved tensors (at least
+            ``threshold_bytes``, not parameters) at any moment, plus the one being saved:
+            tensors kept in memory, writes in flight and reads ahead together. The newest stay
+            in memory (backward needs them first) and the oldest are written; reads ahead wait
+            for room. ``None``: every offloadable tensor is written.
 
     Raises:
         ValueError: an argument has the wrong type or is out of range (naming it, what is
@@ -80,6 +90,13 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             (the message names the folder and the reason); later, a write or read fails (full
             disk, I/O error, short read), naming the folder and the bytes: raised in the forward
             pass, at the latest at the first unpack or when the context exits.
+        RuntimeError: at unpack, a saved tensor was changed in place since it was saved (as
+            autograd raises without hooks).
+
+    Warns:
+        UserWarning: once, when the folder's free space is less than two steps' offloaded bytes
+            (at construction: less than twice ``max_bytes_in_flight``), naming the folder, the
+            bytes free and the bytes needed.
 
     Example::
 
@@ -99,19 +116,21 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         threshold_bytes: int,
         directory: str | os.PathLike[str] | None = None,
         *,
-        max_bytes_in_flight: int = 256 << 20,
+        max_bytes_in_flight: int = 32 << 20,
         prefetch_bytes: int = 32 << 20,
         segment_bytes: int = 1 << 30,
         drop_page_cache: bool = False,
+        budget_bytes: int | None = None,
     ) -> None:
         check_int("threshold_bytes", threshold_bytes, minimum=0)
         check_int("max_bytes_in_flight", max_bytes_in_flight)
         check_int("prefetch_bytes", prefetch_bytes, minimum=0)
         check_int("segment_bytes", segment_bytes)
+        check_int("budget_bytes", budget_bytes, allow_none=True)
         check_bool("drop_page_cache", drop_page_cache)
         directory = check_folder("directory", directory, pathlike=True) or tempfile.gettempdir()
         self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
-                               drop_page_cache)
+                               drop_page_cache, budget_bytes)
         self._depth = 0
         super().__init__(self._engine.pack, self._engine.unpack)
 
@@ -174,4 +193,5 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         self._engine.close()
 
     def __repr__(self) -> str:
-        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r})"
+        budget = "" if self._engine.budget is None else f", budget_bytes={self._engine.budget}"
+        return f"save_on_disk(threshold_bytes={self._engine.threshold}, directory={self.directory!r}{budget})"

@@ -27,7 +27,7 @@ class OffloadStats:
     __module__ = "lightning_gradhooks.offload"  # where users import it from
 
     directory: str  #: the folder in which the (unnamed) files live
-    bytes_in_memory: int  #: held by the engine: pending writes plus buffers read ahead
+    bytes_in_memory: int  #: offloadable tensors held by the engine: kept under the budget, pending writes, read ahead
     bytes_pending_write: int  #: handed to the writer, not yet on disk
     bytes_prefetched: int  #: read back (or being read) ahead of the backward pass
     bytes_offloaded: int  #: handed to the writer since construction (after deduplication)
@@ -38,6 +38,9 @@ class OffloadStats:
     tensors_offloaded: int  #: storage regions written (after deduplication)
     tensors_deduplicated: int  #: saves answered by a region already written
     tensors_kept: int  #: saves left in memory (small, parameters, unsupported)
+    bytes_parked: int = 0  #: offloadable tensors kept in memory under the budget (the newest saves)
+    bytes_in_memory_peak: int = 0  #: high-water mark of ``bytes_in_memory`` since construction
+    budget_bytes: int | None = None  #: the engine's budget (None: every offloadable tensor is written)
 
 
 def _round_up(n: int, k: int) -> int:

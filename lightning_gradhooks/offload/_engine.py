@@ -16,6 +16,7 @@ import itertools
 import os
 import queue
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -27,6 +28,7 @@ from lightning_gradhooks.offload._files import (
     Failure,
     _close_all,
     _Files,
+    _free_bytes,
     _HandleRef,
     _in_thread,
     _open_folder,
@@ -42,15 +44,73 @@ _STOP = object()  # tells a thread to finish
 _ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
 
 
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
 class _Handle:
-    """What autograd keeps instead of an offloaded tensor: metadata and its record. No ``__del__``."""
+    """What autograd keeps instead of an offloaded tensor: metadata, its record and what checks its
+    version at unpack. No ``__del__``."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "storage_offset", "rel_offset", "__weakref__")
+    __slots__ = ("record", "dtype", "size", "stride", "storage_offset", "rel_offset", "keeper", "version", "uses",
+                 "__weakref__")
 
-    def __init__(self, record: _Record, t: torch.Tensor) -> None:
+    def __init__(self, record: _Record, t: torch.Tensor, keeper: torch.Tensor, version: int) -> None:
         self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.storage_offset = t.size(), t.stride(), t.storage_offset()
         self.rel_offset = (t.storage_offset() * t.element_size() - record.byte_start) // t.element_size()
+        self.keeper, self.version = keeper, version
+        self.uses = 0  # unpacks served to this handle
+
+
+def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A tensor that shares ``t``'s version counter but none of its memory, and ``t``'s version now;
+    None where torch refuses. Autograd's own saved variables keep the same: the counter, which every
+    view and ``detach()`` alias of the storage bumps, not the data."""
+    version = t._version
+    try:
+        keeper = t.detach()
+        keeper.set_()  # an empty storage; this bumps the shared counter...
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    _set_versions((keeper,), (version,))  # ...which is set back at once (one thread: the forward's)
+    return keeper, version
+
+
+def _freeing_first(records: list[_Record]) -> Any:
+    """``records`` (oldest first), those whose memory writing them would free first, then the others;
+    looked at lazily, so that a spill costs what it writes plus what it skips."""
+    later = []
+    for rec in records:
+        if rec.src is not None and _held_elsewhere(rec.src):
+            later.append(rec)
+        else:
+            yield rec
+    yield from later
+
+
+def _held_elsewhere(src: torch.Tensor) -> bool:
+    """Whether a tensor other than the engine's own alias ``src`` uses its storage (the batch, a tensor
+    the caller keeps, a view): writing it would free nothing."""
+    try:  # src, and the storage object made for the call
+        return torch._C._storage_Use_Count(src.untyped_storage()._cdata) > 2
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _check_version(tensor: torch.Tensor, version: int, dtype: torch.dtype, size: torch.Size) -> None:
+    """Raise, as autograd does without hooks, if a saved tensor changed since it was saved (torch skips its
+    own check whenever saved-tensor hooks are set)."""
+    now = tensor._version
+    if now != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {dtype} tensor of shape {list(size)} saved for backward at version {version} is now at version "
+            f"{now} (checked by save_on_disk, since torch skips this check under saved-tensor hooks; autograd "
+            "raises the same error without offload). Hint: look for an in-place change of this tensor, or of a "
+            "view of it, between the forward and this backward (an operation ending in '_', out=, an optimizer "
+            "step); enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find the operation "
+            "that failed to compute its gradient."
+        )
 
 
 def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tensor:
@@ -103,8 +163,9 @@ class _Engine:
     """Owns the files, threads and records of one :class:`save_on_disk`."""
 
     def __init__(self, threshold: int, directory: str, max_in_flight: int, prefetch_bytes: int,
-                 segment_bytes: int, drop_page_cache: bool) -> None:
+                 segment_bytes: int, drop_page_cache: bool, budget: int | None = None) -> None:
         self.threshold, self.max_in_flight, self.drop_page_cache = threshold, max_in_flight, drop_page_cache
+        self.budget = budget  # bytes of offloadable tensors held in memory at once (None: write all)
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = os.path.abspath(directory)
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
@@ -125,6 +186,12 @@ class _Engine:
         self._resident_ptrs: set[int] = set()
         self._error: Failure | None = None
         self._in_flight = self._prefetched = self._bytes_offloaded = self._bytes_written = self._bytes_read = 0
+        # Offloadable tensors kept in memory, oldest first (an insertion-ordered set): under a budget
+        # the newest stay, and the oldest are handed to the writer when the total would exceed it.
+        self._parked: dict[_Record, None] = {}
+        self._parked_bytes = self._held_peak = 0
+        self._space_warned = False
+        self._step_offloaded = 0  # bytes handed to the writer before this step began
         self._offloaded = self._deduplicated = self._kept = 0
         self._prefetch_seg: _Segment | None = None
         self._pool: _PinnedPool | None = None
@@ -139,6 +206,8 @@ class _Engine:
         )
         for thread in self._threads:
             thread.start()
+        # At setup a step's size is unknown: only a nearly full folder can be told.
+        self._check_space(self.max_in_flight, "at setup, a step's size is not known yet; this is max_bytes_in_flight")
 
     @property
     def tmpfile(self) -> bool:
@@ -180,6 +249,19 @@ class _Engine:
             self._prefetch_seg = None
         return seg.take_fds()
 
+    def _held(self) -> int:
+        """Bytes of offloadable tensors the engine holds: kept under the budget, being written, read back."""
+        return self._parked_bytes + self._in_flight + self._prefetched
+
+    def _note_held(self) -> None:
+        held = self._parked_bytes + self._in_flight + self._prefetched
+        if held > self._held_peak:
+            self._held_peak = held
+
+    def _unpark(self, rec: _Record) -> None:
+        del self._parked[rec]
+        self._parked_bytes -= rec.nbytes
+
     def _sync(self) -> None:
         """Wait until the reader thread has handled every handle death queued so far."""
         if self._threads[1].is_alive() and os.getpid() == self._pid:
@@ -199,6 +281,7 @@ class _Engine:
             self._raise_pending()
             self._step += 1  # the writer starts a new file for each step
             self._dedupe = {}
+            self._step_offloaded = self._bytes_offloaded
             self._resident_ptrs = resident
 
     def end_step(self, raise_error: bool) -> None:
@@ -206,6 +289,30 @@ class _Engine:
             self._dedupe = {}
             if raise_error:
                 self._raise_pending()
+            step_bytes = self._bytes_offloaded - self._step_offloaded
+            self._step_offloaded = self._bytes_offloaded
+        if raise_error and step_bytes and not self._space_warned:
+            self._check_space(step_bytes, "what the step just ended handed to the writer")
+
+    def _check_space(self, step_bytes: int, what: str) -> None:
+        """Warn once when the folder cannot hold two steps: before ENOSPC, not after."""
+        with self._lock:
+            if self._space_warned or self.closed or self._files.dir_fd < 0:
+                return
+            fds = [s.fd for s in self._segments.values() if s.fd >= 0]
+            try:  # our files are given back after each backward; what is still to be written is not there yet
+                free = _free_bytes(self._files.dir_fd) + sum(os.fstat(fd).st_size for fd in fds) - self._in_flight
+            except OSError:
+                return
+            if free >= 2 * step_bytes:
+                return
+            self._space_warned = True
+        warnings.warn(
+            f"save_on_disk: the offload folder {self.folder!r} has {free} bytes ({free / (1 << 20):.0f} MiB) free "
+            f"for this engine, less than twice a step: {2 * step_bytes} bytes needed ({step_bytes} bytes a step: "
+            f"{what}). Offloading will fail with ENOSPC (DiskOffloadError) once it fills: free space there, "
+            "choose another folder, raise threshold_bytes or set budget_bytes.",
+            UserWarning, stacklevel=4)
 
     def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
         ptrs = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
@@ -239,8 +346,8 @@ class _Engine:
             return storage, start, nbytes, 0, total
         return storage, start, nbytes, start, nbytes
 
-    def _new_handle(self, rec: _Record, t: torch.Tensor) -> _Handle:
-        handle = _Handle(rec, t)
+    def _new_handle(self, rec: _Record, t: torch.Tensor, keeper: tuple[torch.Tensor, int]) -> _Handle:
+        handle = _Handle(rec, t, *keeper)
         ref = _HandleRef(handle, self._events.put)
         ref.record = rec
         rec.refs.append(ref)
@@ -248,41 +355,91 @@ class _Engine:
 
     def pack(self, t: torch.Tensor) -> Any:
         region = self._region(t)
-        if region is None:
+        keeper = None if region is None else _version_keeper(t)
+        if keeper is None:
             with self._lock:
                 self._check_usable()
                 self._raise_pending()
                 self._kept += 1
-            return t.detach()
+            return t.detach(), t._version  # kept in memory; its version is checked at unpack
         storage, start, nbytes, region_start, region_bytes = region
-        while True:
-            with self._lock:
-                self._check_usable()
-                self._raise_pending()
-                rec = self._find_duplicate(t, storage, start, nbytes)
-                if rec is not None:
-                    self._deduplicated += 1
-                    return self._new_handle(rec, t)
-                if not (self._in_flight and self._in_flight + region_bytes > self.max_in_flight):
-                    break
-                waiter = self._waiter()  # backpressure: wait for the writer
-            waiter.get(timeout=1.0)
-        # Nothing below changes the engine until the queue's put: an interrupt before it leaves a
-        # record that nobody knows, and one after it a record written but not counted in flight.
+        with self._lock:
+            self._check_usable()
+            self._raise_pending()
+            rec = self._find_duplicate(t, storage, start, nbytes)
+            if rec is not None:
+                self._deduplicated += 1
+                return self._new_handle(rec, t, keeper)
+        # An interrupt before the record is parked leaves a record that nobody knows; after, its
+        # handle dies with the interrupted pack, and the reader thread unparks it.
         rec = _Record(t, storage, region_start, region_bytes)
-        handle = self._new_handle(rec, t)
-        if rec.device.type == "cuda":
-            self._copy_to_host(rec, storage)
+        handle = self._new_handle(rec, t, keeper)
         with self._lock:
             self._check_usable()
             rec.step = self._step
-            self._writes.put(rec)
-            rec.queued = True
-            self._in_flight += region_bytes
-            self._bytes_offloaded += region_bytes
-            self._offloaded += 1
+            self._parked[rec] = None
+            self._parked_bytes += region_bytes
+            self._note_held()
             self._dedupe.setdefault((t.device, storage.data_ptr()), []).append(rec)
+        self._spill(region_bytes)
         return handle
+
+    def _spill(self, newest: int) -> None:
+        """Hand the oldest kept records to the writer: all of them without a budget, else until what the
+        engine holds, once written, leaves room in it for one more tensor (``newest`` bytes). Wait
+        (backpressure) while more than ``max_in_flight`` bytes are being written, or, under a budget,
+        while what is held exceeds it: the next save then finds at most the budget held."""
+        while True:
+            copy = None
+            with self._lock:
+                self._check_usable()
+                self._raise_pending()
+                budget = self.budget
+                # Spill until what stays once the writes are done leaves room for one more tensor, which
+                # can then be written while the forward goes on.
+                keep = None if budget is None else budget - newest
+                # Oldest first; under a budget, first those that only the engine holds: writing a tensor
+                # the caller also keeps (the batch, the output being used) frees nothing. Then the rest.
+                candidates = iter(list(self._parked)) if keep is None else _freeing_first(list(self._parked))
+                while self._parked and (keep is None or self._parked_bytes + self._prefetched > keep):
+                    rec = next(candidates, None)
+                    if rec is None:
+                        break
+                    if rec.src is None:  # failed or dead meanwhile: nothing to write
+                        self._unpark(rec)
+                        continue
+                    if self._in_flight and self._in_flight + rec.nbytes > self.max_in_flight:
+                        break
+                    if rec.device.type == "cuda" and rec.pinned is None:
+                        copy = rec, rec.src  # the device-to-host copy runs outside the lock
+                        break
+                    self._queue(rec)
+                if copy is None:
+                    blocked = bool(self._parked) and (
+                        keep is None or self._parked_bytes + self._prefetched > keep)
+                    if not (blocked or (budget is not None and self._in_flight and self._held() > budget)):
+                        return
+                    waiter = self._waiter()
+            if copy is not None:
+                rec, src = copy
+                if src is not None:
+                    self._copy_to_host(rec, src.untyped_storage())
+                continue
+            waiter.get(timeout=1.0)
+
+    def _queue(self, rec: _Record) -> None:
+        """Hand a parked record to the writer (with the lock held). The queue's C ``put`` comes first
+        and no call follows it: an interrupt lands before it (the record stays parked) or right after
+        it (the writer then unparks the record, which is not counted in flight)."""
+        self._writes.put(rec)
+        rec.queued = True
+        del self._parked[rec]
+        self._parked_bytes -= rec.nbytes
+        self._in_flight += rec.nbytes
+        self._bytes_offloaded += rec.nbytes
+        self._offloaded += 1
+        if rec.device.type == "cuda":
+            rec.src = None  # its pinned host copy is written; the device memory goes back
 
     def _find_duplicate(self, t: torch.Tensor, storage: torch.UntypedStorage, start: int,
                         nbytes: int) -> _Record | None:
@@ -335,6 +492,8 @@ class _Engine:
         failure: Failure | None = None
         n = rec.nbytes
         with self._lock:
+            if rec in self._parked:  # its hand-over was interrupted right after the put
+                self._unpark(rec)
             if rec.dead or not rec.alive() or self.closed or rec.step == self._failed_step:
                 rec.dead = rec.dead or not rec.alive()
                 if rec.step == self._failed_step and not rec.dead:
@@ -358,7 +517,6 @@ class _Engine:
                 seg.io += 1
                 fd, direct_fd = seg.fd, seg.direct_fd
             src, pinned, event = rec.src, rec.pinned, rec.event
-        modified = None
         if seg is not None:
             try:
                 if event is not None:
@@ -372,10 +530,6 @@ class _Engine:
                 if self.drop_page_cache and not rec.direct:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, rec.offset, n, os.POSIX_FADV_DONTNEED)
-                if src is not None and src._version != rec.version:
-                    modified = (f"save_on_disk: a tensor saved for backward was modified by an in-place operation "
-                                f"before it was written (version {rec.version}, now {src._version}); autograd "
-                                "cannot use it")
             except OSError as exc:
                 failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not write {n} bytes to folder "
                                                          f"{self.folder!r} (offset {rec.offset}): {exc.strerror}"))
@@ -384,7 +538,6 @@ class _Engine:
         del src
         with self._lock:
             rec.src = None
-            rec.error = modified
             if pinned is not None:
                 rec.pinned = rec.event = None
                 if self._pool is not None:
@@ -414,12 +567,18 @@ class _Engine:
             for r in seg.records:
                 r.src = r.loaded = None
                 r.failed = failure
+        for r in [r for r in self._parked if r.step == rec.step]:  # kept in memory: dropped too
+            self._unpark(r)
+            r.src, r.failed = None, failure
 
     # -- unpack (backward)
     def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
-            return packed
+        if type(packed) is tuple:  # kept in memory
+            tensor, version = packed
+            _check_version(tensor, version, tensor.dtype, tensor.shape)
+            return tensor
         h, rec = packed, packed.record
+        _check_version(h.keeper, h.version, h.dtype, h.size)
         asked = False
         while True:
             ask = False
@@ -429,26 +588,21 @@ class _Engine:
                     if self._error is rec.failed:  # told here: the next step must not tell it again
                         self._error = None
                     _raise(rec.failed)
-                if rec.error is not None:
-                    raise RuntimeError(rec.error)
                 if rec.read_error is not None:
                     failure, rec.read_error = rec.read_error, None
                     _raise(failure)
                 src = rec.src
-                if src is not None:  # CPU, not written yet: still in memory
-                    if src._version != rec.version:
-                        raise RuntimeError("save_on_disk: a tensor saved for backward was modified by an in-place "
-                                           "operation; autograd cannot use it")
+                if src is not None:  # not written yet: still in memory
                     buf = event = None
+                    h.uses += 1
                     break
                 if rec.loaded is not None:
                     buf, event = rec.loaded, rec.load_event
-                    handles = sum(ref() is not None for ref in rec.refs)
-                    rec.served += 1
-                    rec.asked = False
-                    if rec.served >= handles:
+                    h.uses += 1
+                    if all(other.uses >= h.uses for other in rec.handles()):  # every live handle served
                         rec.loaded = rec.load_event = None
                         self._prefetched -= rec.nbytes
+                    rec.asked = False
                     break
                 if rec.done and not rec.written:
                     raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
@@ -482,6 +636,8 @@ class _Engine:
                 return
             rec.dead = True
             rec.src = None  # a running write keeps its own reference until done
+            if rec in self._parked:
+                self._unpark(rec)
             if rec.loaded is not None:
                 rec.loaded = rec.load_event = None
                 self._prefetched -= rec.nbytes
@@ -500,7 +656,13 @@ class _Engine:
     def _demand(self, rec: _Record, load: bool) -> None:
         with self._lock:
             seg = rec.segment
-            if seg is None:
+            if seg is None:  # kept in memory: read ahead from the newest record of its step on disk
+                if rec.step > 0 and (self._prefetch_seg is None or self._prefetch_seg.step != rec.step):
+                    newest = max((s for s in self._segments.values() if s.step == rec.step and s.fd >= 0),
+                                 key=lambda s: s.index, default=None)
+                    if newest is not None and newest.last_unpacked < 0:
+                        newest.cursor = len(newest.records) - 1
+                    self._prefetch_seg = newest
                 return
             seg.cursor = rec.index - 1 if rec.index > seg.last_unpacked else min(seg.cursor, rec.index - 1)
             seg.last_unpacked = rec.index
@@ -514,6 +676,7 @@ class _Engine:
     def _start_load(self, rec: _Record) -> None:
         rec.loading = True
         self._prefetched += rec.nbytes
+        self._note_held()
         rec.segment.io += 1
 
     def _prefetch_one(self) -> bool:
@@ -523,9 +686,12 @@ class _Engine:
             while seg is not None and found is None and self.prefetch_bytes:
                 while seg.cursor >= 0 and found is None and seg.fd >= 0 and seg.failed is None:
                     r = seg.records[seg.cursor]
-                    if self._needs_load(r):
+                    if self._needs_load(r) and r.awaited():  # not one this pass already used
                         if self._prefetched and self._prefetched + r.nbytes > self.prefetch_bytes:
                             return False
+                        held = self._held()
+                        if self.budget is not None and held and held + r.nbytes > self.budget:
+                            return False  # reads ahead count against the budget: wait for room
                         found = r
                         self._start_load(r)
                     seg.cursor -= 1
@@ -553,7 +719,7 @@ class _Engine:
             if failure is None:
                 self._bytes_read += rec.nbytes
             if failure is None and not rec.dead:
-                rec.loaded, rec.load_event, rec.served = buf, event, 0
+                rec.loaded, rec.load_event = buf, event
             else:
                 self._prefetched -= rec.nbytes
                 rec.read_error = failure
@@ -602,7 +768,7 @@ class _Engine:
             fds = [s.fd for s in self._segments.values() if s.fd >= 0]
             return OffloadStats(
                 directory=self.folder,
-                bytes_in_memory=self._in_flight + self._prefetched,
+                bytes_in_memory=self._held(),
                 bytes_pending_write=self._in_flight,
                 bytes_prefetched=self._prefetched,
                 bytes_offloaded=self._bytes_offloaded,
@@ -613,6 +779,9 @@ class _Engine:
                 tensors_offloaded=self._offloaded,
                 tensors_deduplicated=self._deduplicated,
                 tensors_kept=self._kept,
+                bytes_parked=self._parked_bytes,
+                bytes_in_memory_peak=self._held_peak,
+                budget_bytes=self.budget,
             )
 
     def flush(self) -> None:
@@ -630,6 +799,10 @@ class _Engine:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            for r in self._parked:
+                r.src = None
+            self._parked.clear()
+            self._parked_bytes = 0
             self._notify()
         _ENGINES.discard(self._me)
         if os.getpid() != self._pid:

@@ -41,6 +41,12 @@ def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None
         done += n
 
 
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged process can still write in the file system of ``fd``."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
 def _reopen_direct(path: str, dir_fd: int | None = None) -> int:
     """A second descriptor of the same file with O_DIRECT, or -1 where refused (tmpfs)."""
     try:
@@ -182,7 +188,7 @@ class _Record:
 
     __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
                  "direct", "step", "src", "pinned", "event", "refs", "queued", "done", "written", "dead",
-                 "failed", "error", "loaded", "load_event", "loading", "read_error", "served", "asked")
+                 "failed", "loaded", "load_event", "loading", "read_error", "asked")
 
     def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage, byte_start: int, nbytes: int) -> None:
         self.segment: _Segment | None = None  # assigned by the writer thread
@@ -193,7 +199,7 @@ class _Record:
         self.storage_ref, self.version = weakref.ref(storage), t._version
         self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
-        self.src: torch.Tensor | None = t.detach() if t.device.type == "cpu" else None  # until written
+        self.src: torch.Tensor | None = t.detach()  # until written (CUDA: until copied to host)
         self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
         self.event: Any = None  # CUDA: device-to-host copy done
         self.refs: list[_HandleRef] = []  # weak references to the handles autograd keeps
@@ -202,17 +208,28 @@ class _Record:
         self.written = False
         self.dead = False  # every handle died
         self.failed: Failure | None = None  # the write failed
-        self.error: str | None = None  # modified in place before being written
         self.loaded: torch.Tensor | None = None  # bytes read back, held until served
         self.load_event: Any = None  # CUDA: host-to-device copy done
         self.loading = False
         self.read_error: Failure | None = None
-        self.served = 0  # unpacks served from ``loaded``
         self.asked = False  # an unpack waits for it
 
     def alive(self) -> bool:
         for ref in self.refs:
             if ref() is not None:
+                return True
+        return False
+
+    def handles(self) -> list[Any]:
+        """The handles (autograd's saved variables) still alive."""
+        return [h for ref in self.refs if (h := ref()) is not None]
+
+    def awaited(self) -> bool:
+        """Whether a live handle was never unpacked: the backward pass running now still needs it.
+        (A second backward of a retained graph reads on demand, without read-ahead.)"""
+        for ref in self.refs:
+            h = ref()
+            if h is not None and h.uses == 0:
                 return True
         return False
 
