@@ -22,7 +22,7 @@ from lightning_gradhooks.monitor import (
     listed,
 )
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.report import HealthReport, Thresholds
+from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic
 from lightning_gradhooks.updates import UpdateTracker
 
@@ -60,7 +60,7 @@ def _thresholds(overrides: dict[str, float]) -> Thresholds:
     known = Thresholds.__dataclass_fields__
     if not isinstance(overrides, dict) or not set(overrides) <= set(known):
         raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
-    return Thresholds(**{k: type(known[k].default)(v) for k, v in overrides.items()})
+    return Thresholds(**overrides)  # range-checked there
 
 
 def _check_positive_int(argument: str, value: object, allow_none: bool = False) -> None:
@@ -447,7 +447,7 @@ class GradHooksLogic:
             for logger in tensorboards:
                 write_step(logger.experiment, metrics, None, step)
             if self._report is not None:
-                stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
+                stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
                 self._report.add_stats(step, stats, new_step=False)
 
     def _draw_flow(self, trainer: pl.Trainer, final: bool = False) -> None:
@@ -509,20 +509,10 @@ class GradHooksLogic:
                 self._draw_flow(trainer)
         if self._report is not None:
             self._report.add(self._step, record)
-        first = record.first_nonfinite
-        if first is not None and not self._in_nonfinite_episode and first.kind == "forward":
-            rank_zero_warn(
-                f"GradHooks: non-finite values at step {self._step}; first made in the forward of "
-                f"`{first.name}` (its output holds NaN/Inf; the first module in forward order whose "
-                "output does)."
-            )
-        elif first is not None and not self._in_nonfinite_episode:
-            rank_zero_warn(
-                f"GradHooks: non-finite gradients at step {self._step}; first seen in backward "
-                f"order in {first.kind} of `{first.name}` ({int(first.stats['nonfinite'])} "
-                "NaN/Inf elements)."
-            )
-        self._in_nonfinite_episode = first is not None
+        origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
+        if origin is not None and not self._in_nonfinite_episode:
+            rank_zero_warn(f"GradHooks: non-finite values at step {self._step}: {origin[1]}.")
+        self._in_nonfinite_episode = origin is not None
 
 
 class GradHooks(GradHooksLogic, pytorch_lightning.Callback):

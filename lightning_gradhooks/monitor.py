@@ -364,10 +364,12 @@ class GradientMonitor:
         bins: number of histogram bins.
         parameters: also reduce each selected module's own parameter gradients in
             :meth:`collect`.
-        forward_checks: on armed steps, also sum each module's floating outputs in forward
-            (one op per output) into entries of kind ``"forward"``, first in the record and in
-            forward order, so that :attr:`GradientRecord.first_nonfinite` names the module in
-            whose forward NaN or Inf were born.
+        forward_checks: on armed steps, also sum the floating inputs and outputs of every
+            module in forward (one op per tensor; parameterless and unchosen modules included)
+            into entries of kind ``"forward_input"`` and ``"forward"``, in forward order before
+            the gradients, and check the weights once (one ``"weights"`` entry counting the
+            parameters that hold NaN/Inf when the step begins), so that the report names where
+            NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
 
     Raises:
         ValueError: bad arguments, or a pattern that matches no module.
@@ -426,6 +428,17 @@ class GradientMonitor:
         self._model = model
         self._with_parameters = bool(parameters)
         self._forward_checks = bool(forward_checks)
+        # With forward checks, every other module (parameterless ones too) gets a forward hook
+        # on armed steps that checks its inputs and outputs only: a NaN is named where it is made.
+        self._checked = {
+            _label(name): module
+            for name, module in _named_modules(model).items()
+            if _label(name) not in self._hooked and id(module) not in compiled
+        } if self._forward_checks else {}
+        self._check_slots = [
+            _slot(module._forward_hooks, functools.partial(self._check_only, label)) for label, module in self._checked.items()
+        ]
+        self._weights_checked = False  # on this armed step
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -471,6 +484,7 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks in the modules: the in-place probe at first, the planned hooks after."""
+        self._handle.put(self._check_slots)
         if self._plan is None:
             self._probe = _Probe()
             self._handle.put(
@@ -496,6 +510,7 @@ class GradientMonitor:
         self._handle.put(self._slots)
 
     def _park(self) -> None:
+        self._weights_checked = False
         self._probe = None  # a probe whose backward never came is run again at the next arm
         if self._handle is not None:
             self._handle.park()
@@ -630,7 +645,7 @@ class GradientMonitor:
             for path, t in _grad_tensors(output):
                 self._hook(t, "grad_output", "/".join((name, *path)), self.histograms)
         if self._forward_checks and module.training:
-            self._check_forward(name, output)
+            self._check_forward(name, args, output)
 
     def _watch_one_node(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         """The forward hook of a module planned as one autograd node: a single hook on that node
@@ -648,7 +663,7 @@ class GradientMonitor:
                 functools.partial(self._one_node_grads, name, self.histograms, output.output_nr, inputs)
             )
         if self._forward_checks and module.training:
-            self._check_forward(name, output)
+            self._check_forward(name, args, output)
 
     def _read_through_views(self, name: str) -> None:
         """A one-node module made more than one node: read its inputs through views from now on."""
@@ -688,13 +703,36 @@ class GradientMonitor:
     def _leaf_grad(self, kind: str, label: str, histogram: bool, grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, (grad,))
 
-    def _check_forward(self, name: str, output: Any) -> None:
-        """One sum per floating output: NaN or Inf exactly when an element is (barring a float32
-        overflow of a sum of finite values)."""
-        floating = [t.detach() for _, t in _tensor_leaves(output) if t.is_floating_point()]
-        sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
-        if sums:
-            self._reduce("forward", name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)
+    def _check_only(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        """The forward hook of a module that is not monitored, with forward checks on."""
+        if self._armed and torch.is_grad_enabled() and module.training:
+            self._check_forward(name, args, output)
+
+    def _check_forward(self, name: str, args: tuple, output: Any) -> None:
+        """One sum per floating input (``"forward_input"``) and output (``"forward"``): NaN or Inf
+        exactly when an element is (barring a float32 overflow of a sum of finite values). The
+        first check of an armed step also checks the weights (:meth:`_check_weights`)."""
+        if not self._weights_checked:
+            self._weights_checked = True
+            self._check_weights()
+        for kind, value in (("forward_input", args), ("forward", output)):
+            floating = [t.detach() for _, t in _tensor_leaves(value) if t.is_floating_point()]
+            sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
+            if sums:
+                self._reduce(kind, name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)
+
+    def _check_weights(self) -> None:
+        """Whether the model's weights were already non-finite when the armed step began: the
+        largest magnitude of each floating parameter (NaN when it holds one), one ``"weights"``
+        entry whose ``nonfinite`` counts the parameters holding NaN or Inf."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in self._model.parameters():
+            if p.is_floating_point() and type(p.data) is Tensor:  # sharded (DTensor) ones: their pieces differ per rank
+                by_device.setdefault(p.device, []).append(p.detach())
+        with torch.no_grad():
+            for params in by_device.values():
+                largest = torch._foreach_norm(params, float("inf"))
+                self._reduce("weights", ROOT_NAME, torch.stack([m.float() for m in largest]), False)
 
     def _reduce(self, kind: str, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():
