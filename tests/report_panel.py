@@ -36,8 +36,9 @@ class Lit(pl.LightningModule):
         net: the model; called on the batch's input.
         optimizer: ``"sgd"`` (momentum 0.9), ``"adamw"`` or ``"adam"``.
         lr: the learning rate.
-        task: ``"classify"`` (cross entropy on ``net(x)`` against ``y``) or ``"lm"`` (the
-            model returns the loss, HF style).
+        task: ``"classify"`` (cross entropy on ``net(x)`` against ``y``), ``"mse"`` (squared
+            error against one-hot ``y``: unbounded, so a too-large step diverges) or ``"lm"``
+            (the model returns the loss, HF style).
         loss_scale: multiply the loss by this (overflow on purpose).
         nan_weights_at: after the optimizer step of this global step, set one weight to NaN.
         nan_input_at: from this global step on, the batch holds a NaN.
@@ -57,6 +58,9 @@ class Lit(pl.LightningModule):
             x.view(-1)[0] = float("nan")
         if self.task == "lm":
             loss = self.net(input_ids=x, labels=x).loss
+        elif self.task == "mse":
+            out = self.net(x)
+            loss = F.mse_loss(out, F.one_hot(y, out.shape[-1]).to(out.dtype))
         else:
             loss = F.cross_entropy(self.net(x), y)
         self.losses.append(loss.item())
@@ -78,7 +82,7 @@ class Lit(pl.LightningModule):
 
 # -- data: learnable, so that a healthy run trains ------------------------------------------
 
-def images(seed: int, n: int = 512, size: int = 16, classes: int = 10) -> TensorDataset:
+def images(seed: int, n: int = 512, size: int = 16, classes: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, size, size, generator=g)
     w = torch.randn(3 * 4 * 4, classes, generator=g)
@@ -213,7 +217,7 @@ class BagOfWords(nn.Module):
         self.fc = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.emb(x).mean(1))
+        return self.fc(self.emb(x).mean(1) * 4)
 
 
 class LogOf(nn.Module):
@@ -231,8 +235,8 @@ class LogOf(nn.Module):
 
 # -- makers: (LightningModule, dataset) for a seed -------------------------------------------
 
-def resnet(seed: int, lr: float = 0.05) -> tuple[Lit, TensorDataset]:
-    return Lit(ResNet(), "sgd", lr), images(seed)
+def resnet(seed: int, lr: float = 0.05, task: str = "classify") -> tuple[Lit, TensorDataset]:
+    return Lit(ResNet(), "sgd", lr, task=task), images(seed)
 
 
 def vit(seed: int) -> tuple[Lit, TensorDataset]:
@@ -250,7 +254,7 @@ def lstm_last(seed: int) -> tuple[Lit, TensorDataset]:
 
 def bag_of_words(seed: int) -> tuple[Lit, TensorDataset]:
     g = torch.Generator().manual_seed(seed)
-    x = zipf_tokens(g, (512, 32), 30000)
+    x = zipf_tokens(g, (512, 16), 30000)
     y = ((x < 5).sum(1) > (x.clamp(max=40) >= 10).float().mul(0.12).sum(1)).long()
     return Lit(BagOfWords(), "adam", 1e-2), TensorDataset(x, y)
 
