@@ -14,6 +14,8 @@ logged step (from the callback, a plain loop or Fabric) or the scalars of a Tens
   ``exploding_window`` logged values, or an update larger than the weights it moves
   (``update_ratio`` above ``exploding_update_ratio``), for ``exploding_steps`` logged steps in a
   row; values below ``floor_ratio`` of the model's median (same kind, same step) are not read.
+  One such update is enough when it lands the weights beyond ``1 / floor_ratio`` times the
+  model's median parameter RMS.
 - ``vanishing``: a gradient whose RMS is below ``vanishing_ratio`` times the median RMS of the
   same kind of gradient at the same step, for ``vanishing_steps`` logged steps in a row.
 - ``dead``: a module whose output gradient and parameter gradients are all (at least
@@ -371,7 +373,9 @@ class HealthReport:
             size = sizes.get(name)
             readable = size is not None and median_size is not None and size >= t.floor_ratio * median_size
             big = readable and ratio > t.exploding_update_ratio
-            self._run("exploding", label, step, big, t.exploding_steps, ratio, score=ratio)
+            # One such step is enough when it lands the weights far beyond the model's own scale.
+            far = big and size >= median_size / max(t.floor_ratio, 1e-12)
+            self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
             still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
             self._run("stalled", label, step, still, t.stalled_steps, ratio)
 
@@ -428,16 +432,8 @@ class HealthReport:
             groups.setdefault((f.flag, f.module), []).append(f)
         rows = {key: _row(key, flags) for key, flags in groups.items()}
         order = self._order
-        for flag in ("dead", "vanishing"):
-            flagged = sorted((r for (fl, _), r in rows.items() if fl == flag), key=lambda r: order.get(r.module, 0))
-            causes: list[Row] = []
-            for row in flagged:
-                cause = next((c for c in causes if c.since <= row.since), None)
-                if cause is None:
-                    causes.append(row)
-                    continue
-                cause.consequences += [f for f in groups[(flag, row.module)]]
-                del rows[(flag, row.module)]
+        _fold_upstream(rows, groups, "dead", order)
+        _fold_upstream(rows, groups, "vanishing", order)
         # Stalled parameters of a dead module, or whose gradient is all zero (downstream of a dead
         # layer): a consequence of the first dead layer.
         dead = sorted((r for r in rows.values() if r.flag == "dead"), key=lambda r: r.since)
@@ -449,6 +445,7 @@ class HealthReport:
                 cause = next((r for r in dead if r.module == module or any(c.module == module for c in r.consequences)), dead[0])
                 cause.consequences += stalled
                 del rows[(flag, module)]
+        _fold_upstream(rows, groups, "stalled", order)
         if self._nonfinite is not None:
             first = self._nonfinite
             earlier = [f for f in self._flags.values() if f.flag == "exploding" and f.since < first.since]
@@ -525,6 +522,23 @@ class HealthReport:
 def _median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and math.isfinite(v)]
     return _statistics.median(values) if len(values) > 2 else None
+
+
+def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]], flag: str,
+                   order: dict[str, int]) -> None:
+    """Fold the rows of ``flag`` under the first flagged module in backward order (the one
+    nearest the loss): a module upstream of it flagged since the same step or later is one of
+    its consequences (no gradient flows up through a dead layer; a vanishing one keeps
+    shrinking; nothing moves where nothing arrives)."""
+    flagged = sorted((r for (fl, _), r in rows.items() if fl == flag), key=lambda r: order.get(r.module, 0))
+    causes: list[Row] = []
+    for row in flagged:
+        cause = next((c for c in causes if c.since <= row.since), None)
+        if cause is None:
+            causes.append(row)
+            continue
+        cause.consequences += groups[(flag, row.module)]
+        del rows[(flag, row.module)]
 
 
 def _row(key: tuple[str, str], flags: list[Flag]) -> Row:

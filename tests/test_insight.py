@@ -100,6 +100,7 @@ def mlp(*layers: nn.Module) -> nn.Sequential:
 
 
 def flags_of(report: HealthReport, flag: str) -> dict[str, int]:
+    """Flagged entries (``"grad_output net.0"``; for ``dead``, modules) and their first step."""
     return {f.name: f.since for f in report.flags() if f.flag == flag}
 
 
@@ -133,17 +134,22 @@ def test_relu_layer_with_bias_minus_50_is_flagged_dead(tmp_path):
     with torch.no_grad():
         net[2].bias.fill_(-50.0)
     _, report = fit_report(tmp_path, Net(net))
-    dead = flags_of(report, "dead")
-    assert dead.get("grad_output net.2") == 0 and dead.get("param_grad net.2.weight") == 0
-    assert "grad_output net.4" not in dead
+    dead = flags_of(report, "dead")  # module level: output and parameter gradients all zero
+    assert dead == {"net.2": 0, "net.0": 0}  # net.0: upstream, no gradient reaches it
+    (row,) = report.rows()  # one row, its consequences under it
+    assert (row.flag, row.module, row.since) == ("dead", "net.2", 0)
+    assert {(f.flag, f.module) for f in row.consequences} == {
+        ("dead", "net.0"), ("stalled", "net.0"), ("stalled", "net.2"), ("stalled", "net.4")
+    }
 
 
 def test_nan_injected_mid_network_is_flagged_at_its_first_step(tmp_path):
     net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     _, report = fit_report(tmp_path, Net(net, nan_in="2", nan_from=4))
-    (first,) = [f for f in report.flags() if f.flag == "nonfinite"]
+    (first,) = [r for r in report.rows() if r.flag == "nonfinite"]
     assert first.since == 4
-    assert first.name == "forward net.2"  # where it was born, not where backward first saw it
+    assert first.module == "net.2"  # where it was born, not where backward first saw it
+    assert first.detail.startswith("born in the forward of `net.2`; last clean logged step 2")
 
 
 # -- update_ratio against an independent reference -------------------------------------------
@@ -152,7 +158,7 @@ from conftest import MLP, ManualGAN  # noqa: E402
 
 
 class UpdateReference(pl.Callback):
-    """A copy of the weights before each optimizer step; ‖after - before‖ / ‖after‖ at batch end."""
+    """A copy of the weights before each optimizer step; ‖after - before‖ / ‖before‖ at batch end."""
 
     def __init__(self) -> None:
         self.ratios: dict[tuple[int, str], float] = {}
@@ -171,7 +177,7 @@ class UpdateReference(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
         for name, (p, old) in self._before.items():
-            self.ratios[(self.step, name)] = ((p.detach() - old).norm() / p.detach().norm()).item()
+            self.ratios[(self.step, name)] = ((p.detach() - old).norm() / old.norm()).item()
         self._before.clear()
 
 
@@ -246,17 +252,17 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     logdir = str(tmp_path / "logs")
     printed = run_cli("report", logdir)
     assert printed.returncode == 0, printed.stderr
-    assert "module" in printed.stdout and "since step" in printed.stdout
-    dead = [line.split() for line in printed.stdout.splitlines() if " dead " in line]
-    assert ["grad_output", "net.2", "dead", "0", "1"] in dead
-    # The same flags as the report the callback printed (which saw exact element counts).
-    assert {(f.name, f.flag, f.since) for f in report.flags()} == {
-        (f"{row[0]} {row[1]}", row[2], int(row[3])) for row in map(str.split, printed.stdout.splitlines()[2:]) if len(row) == 5
-    }
+    # The same report as the callback printed, line for line.
+    assert printed.stdout.split("\n", 1)[1].rstrip("\n") == report.table()
+    assert ["dead", "net.2", "0", "1"] == printed.stdout.splitlines()[3].split()[:4]
+    everything = run_cli("report", logdir, "--all")
+    assert "param net.4.weight" not in printed.stdout and "param net.4.weight  stalled" in everything.stdout
     failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")
     assert failing.returncode == 1 and "failing on: dead" in failing.stderr
     assert run_cli("report", logdir, "--fail-on", "nonfinite").returncode == 0
-    assert run_cli("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead").returncode == 0
+    too_big = run_cli("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead")
+    assert too_big.returncode == 2 and "Traceback" not in too_big.stderr
+    assert "Thresholds.dead_zero_fraction expected a number in (0, 1], got 1.5" in too_big.stderr
     wrong = run_cli("report", logdir, "--fail-on", "nan")
     assert wrong.returncode == 2 and "expected flags from nonfinite" in wrong.stderr
     missing = run_cli("report", str(tmp_path / "nowhere"))

@@ -605,6 +605,8 @@ def test_hooks_stay_in_through_every_backward_until_collect():
 
 
 def test_forward_checks_name_the_module_where_nan_is_born():
+    from lightning_gradhooks.report import nonfinite_origin
+
     net = model()
     net[2].register_forward_hook(lambda m, i, o: o.index_fill(1, torch.tensor([0]), float("nan")))
     for checks in (False, True):
@@ -617,8 +619,14 @@ def test_forward_checks_name_the_module_where_nan_is_born():
         forward = [e.name for e in record.entries if e.kind == "forward"]
         first = record.first_nonfinite
         if checks:
-            assert forward == ["0", "2", "3", "4"]  # forward order, first in the record
+            # Every module, parameterless ones and the root included, in the order their
+            # forward ends; the weights and inputs are checked too.
+            assert forward == ["0", "1", "2", "3", "4", "(model)"]
+            assert [e.kind for e in record.entries[:3]] == ["weights", "forward_input", "forward"]
             assert (first.kind, first.name) == ("forward", "2")
+            assert nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])[:2] == (
+                "2", "born in the forward of `2`"
+            )
         else:
             assert forward == [] and first.kind != "forward"  # backward names a later module
 
