@@ -46,6 +46,7 @@ class _Damage:
     offset: int
     reason: str
     events: int = 0
+    steps: int = 0  # logged steps with GradHooks data among the events read
 
 
 def read_records(path: Path) -> Iterator[bytes | _Damage]:
@@ -94,16 +95,16 @@ def read_folder(folder: Path) -> Run:
     steps: dict[int, dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
     damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        events = 0
+        events, logged = 0, set()
         for record in read_records(path):
             if isinstance(record, _Damage):
-                record.events = events
+                record.events, record.steps = events, len(logged)
                 damage.append(record)
                 break
             try:
                 event = Event.FromString(record)
             except Exception as error:  # a record whose CRC holds but whose bytes are no Event
-                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events))
+                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events, len(logged)))
                 break
             events += 1
             for value in event.summary.value:
@@ -118,6 +119,7 @@ def read_folder(folder: Path) -> Run:
                 else:
                     continue
                 gradhooks = True
+                logged.add(event.step)
                 kind, stat, name = parsed
                 stat = "param_norm" if (kind, stat) == ("param", "norm") else stat
                 steps[event.step].setdefault((kind, name), {})[stat] = number
@@ -190,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in run.damage:
             where = f" at byte {d.offset}" if d.offset >= 0 else ""
             print(
-                f"warning: {d.path}: {d.reason}{where}; read {d.events} events before it, the rest is not "
-                "in the report (a run still writing ends in a partial record)",
+                f"warning: {d.path}: {d.reason}{where}; read {d.events} events ({d.steps} logged steps of "
+                "GradHooks data) before it, the rest is not in the report (a run still writing can end in "
+                "a partial record)",
                 file=sys.stderr,
             )
     with_data = [run for run in runs if run.gradhooks]
