@@ -447,7 +447,8 @@ class GradHooksLogic:
             for logger in tensorboards:
                 write_step(logger.experiment, metrics, None, step)
             if self._report is not None:
-                stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
+                stats = {("param", n): {k: v for k, v in (("update_ratio", r), ("param_norm", w)) if k in self.statistics}
+                         for n, (r, w) in values.items()}
                 self._report.add_stats(step, stats, new_step=False)
 
     def _draw_flow(self, trainer: pl.Trainer, final: bool = False) -> None:
@@ -508,7 +509,7 @@ class GradHooksLogic:
             if self._flow.steps and self._flow.steps[-1] == self._step and self._flow.due():
                 self._draw_flow(trainer)
         if self._report is not None:
-            self._report.add(self._step, record)
+            self._report.add(self._step, record, self.statistics)
         origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
         if origin is not None and not self._in_nonfinite_episode:
             rank_zero_warn(f"GradHooks: non-finite values at step {self._step}: {origin[1]}.")

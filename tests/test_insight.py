@@ -40,6 +40,7 @@ def test_zero_fraction_equals_reference_whatever_the_padding(batched):
 # -- the report on pathologies built on purpose, through real Lightning fits ----------------
 
 import logging  # noqa: E402
+import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -348,3 +349,42 @@ def test_gradient_flow_of_the_last_logged_step_is_drawn_when_fit_fails(tmp_path)
     events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
     events.Reload()
     assert [i.step for i in events.Images("gradient_flow")][-1] == 4
+
+
+# -- the definitions on hand-made series: what a single step, noise and overflow do -----------
+
+def _steps(report: HealthReport, series: dict[str, list[float]], kind: str = "grad_output") -> None:
+    """Feed one RMS per step per name (mean 0, std = the value), over 20 steady companions."""
+    for step in range(len(next(iter(series.values())))):
+        stats = {(kind, f"steady{i}"): {"mean": 0.0, "std": 1.0 + 0.01 * i} for i in range(20)}
+        stats |= {(kind, name): {"mean": 0.0, "std": values[step]} for name, values in series.items()}
+        report.add_stats(step * 5, stats)
+
+
+def test_a_single_step_spike_and_noise_near_zero_are_not_exploding_two_steps_are():
+    report = HealthReport()
+    _steps(report, {
+        "spike": [1.0, 1.1, 0.9, 150.0, 1.0, 1.0],  # one logged step up, back at the next
+        "noise": [0.1, 0.08, 7.8e-5, 0.214, 0.09, 0.1],  # a dip near zero, then its usual size
+        "grows": [1.0, 1.0, 1.0, 200.0, 300.0, 400.0],  # up and staying up
+    })
+    assert {f.name: f.since for f in report.flags()} == {"grad_output grows": 15}
+
+
+def test_tiny_values_growing_inside_a_vanishing_stack_are_not_exploding():
+    report = HealthReport()
+    _steps(report, {"deep": [1e-26, 1e-24, 1e-22, 1e-20, 1e-18, 1e-16]})
+    assert {(f.flag, f.name) for f in report.flags()} == {("vanishing", "grad_output deep")}
+
+
+def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_weight_is_not():
+    report = HealthReport()
+    grads = {("param_grad", "w"): {"norm": 2.0, "mean": 0.0, "std": 1.0}, ("param_grad", "b"): {"norm": 1.0, "mean": 0.5, "std": 0.5}}
+    report.add_stats(0, grads)
+    # b was all zero before the step: an infinite ratio with finite weights after it is no overflow.
+    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}}, new_step=False)
+    assert report.flags() == []
+    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}}, new_step=False)
+    (row,) = report.rows()
+    assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
+    assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
