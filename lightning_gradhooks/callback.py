@@ -26,7 +26,7 @@ from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origi
 from lightning_gradhooks.stats import STATISTICS, Statistic
 from lightning_gradhooks.updates import UpdateTracker
 
-#: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
+#: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w_before‖ and ‖w‖.
 UPDATE_STATISTICS = ("update_ratio", "param_norm")
 LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 
@@ -108,7 +108,7 @@ class GradHooksLogic:
         statistics: which statistics to log as scalars; default: all of
             ``["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction", "update_ratio",
             "param_norm"]``. ``zero_fraction`` is the share of exactly-zero gradient elements;
-            ``update_ratio`` (‖Δw‖/‖w‖ of the optimizer step, healthy near 1e-3) and
+            ``update_ratio`` (‖Δw‖/‖w_before‖ of the optimizer step, healthy near 1e-3) and
             ``param_norm`` are measured on logged steps through the optimizers' own step hooks
             (:class:`~lightning_gradhooks.updates.UpdateTracker`: one copy of the monitored
             parameters of the optimizer being stepped, held during its ``step()`` only) and
@@ -128,9 +128,9 @@ class GradHooksLogic:
             every rank's piece in one gather per logged step. Only rank 0 writes.
         report_thresholds: overrides of the health report's thresholds (field names of
             :class:`~lightning_gradhooks.report.Thresholds`). At the end of fit, and when fit
-            raises, rank 0 prints the report (a table of module, flag, since step, last value,
-            or one line saying nothing was seen) and writes it as Markdown to TensorBoard's
-            Text tab under ``gradhooks/health_report``.
+            raises, rank 0 prints the report (one row per flag per module, worst first, or one
+            line saying nothing was seen) and writes it as Markdown to TensorBoard's Text tab
+            under ``gradhooks/health_report``. Out-of-range thresholds raise ``ValueError``.
 
     Raises:
         ValueError: at construction, for an invalid argument; at fit start, for an ``include``

@@ -1,4 +1,4 @@
-"""``UpdateTracker``: ‖Δw‖/‖w‖ of an optimizer step, from the optimizer's own step hooks. Pure torch.
+"""``UpdateTracker``: ‖Δw‖/‖w_before‖ of an optimizer step, from the optimizer's own step hooks. Pure torch.
 
 On a step marked with :meth:`UpdateTracker.expect`, the step pre-hook copies the watched
 parameters of that optimizer (one copy of them, on their device: the snapshot memory is the

@@ -127,7 +127,7 @@ class Block(nn.Module):
 class ResNet(nn.Module):
     """A small ResNet: a frozen stem conv (requires_grad False), BN, three basic blocks, a head."""
 
-    def __init__(self, classes: int = 10) -> None:
+    def __init__(self, classes: int = 4) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
         self.conv1.weight.requires_grad_(False)  # a frozen parameter
@@ -173,7 +173,7 @@ class ViT(nn.Module):
     """A tiny ViT as timm builds it: ``cls_token`` initialised with std 1e-6, zero biases, a
     frozen position embedding."""
 
-    def __init__(self, dim: int = 32, depth: int = 3, classes: int = 10) -> None:
+    def __init__(self, dim: int = 32, depth: int = 3, classes: int = 4) -> None:
         super().__init__()
         self.patch = nn.Conv2d(3, dim, 4, 4)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 1e-6)
