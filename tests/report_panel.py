@@ -307,7 +307,32 @@ HEALTHY = {
 }
 
 
+def damaged(make, **attributes):  # noqa: ANN001, ANN201
+    """``make`` with attributes of its LightningModule set: ``damaged(resnet, loss_scale=1e30)``."""
+
+    def made(seed: int) -> tuple[Lit, TensorDataset]:
+        model, data = make(seed)
+        for name, value in attributes.items():
+            setattr(model, name, value)
+        return model, data
+
+    return made
+
+
 # -- one fit, and the CLI on its log ---------------------------------------------------------
+
+def keep_reports(callback: GradHooks) -> list:
+    """The reports ``callback`` prints (at the end of fit or when fit raises), kept in a list."""
+    kept = []
+    original = callback._print_report
+
+    def keep(trainer):  # noqa: ANN001, ANN202
+        kept.append(callback._report)
+        original(trainer)
+
+    callback._print_report = keep
+    return kept
+
 
 def fit(root: Path, make, seed: int = 0, steps: int = 30, every: int = 3, batch: int = 16,  # noqa: ANN001
         **hooks_kwargs) -> tuple[object, str, str, Lit]:
@@ -328,14 +353,7 @@ def _fit(root: Path, make, seed: int, steps: int, every: int, batch: int, **hook
     pl.seed_everything(seed, verbose=False)
     model, data = make(seed)
     callback = GradHooks(every_n_steps=every, histograms=False, **hooks_kwargs)
-    kept = []
-    original = callback._print_report
-
-    def keep(trainer):  # noqa: ANN001, ANN202
-        kept.append(callback._report)
-        original(trainer)
-
-    callback._print_report = keep
+    kept = keep_reports(callback)
     trainer = pl.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=TensorBoardLogger(str(root), name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -51,6 +51,7 @@ from lightning_gradhooks import GradHooks  # noqa: E402
 from lightning_gradhooks.report import HealthReport  # noqa: E402
 
 from conftest import loader, make_trainer, read_events  # noqa: E402
+from report_panel import keep_reports  # noqa: E402
 
 
 class Net(pl.LightningModule):
@@ -82,14 +83,7 @@ class Net(pl.LightningModule):
 def fit_report(tmp_path, model, steps=12, **kwargs):  # noqa: ANN001, ANN201
     pl.seed_everything(0, verbose=False)
     callback = GradHooks(every_n_steps=2, histograms=False, **kwargs)
-    reports = []
-    original = callback._print_report
-
-    def keep(trainer):  # noqa: ANN001, ANN202
-        reports.append(callback._report)
-        original(trainer)
-
-    callback._print_report = keep
+    reports = keep_reports(callback)
     trainer = make_trainer(tmp_path, [callback], max_steps=steps)
     trainer.fit(model, loader(n=256))
     return trainer, reports[0]

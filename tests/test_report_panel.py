@@ -79,12 +79,7 @@ def test_nan_made_in_a_parameterless_module_is_named_there(tmp_path):
 
 
 def test_loss_times_1e30_overflows_at_step_0_and_is_named_the_loss(tmp_path):
-    def scaled(seed):  # noqa: ANN001, ANN202
-        model, data = panel.resnet(seed)
-        model.loss_scale = 1e30
-        return model, data
-
-    report, text, log_dir, model = panel.fit(tmp_path, scaled, steps=6)
+    report, text, log_dir, model = panel.fit(tmp_path, panel.damaged(panel.resnet, loss_scale=1e30), steps=6)
     assert math.isfinite(model.losses[0])  # the forward of step 0 is finite: only the gradients overflow
     row = report.rows()[0]
     assert (row.flag, row.module, row.since) == ("nonfinite", "net.fc", 0)
@@ -93,12 +88,8 @@ def test_loss_times_1e30_overflows_at_step_0_and_is_named_the_loss(tmp_path):
 
 
 def test_weights_made_nan_on_a_step_that_is_not_logged(tmp_path):
-    def broken(seed):  # noqa: ANN001, ANN202
-        model, data = panel.vit(seed)
-        model.nan_weights_at = 7  # after the update of step 7; steps 0, 3, 6, 9 are logged
-        return model, data
-
-    report, text, log_dir, _ = panel.fit(tmp_path, broken, steps=12)
+    # After the update of step 7; steps 0, 3, 6, 9 are logged.
+    report, text, log_dir, _ = panel.fit(tmp_path, panel.damaged(panel.vit, nan_weights_at=7), steps=12)
     row = report.rows()[0]
     assert (row.flag, row.since) == ("nonfinite", 9)
     assert "weights already non-finite when the step began" in row.detail and "last clean logged step 6" in row.detail
@@ -106,12 +97,7 @@ def test_weights_made_nan_on_a_step_that_is_not_logged(tmp_path):
 
 
 def test_nan_in_the_batch_is_named_at_the_inputs_of_the_first_module(tmp_path):
-    def broken(seed):  # noqa: ANN001, ANN202
-        model, data = panel.resnet(seed)
-        model.nan_input_at = 6
-        return model, data
-
-    report, text, log_dir, _ = panel.fit(tmp_path, broken, steps=8)
+    report, text, log_dir, _ = panel.fit(tmp_path, panel.damaged(panel.resnet, nan_input_at=6), steps=8)
     row = report.rows()[0]
     assert (row.flag, row.module, row.since) == ("nonfinite", "net.conv1", 6)  # conv1 is frozen: checked anyway
     assert "inputs of `net.conv1` already non-finite" in row.detail
