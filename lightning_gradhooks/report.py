@@ -11,7 +11,7 @@ logged step (from the callback, a plain loop or Fabric) or the scalars of a Tens
   module), the forward of a module (any module, parameterless ones included), the loss, the
   backward of a module, or the optimizer step.
 - ``exploding``: a gradient whose RMS is ``exploding_factor`` times the median of its own last
-  ``exploding_window`` logged values, or an update larger than the weights it moves
+  ``exploding_window`` logged values, or an update ten times the size of the weights it moves
   (``update_ratio`` above ``exploding_update_ratio``), for ``exploding_steps`` logged steps in a
   row; values below ``floor_ratio`` of the model's median (same kind, same step) are not read.
   One such update is enough when it lands the weights beyond ``1 / floor_ratio`` times the
@@ -74,8 +74,8 @@ class Thresholds:
         exploding_factor: RMS this many times the median of its own last values ...
         exploding_window: ... over this many logged steps (the baseline) ...
         exploding_steps: ... for this many logged steps in a row (also for update ratios).
-        exploding_update_ratio: ``update_ratio`` (‖Δw‖/‖w_before‖) above this: a step bigger
-            than the weights it moves.
+        exploding_update_ratio: ``update_ratio`` (‖Δw‖/‖w_before‖) above this: a step ten
+            times the size of the weights it moves (a random walk of a bias near zero reaches 1-4).
         floor_ratio: gradients (for ``exploding``) and parameters (for update ratios) whose RMS
             is below this share of the model's median at the step are at the floor: zero- and
             tiny-initialised parameters, noise far below the model's own scale; not read.
@@ -83,7 +83,7 @@ class Thresholds:
             of its parameter gradients ...
         dead_steps: ... for this many logged steps in a row.
         stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
-            update ratio at the step ...
+            update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
         stalled_steps: ... for this many logged steps in a row.
     """
 
@@ -92,7 +92,7 @@ class Thresholds:
     exploding_factor: float = 100.0
     exploding_window: int = 5
     exploding_steps: int = 2
-    exploding_update_ratio: float = 1.0
+    exploding_update_ratio: float = 10.0
     floor_ratio: float = 0.1
     dead_zero_fraction: float = 0.99
     dead_steps: int = 3
@@ -372,12 +372,15 @@ class HealthReport:
             for n, s in params
             if n in self._sizes and math.isfinite(s.get("param_norm", math.nan))
         }
-        median_ratio, median_size = _median(list(ratios.values())), _median(list(sizes.values()))
+        median_size = _median(list(sizes.values()))
+        readable = {n for n, size in sizes.items() if median_size is not None and size >= t.floor_ratio * median_size}
+        # The model's typical update: of parameters at their own scale (near-zero ones move by
+        # more than their size in healthy training, and would inflate it).
+        median_ratio = _median([r for n, r in ratios.items() if n in readable]) or _median(list(ratios.values()))
         for name, ratio in ratios.items():
             label = f"param {name}"
             size = sizes.get(name)
-            readable = size is not None and median_size is not None and size >= t.floor_ratio * median_size
-            big = readable and ratio > t.exploding_update_ratio
+            big = name in readable and ratio > t.exploding_update_ratio
             # One such step is enough when it lands the weights far beyond the model's own scale.
             far = big and size >= median_size / max(t.floor_ratio, 1e-12)
             self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
