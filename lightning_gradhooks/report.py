@@ -264,6 +264,7 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
     if not bad:
         return None
     count = {(k, n): s.get("nonfinite", 0) for k, n, s in entries}
+    stats = {(k, n): s for k, n, s in entries}
     for kind, name, why in bad:
         if kind == "weights":
             return name, f"weights already non-finite when the step began ({int(count[kind, name])} parameters)", count[kind, name]
@@ -277,9 +278,10 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
     for kind, name, why in bad:
         if kind in GRADIENT_KINDS:
             module = module_of(kind, name)
+            value = count[kind, name] or stats[kind, name].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
             if gradients and gradients[0] == (kind, name):
-                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", count[kind, name]
-            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", count[kind, name]
+                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", value
+            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", value
     kind, name, why = bad[0]
     return module_of(kind, name), f"the optimizer step: {why} of `{name}`", 0.0
 
@@ -459,13 +461,15 @@ class HealthReport:
             earlier = [f for f in self._flags.values() if f.flag == "exploding" and f.since < first.since]
             detail = first.detail
             if earlier:
-                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {len({f.module for f in earlier})} modules"
+                modules = len({f.module for f in earlier})
+                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {modules} module{'s' * (modules > 1)}"
             rows[("nonfinite", first.module)] = Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)
         return sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
 
-    def table(self, full: bool = False, limit: int = 8) -> str:
-        """The report as plain text: the grouped rows (at most ``limit`` per flag, worst first),
-        or every flagged entry with ``full``; one line when nothing was seen."""
+    def table(self, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
+        """The report as plain text: the grouped rows, worst first, at most ``limit`` per flag
+        and ``max_lines`` lines in all (the rest counted), or every flagged entry with ``full``;
+        one line when nothing was seen."""
         rows = self.rows()
         if not rows:
             return f"GradHooks: no gradient problems seen in {self.steps} logged steps."
@@ -473,28 +477,25 @@ class HealthReport:
             return self._full_table()
         counts = {flag: sum(r.flag == flag for r in rows) for flag in FLAGS}
         summary = ", ".join(f"{flag} on {n} module{'s' * (n > 1)}" for flag, n in counts.items() if n)
-        lines = [
-            f"GradHooks: {summary} in {self.steps} logged steps (worst first; every entry: --all, or the Text tab):"
-        ]
-        table = [("flag", "module", "since", "value", "what")]
-        shown: dict[str, int] = {}
-        notes: list[tuple[int, str]] = []
-        for r in rows:
-            shown[r.flag] = shown.get(r.flag, 0) + 1
-            if shown[r.flag] > limit:
-                continue
-            table.append((r.flag, r.module, str(r.since), f"{r.value:.3g}", r.detail))
-            if r.consequences:
-                notes.append((len(table) - 1, _consequences(r)))
-            if shown[r.flag] == limit and counts[r.flag] > limit:
-                notes.append((len(table) - 1, f"... and {counts[r.flag] - limit} more modules flagged {r.flag} (--all)"))
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        by_row: dict[int, list[str]] = {}
-        for i, note in notes:
-            by_row.setdefault(i, []).append(note)
-        for i, row in enumerate(table):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
-            lines.extend("    " + note for note in by_row.get(i, []))
+        header = f"GradHooks: {summary} in {self.steps} logged steps (worst first; every entry: --all, or the Text tab):"
+        cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(4)]
+        lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
+        budget = max_lines - len(lines)
+        for flag in FLAGS:
+            block = [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag]
+            shown = 0
+            for r, cell in block:
+                needed = 1 + bool(r.consequences) + (shown + 1 < len(block))  # room for the "more" line
+                if shown == limit or needed > budget:
+                    break
+                lines.append("  ".join(c.ljust(w) for c, w in zip(cell, widths)) + "  " + r.detail)
+                lines.extend(["    " + _consequences(r)] if r.consequences else [])
+                shown += 1
+                budget -= 1 + bool(r.consequences)
+            if shown < len(block) and budget > 0:
+                lines.append(f"    ... and {len(block) - shown} more modules flagged {flag} (--all)")
+                budget -= 1
         return "\n".join(line.rstrip() for line in lines)
 
     def _full_table(self) -> str:
