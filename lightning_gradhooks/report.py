@@ -482,13 +482,18 @@ class HealthReport:
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
         budget = max_lines - len(lines)
-        for flag in FLAGS:
-            block = [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag]
+        blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
+        # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
+        reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
+        for flag, block in blocks.items():
+            reserved[flag] = 0
+            room = budget - sum(reserved.values())
             shown = 0
             for r, cell in block:
                 needed = 1 + bool(r.consequences) + (shown + 1 < len(block))  # room for the "more" line
-                if shown == limit or needed > budget:
+                if shown == limit or needed > room:
                     break
+                room -= 1 + bool(r.consequences)
                 lines.append("  ".join(c.ljust(w) for c, w in zip(cell, widths)) + "  " + r.detail)
                 lines.extend(["    " + _consequences(r)] if r.consequences else [])
                 shown += 1

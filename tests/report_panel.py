@@ -301,6 +301,31 @@ def log_mlp(seed: int, at: int) -> tuple[Lit, TensorDataset]:
     return lit, TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
+class NanInBackward(torch.autograd.Function):
+    """Identity in forward; NaN gradients in backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad * float("nan")
+
+
+class BadBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NanInBackward.apply(x)
+
+
+def nan_backward_mlp(seed: int) -> tuple[Lit, TensorDataset]:
+    """An MLP whose parameterless ``net.3`` makes NaN in backward only."""
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), BadBackward(), nn.Tanh(), nn.Linear(32, 3))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 8, generator=g)
+    return Lit(net, "adamw", 1e-3), TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
 HEALTHY = {
     "resnet": resnet, "vit": vit, "lstm_h_n": lstm_h_n, "lstm_last": lstm_last,
     "bag_of_words": bag_of_words, "gpt2": gpt2,

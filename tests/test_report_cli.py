@@ -32,6 +32,30 @@ def test_fail_on_exits_1_only_when_a_named_flag_is_found(dead_run):
     assert panel.cli("report", log_dir, "--fail-on", "nonfinite,exploding")[0] == 0
 
 
+def test_the_text_tab_holds_the_grouped_report_and_every_entry(dead_run):
+    from conftest import read_events
+
+    log_dir, _ = dead_run
+    events = read_events(log_dir)
+    (text,) = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("gradhooks/health_report/text_summary")]
+    assert "| dead | `net.2` | 0 | 1 | output and parameter gradients all zero<br>follows from it" in text
+    assert "Every flagged entry:" in text and "| `param net.4.weight` | stalled | 0 | 0 |" in text
+
+
+def test_the_printed_report_holds_at_most_40_lines_worst_first():
+    report = HealthReport()
+    for step in range(0, 40, 5):
+        stats = {("grad_output", f"m{i}"): {"mean": 0.0, "std": 1.0 if step < 10 or i >= 50 else 1e4 * step} for i in range(60)}
+        stats |= {("grad_output", f"v{i}"): {"mean": 0.0, "std": 1e-9} for i in range(20)}
+        stats |= {("grad_output", f"d{i}"): {"mean": 0.0, "std": 1.0, "zero_fraction": 1.0} for i in range(40)}
+        report.add_stats(step, stats)
+    lines = report.table(limit=100).splitlines()
+    assert len(lines) == 40 and lines[2].startswith("exploding")
+    assert "... and 18 more modules flagged exploding (--all)" in lines
+    assert lines[-2].startswith("dead       d0") and "dead: d1, d2" in lines[-1]  # every flag keeps its worst row
+    assert len(report.table(full=True).splitlines()) > 60
+
+
 def test_a_truncated_events_file_is_read_up_to_the_cut_and_named(dead_run, tmp_path):
     log_dir, _ = dead_run
     copy = tmp_path / "run"

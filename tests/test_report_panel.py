@@ -78,6 +78,15 @@ def test_nan_made_in_a_parameterless_module_is_named_there(tmp_path):
     agree(text, log_dir)
 
 
+def test_nan_made_in_backward_only_is_named_in_backward_at_the_module_before_it(tmp_path):
+    report, text, log_dir, model = panel.fit(tmp_path, panel.nan_backward_mlp, steps=3)
+    assert math.isfinite(model.losses[0])
+    row = report.rows()[0]
+    assert (row.flag, row.module, row.since) == ("nonfinite", "net.2", 0)  # net.3 has no backward hook
+    assert row.detail.startswith("born in backward: first seen in grad_output of `net.2`")
+    agree(text, log_dir)
+
+
 def test_loss_times_1e30_overflows_at_step_0_and_is_named_the_loss(tmp_path):
     report, text, log_dir, model = panel.fit(tmp_path, panel.damaged(panel.resnet, loss_scale=1e30), steps=6)
     assert math.isfinite(model.losses[0])  # the forward of step 0 is finite: only the gradients overflow
