@@ -51,7 +51,7 @@ def test_the_printed_report_holds_at_most_40_lines_worst_first():
         report.add_stats(step, stats)
     lines = report.table(limit=100).splitlines()
     assert len(lines) == 40 and lines[2].startswith("exploding")
-    assert "... and 18 more modules flagged exploding (--all)" in lines
+    assert "    ... and 18 more modules flagged exploding (--all)" in lines
     assert lines[-2].startswith("dead       d0") and "dead: d1, d2" in lines[-1]  # every flag keeps its worst row
     assert len(report.table(full=True).splitlines()) > 60
 
