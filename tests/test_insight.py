@@ -239,6 +239,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightning_gradhooks", *args], capture_output=True, text=True, timeout=120)
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (a new interpreter costs seconds on a loaded machine)."""
+    from report_panel import cli
+
+    code, out, err = cli(*args)
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     with torch.no_grad():
@@ -250,19 +258,19 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     # The same report as the callback printed, line for line.
     assert printed.stdout.split("\n", 1)[1].rstrip("\n") == report.table()
     assert ["dead", "net.2", "0", "1"] == printed.stdout.splitlines()[3].split()[:4]
-    everything = run_cli("report", logdir, "--all")
+    everything = run_here("report", logdir, "--all")
     assert "param net.4.weight" not in printed.stdout and "param net.4.weight  stalled" in everything.stdout
-    failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")
+    failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")  # the process's own exit status
     assert failing.returncode == 1 and "failing on: dead" in failing.stderr
-    assert run_cli("report", logdir, "--fail-on", "nonfinite").returncode == 0
-    too_big = run_cli("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead")
+    assert run_here("report", logdir, "--fail-on", "nonfinite").returncode == 0
+    too_big = run_here("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead")
     assert too_big.returncode == 2 and "Traceback" not in too_big.stderr
     assert "Thresholds.dead_zero_fraction expected a number in (0, 1], got 1.5" in too_big.stderr
-    wrong = run_cli("report", logdir, "--fail-on", "nan")
+    wrong = run_here("report", logdir, "--fail-on", "nan")
     assert wrong.returncode == 2 and "expected flags from nonfinite" in wrong.stderr
-    missing = run_cli("report", str(tmp_path / "nowhere"))
+    missing = run_here("report", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "LOGDIR expected an existing folder" in missing.stderr
-    assert "--fail-on" in run_cli("report", "--help").stdout
+    assert "--fail-on" in run_here("report", "--help").stdout
 
 
 # -- the gradient-flow picture and the custom-scalars layout ---------------------------------
