@@ -20,6 +20,7 @@ import fnmatch
 import functools
 import gc
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -439,6 +440,7 @@ class GradientMonitor:
             _slot(module._forward_hooks, functools.partial(self._check_only, label)) for label, module in self._checked.items()
         ]
         self._weights_checked = False  # on this armed step
+        self._seen_tensors: dict[int, tuple[weakref.ref, int]] = {}  # checked this armed step: (tensor, version)
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -511,6 +513,7 @@ class GradientMonitor:
 
     def _park(self) -> None:
         self._weights_checked = False
+        self._seen_tensors = {}
         self._probe = None  # a probe whose backward never came is run again at the next arm
         if self._handle is not None:
             self._handle.park()
@@ -715,24 +718,34 @@ class GradientMonitor:
         if not self._weights_checked:
             self._weights_checked = True
             self._check_weights()
+        seen = self._seen_tensors
         for kind, value in (("forward_input", args), ("forward", output)):
-            floating = [t.detach() for _, t in _tensor_leaves(value) if t.is_floating_point()]
+            floating = []
+            for _, t in _tensor_leaves(value):
+                # A tensor another check already summed, unchanged since (a module's input that
+                # is the output of the module before it, a container's output): not again.
+                known = seen.get(id(t))
+                if not t.is_floating_point() or (known is not None and known[0]() is t and known[1] == t._version):
+                    continue
+                seen[id(t)] = (weakref.ref(t), t._version)
+                floating.append(t.detach())
             sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
             if sums:
                 self._reduce(kind, name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)
 
     def _check_weights(self) -> None:
         """Whether the model's weights were already non-finite when the armed step began: the
-        largest magnitude of each floating parameter (NaN when it holds one), one ``"weights"``
-        entry whose ``nonfinite`` counts the parameters holding NaN or Inf."""
+        L2 norm of each floating parameter (NaN or Inf when it holds one; also Inf for weights so
+        large that their squares overflow float32, beyond 1e19), one ``"weights"`` entry whose
+        ``nonfinite`` counts those parameters. (The norm: ~4x faster on the CPU than the max.)"""
         by_device: dict[torch.device, list[Tensor]] = {}
         for p in self._model.parameters():
             if p.is_floating_point() and type(p.data) is Tensor:  # sharded (DTensor) ones: their pieces differ per rank
                 by_device.setdefault(p.device, []).append(p.detach())
         with torch.no_grad():
             for params in by_device.values():
-                largest = torch._foreach_norm(params, float("inf"))
-                self._reduce("weights", ROOT_NAME, torch.stack([m.float() for m in largest]), False)
+                norms = torch._foreach_norm(params)
+                self._reduce("weights", ROOT_NAME, torch.stack([n.float() for n in norms]), False)
 
     def _reduce(self, kind: str, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():
