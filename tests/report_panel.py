@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import FailingBackward
 from lightning_gradhooks import GradHooks
 
 
@@ -302,12 +303,8 @@ def log_mlp(seed: int, at: int) -> tuple[Lit, TensorDataset]:
     return lit, TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
-class NanInBackward(torch.autograd.Function):
+class NanInBackward(FailingBackward):
     """Identity in forward; NaN gradients in backward."""
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
