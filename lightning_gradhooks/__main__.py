@@ -1,22 +1,32 @@
 """``python -m lightning_gradhooks report LOGDIR``: the gradient-health report of a logged run.
 
-Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event files is one run)
-with TensorBoard's own event reader, rebuilds every logged step from the GradHooks tags and
-prints the report of :mod:`lightning_gradhooks.report`. Works while the run is still going.
+Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event files is one run),
+checking every record's length and CRC-32C as TensorBoard writes them, rebuilds every logged
+step from the GradHooks tags and prints the report of :mod:`lightning_gradhooks.report`. Works
+while the run is still going. A file that is cut short or damaged is read up to the damage, and
+a warning names it and says what was read.
+
+Exit status: 0 (no flag named in ``--fail-on``), 1 (a flag named in ``--fail-on`` was found),
+2 (a usage error, or no GradHooks data under ``LOGDIR``).
 """
 
 from __future__ import annotations
 
 import argparse
+import struct
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c
+from lightning_gradhooks.records import FORWARD_KINDS
 from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
 
-KINDS = ("grad_output", "grad_input", "param_grad", "param")
+# Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
+KINDS = ("forward_input", "grad_output", "grad_input", "param_grad", "param", "forward", "weights")
+assert set(FORWARD_KINDS) <= set(KINDS)
 
 
 def _parse_tag(tag: str) -> tuple[str, str, str] | None:
@@ -28,30 +38,105 @@ def _parse_tag(tag: str) -> tuple[str, str, str] | None:
     return None
 
 
-def read_run(folder: Path, thresholds: Thresholds) -> HealthReport:
-    """The report of the event files directly in ``folder``, steps in order."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+@dataclass
+class _Damage:
+    """Where an event file stops being readable, and what was read before."""
+
+    path: Path
+    offset: int
+    reason: str
+    events: int = 0
+    steps: int = 0  # logged steps with GradHooks data among the events read
+
+
+def read_records(path: Path) -> Iterator[bytes | _Damage]:
+    """The records of a TFRecord file (an event file), each checked against its CRC-32C; a
+    :class:`_Damage` last where the file is cut short or damaged."""
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        if len(data) - offset < 12:
+            yield _Damage(path, offset, f"cut short: {len(data) - offset} bytes of a record header")
+            return
+        header = data[offset : offset + 8]
+        (length,) = struct.unpack("<Q", header)
+        (crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
+        if _masked_crc32c(header) != crc:
+            yield _Damage(path, offset, "damaged record header (CRC mismatch)")
+            return
+        end = offset + 12 + length + 4
+        if end > len(data):
+            yield _Damage(path, offset, f"cut short: a record of {length} bytes, {len(data) - offset - 12} left")
+            return
+        payload = data[offset + 12 : offset + 12 + length]
+        if _masked_crc32c(payload) != struct.unpack("<I", data[end - 4 : end])[0]:
+            yield _Damage(path, offset, "damaged record (CRC mismatch)")
+            return
+        yield payload
+        offset = end
+
+
+@dataclass
+class Run:
+    """What the event files of one run folder hold: the GradHooks statistics by step, in the
+    order they were written, and the damage met while reading."""
+
+    folder: Path
+    steps: dict[int, dict[tuple[str, str], dict[str, float]]]
+    gradhooks: bool
+    damage: list[_Damage]
+
+
+def read_folder(folder: Path) -> Run:
+    """Read the event files directly in ``folder``, in name (= creation) order."""
+    from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.util import tensor_util
 
     steps: dict[int, dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
+    damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
+        events, logged = 0, set()
+        for record in read_records(path):
+            if isinstance(record, _Damage):
+                record.events, record.steps = events, len(logged)
+                damage.append(record)
+                break
+            try:
+                event = Event.FromString(record)
+            except Exception as error:  # a record whose CRC holds but whose bytes are no Event
+                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events, len(logged)))
+                break
+            events += 1
             for value in event.summary.value:
+                gradhooks = gradhooks or value.tag.startswith(OVERVIEW + "/")
                 parsed = _parse_tag(value.tag)
                 if parsed is None:
                     continue
                 if value.HasField("simple_value"):
                     number = value.simple_value
-                elif value.metadata.plugin_data.plugin_name == "scalars":  # as the loader migrates it
+                elif value.metadata.plugin_data.plugin_name == "scalars":
                     number = float(tensor_util.make_ndarray(value.tensor))
                 else:
                     continue
+                gradhooks = True
+                logged.add(event.step)
                 kind, stat, name = parsed
+                stat = "param_norm" if (kind, stat) == ("param", "norm") else stat
                 steps[event.step].setdefault((kind, name), {})[stat] = number
+    return Run(folder, dict(steps), gradhooks, damage)
+
+
+def report_of(run: Run, thresholds: Thresholds) -> HealthReport:
+    """The report of a run's statistics, steps in order."""
     report = HealthReport(thresholds)
-    for step in sorted(steps):
-        report.add_stats(step, steps[step])
+    for step in sorted(run.steps):
+        report.add_stats(step, run.steps[step])
     return report
+
+
+def read_run(folder: Path, thresholds: Thresholds) -> HealthReport:
+    """The report of the event files directly in ``folder``."""
+    return report_of(read_folder(folder), thresholds)
 
 
 def _flag_list(text: str) -> set[str]:
@@ -70,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print the gradient-health report of the runs under LOGDIR",
         description="Print the gradient-health report (flags: " + ", ".join(FLAGS) + ") of every run under "
         "LOGDIR (a folder holding TensorBoard event files written by GradHooks, searched recursively). "
-        "Exit status: 0, or 1 when a flag named in --fail-on is present, 2 for a usage error.",
+        "Exit status: 0, or 1 when a flag named in --fail-on is present, 2 for a usage error or when "
+        "LOGDIR holds no GradHooks data.",
     )
     report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a run folder or a folder of runs")
     report.add_argument(
@@ -79,30 +165,52 @@ def _parser() -> argparse.ArgumentParser:
         default=set(),
         metavar="FLAGS",
         help="comma-separated flags that make the command exit with status 1, e.g. nonfinite,exploding "
-        "(default: none, always exit 0)",
+        "(default: none)",
     )
+    report.add_argument("--all", action="store_true", help="print every flagged entry, not the grouped report")
     for f in fields(Thresholds):
         report.add_argument(
-            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+            f"--{f.name.replace('_', '-')}", type=int if f.type in (int, "int") else float, default=f.default,
             help=f"threshold (default: {f.default}); see lightning_gradhooks.report.Thresholds",
         )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if not args.logdir.is_dir():
-        _parser().error(f"LOGDIR expected an existing folder, got {str(args.logdir)!r}")
-    thresholds = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
-    runs = sorted({p.parent for p in args.logdir.rglob("events.out.tfevents.*")})
-    if not runs:
-        print(f"no TensorBoard event files under {args.logdir}", file=sys.stderr)
-        return 1 if args.fail_on else 0
-    failed = set()
+        parser.error(f"LOGDIR expected an existing folder, got {str(args.logdir)!r}")
+    try:
+        thresholds = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
+    except ValueError as error:
+        name = str(error).split()[0].removeprefix("Thresholds.")
+        parser.error(f"argument --{name.replace('_', '-')}: {error}")
+    folders = sorted({p.parent for p in args.logdir.rglob("events.out.tfevents.*")})
+    runs = [read_folder(folder) for folder in folders]
     for run in runs:
-        report = read_run(run, thresholds)
-        print(f"== {run}\n{report.table()}")
+        for d in run.damage:
+            where = f" at byte {d.offset}" if d.offset >= 0 else ""
+            print(
+                f"warning: {d.path}: {d.reason}{where}; read {d.events} events ({d.steps} logged steps of "
+                "GradHooks data) before it, the rest is not in the report (a run still writing can end in "
+                "a partial record)",
+                file=sys.stderr,
+            )
+    with_data = [run for run in runs if run.gradhooks]
+    if not with_data:
+        what = f"{len(folders)} folders of event files, none with GradHooks tags" if folders else "no TensorBoard event files"
+        print(f"error: no GradHooks data under {args.logdir} ({what}); nothing to report", file=sys.stderr)
+        return 2
+    failed = set()
+    for run in with_data:
+        report = report_of(run, thresholds)
+        print(f"== {run.folder}\n{report.table(full=args.all)}")
         failed |= report.names(args.fail_on)
+    skipped = [run.folder for run in runs if not run.gradhooks]
+    if skipped:
+        print(f"note: {len(skipped)} folders hold event files without GradHooks tags: "
+              + ", ".join(map(str, skipped[:5])), file=sys.stderr)
     if failed:
         print(f"failing on: {', '.join(sorted(failed))}", file=sys.stderr)
         return 1

@@ -25,7 +25,7 @@ import google_crc32c
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.summary.writer import record_writer
 
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
 from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
@@ -68,13 +68,17 @@ def scalar_metrics(
     run-level ``0_overview/nonfinite_total`` every step instead. The overview also holds
     ``0_overview/total_norm``: the L2 norm of all parameter gradients of the record, what
     ``torch.nn.utils.clip_grad_norm_`` computes; the overview tags end with ``suffix`` (with
-    several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). Entries of kind
-    ``forward`` (output checks) are not logged.
+    several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). The forward checks
+    (entries of kind ``forward``, ``forward_input`` and ``weights``) are logged only where they
+    found NaN/Inf, as ``<kind>_nonfinite/<name>`` in record order: what the ``report`` command
+    needs to name where NaN/Inf were born, as the printed report does.
     """
     metrics = {}
     nonfinite_total, squares, params = 0.0, 0.0, False
     for entry in record.entries:
-        if entry.kind == "forward":
+        if entry.kind in FORWARD_KINDS:
+            if entry.stats["nonfinite"] > 0 and "nonfinite" in statistics:
+                metrics[f"{entry.kind}_nonfinite/{entry.name}"] = entry.stats["nonfinite"]
             continue
         if entry.kind == "param_grad":
             squares, params = squares + entry.stats["norm"] ** 2, True

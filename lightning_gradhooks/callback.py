@@ -56,7 +56,7 @@ def _thresholds(overrides: dict[str, float]) -> Thresholds:
     known = Thresholds.__dataclass_fields__
     if not isinstance(overrides, dict) or not set(overrides) <= set(known):
         raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
-    return Thresholds(**{k: type(known[k].default)(v) for k, v in overrides.items()})
+    return Thresholds(**overrides)  # range-checked there
 
 
 class GradHooksLogic:
@@ -78,7 +78,7 @@ class GradHooksLogic:
             parameter. An empty list is refused.
         exclude: glob patterns of modules to leave out.
         statistics: the statistics logged as scalars, from ``norm``, ``mean``, ``std``,
-            ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` (‖Δw‖/‖w‖ of the
+            ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` (‖Δw‖/‖w_before‖ of the
             optimizer step) and ``param_norm``; default: all.
         histograms: log histograms of module output gradients and parameter gradients.
         histogram_bins: bins of each histogram (1 to 4096).
@@ -90,7 +90,7 @@ class GradHooksLogic:
             ``all_gather`` per logged step); default: rank 0's own. Sharded parameters (FSDP2,
             tensor parallel) always give the full gradient's statistics.
         report_thresholds: overrides of the health report's thresholds (fields of
-            :class:`~lightning_gradhooks.report.Thresholds`).
+            :class:`~lightning_gradhooks.report.Thresholds`, each range-checked).
         offload_budget_bytes: with offload on, keep at most this many bytes of offloadable saved
             tensors in memory (plus one tensor), the newest, and write the oldest to disk
             (``save_on_disk(budget_bytes=...)``); None (default): every tensor of at least

@@ -44,7 +44,7 @@ from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.monitor import listed
 from lightning_gradhooks.records import GradientRecord
-from lightning_gradhooks.report import HealthReport, Thresholds
+from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic
 from lightning_gradhooks.updates import UpdateTracker
 
@@ -266,24 +266,12 @@ class GradientLog:
             self._flow.add(step, record)
             if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
                 self._draw_flow()
-        self.report.add(step, record)
-        self._warn_nonfinite(record, step)
-
-    def _warn_nonfinite(self, record: GradientRecord, step: int) -> None:
-        first = record.first_nonfinite
-        if first is not None and not self.in_nonfinite_episode and first.kind == "forward":
-            warnings.warn(
-                f"GradHooks: non-finite values at step {step}; first made in the forward of `{first.name}` (its "
-                "output holds NaN/Inf; the first module in forward order whose output does).",
-                stacklevel=4,
-            )
-        elif first is not None and not self.in_nonfinite_episode:
-            warnings.warn(
-                f"GradHooks: non-finite gradients at step {step}; first seen in backward order in {first.kind} of "
-                f"`{first.name}` ({int(first.stats['nonfinite'])} NaN/Inf elements).",
-                stacklevel=4,
-            )
-        self.in_nonfinite_episode = first is not None
+        self.report.add(step, record, self.statistics)
+        # Named as the report and the `report` command name it (the same function).
+        origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
+        if origin is not None and not self.in_nonfinite_episode:
+            warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=3)
+        self.in_nonfinite_episode = origin is not None
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -314,7 +302,8 @@ class GradientLog:
                 other.log_metrics(metrics, step=step)
             for writer in self._tensorboards:
                 write_step(writer, metrics, None, step)
-            stats = {("param", n): {"update_ratio": r} for n, (r, _) in values.items()}
+            stats = {("param", n): {k: v for k, v in (("update_ratio", r), ("param_norm", w)) if k in self.statistics}
+                     for n, (r, w) in values.items()}
             self.report.add_stats(step, stats, new_step=False)
 
     def _draw_flow(self, final: bool = False) -> None:

@@ -13,6 +13,10 @@ from typing import Any
 
 from lightning_gradhooks.stats import _COUNT, STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
 
+#: Kinds of the monitor's forward checks (not gradients): a module's output, its inputs, and
+#: the weights when the step began; only their ``nonfinite`` count means something.
+FORWARD_KINDS = ("forward", "forward_input", "weights")
+
 #: Statistics that do not change when a gradient is multiplied by a loss scale.
 _SCALE_FREE = ("nonfinite", "zero_fraction")
 

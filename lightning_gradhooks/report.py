@@ -1,23 +1,39 @@
-"""A gradient-health report: what looks wrong, where, and since when. Pure Python.
+"""A gradient-health report: what looks wrong, where, since when, and why. Pure Python.
 
 :class:`HealthReport` consumes one :class:`~lightning_gradhooks.records.GradientRecord` per
 logged step (from the callback, a plain loop or Fabric) or the scalars of a TensorBoard log
-(the ``report`` command) and flags, per module or parameter:
+(the ``report`` command: the same numbers, so the same flags). It flags, per module:
 
-- ``nonfinite``: NaN/Inf gradient elements; the first step and the first entry (in the record's
-  order: backward order, parameters last) where they were seen;
-- ``vanishing``: an RMS below ``vanishing_ratio`` times the median RMS of the same kind of
-  gradient at the same step, for ``vanishing_steps`` logged steps in a row;
-- ``exploding``: an RMS grown ``exploding_factor`` times over the last ``exploding_window``
-  logged steps, or an ``update_ratio`` above ``exploding_update_ratio``;
-- ``dead``: a ``zero_fraction`` of at least ``dead_zero_fraction`` for ``dead_steps`` logged
-  steps in a row (``grad_output`` and parameter gradients);
-- ``stalled``: an ``update_ratio`` below ``stalled_update_ratio`` for ``stalled_steps`` logged
-  steps in a row.
+- ``nonfinite``: NaN/Inf, or a gradient whose L2 norm overflows float32 (what
+  ``clip_grad_norm_`` then sees as an infinite total norm), or a non-finite update. One flag: the
+  first logged step where it appears and where it was born (:func:`nonfinite_origin`): the
+  weights already non-finite when the step began, the inputs of a module (made outside any
+  module), the forward of a module (any module, parameterless ones included), the loss, the
+  backward of a module, or the optimizer step.
+- ``exploding``: a gradient whose RMS is ``exploding_factor`` times the median of its own last
+  ``exploding_window`` logged values, or an update ten times the size of the weights it moves
+  (``update_ratio`` above ``exploding_update_ratio``), for ``exploding_steps`` logged steps in a
+  row; values below ``floor_ratio`` of the model's median (same kind, same step) are not read.
+  One such update is enough when it lands the weights beyond ``1 / floor_ratio`` times the
+  model's median parameter RMS.
+- ``vanishing``: a gradient whose RMS is below ``vanishing_ratio`` times the median RMS of the
+  same kind of gradient at the same step, for ``vanishing_steps`` logged steps in a row.
+- ``dead``: a module whose output gradient and parameter gradients are all (at least
+  ``dead_zero_fraction``) exactly zero, for ``dead_steps`` logged steps in a row.
+- ``stalled``: a parameter that does not move: ``update_ratio`` 0, or below
+  ``stalled_update_ratio`` times the model's median, for ``stalled_steps`` logged steps in a row.
 
-The RMS of a gradient is its per-element root mean square, ``norm / sqrt(count)``; from a log,
-where the count is not written, ``sqrt(mean² + std²)``. A check whose statistic was not logged
-is skipped.
+Why each definition is what it is (docs/usage.md has the validation): gradients are compared
+with the model's own scale at the same step, or with their own recent median, never with zero
+or with one past value; an RMS is taken over the non-zero elements only, so that embedding
+rows and timesteps that no example touches do not read as small; a flag needs several logged
+steps in a row, so a single-step spike is not one; zero- and tiny-initialised parameters
+(biases, tokens) move by more than their own size in healthy training, so update ratios are
+read only on parameters at least ``floor_ratio`` of the model's median size.
+
+The RMS of a gradient is computed from the logged ``norm``, ``mean``, ``std`` and
+``zero_fraction`` (rounded to float32 as the log holds them), so the report of a record and the
+report of its log agree. A check whose statistic was not logged is skipped.
 
 Example:
     >>> report = HealthReport()
@@ -25,37 +41,49 @@ Example:
     ...     report.add_stats(step, {("grad_output", "a"): {"mean": 0.0, "std": 1.0},
     ...                             ("grad_output", "b"): {"mean": 0.0, "std": 1e-9},
     ...                             ("grad_output", "c"): {"mean": 0.0, "std": 2.0}})
-    >>> [(f.flag, f.name, f.since) for f in report.flags()]
-    [('vanishing', 'grad_output b', 0)]
+    >>> [(f.flag, f.module, f.since) for f in report.rows()]
+    [('vanishing', 'b', 0)]
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics as _statistics
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
 
-#: The flags, in the order the report lists them.
+#: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
+GRADIENT_KINDS = ("grad_output", "grad_input", "param_grad")
+#: A norm whose square is beyond float32: what float32 norms (``clip_grad_norm_``) see as Inf.
+OVERFLOW_NORM = math.sqrt(3.4028234663852886e38)
+_PREFIX = re.compile(r"^(optimizer_\d+/)")
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When the report raises a flag; every field can be overridden.
+    """When the report raises a flag; every field can be overridden, and each is range-checked.
 
     Attributes:
-        vanishing_ratio: RMS below this share of the median RMS (same kind, same step).
+        vanishing_ratio: RMS below this share of the median RMS (same kind, same step) ...
         vanishing_steps: ... for this many logged steps in a row.
-        exploding_factor: RMS this many times its smallest value over the window.
-        exploding_window: the window, in logged steps.
-        exploding_update_ratio: ``update_ratio`` above this: a step half as big as the weights
-            themselves (500x the healthy 1e-3; biases that start near zero reach 0.1 early).
-        dead_zero_fraction: ``zero_fraction`` at least this ...
+        exploding_factor: RMS this many times the median of its own last values ...
+        exploding_window: ... over this many logged steps (the baseline) ...
+        exploding_steps: ... for this many logged steps in a row (also for update ratios).
+        exploding_update_ratio: ``update_ratio`` (‖Δw‖/‖w_before‖) above this: a step ten
+            times the size of the weights it moves (a random walk of a bias near zero reaches 1-4).
+        floor_ratio: gradients (for ``exploding``) and parameters (for update ratios) whose RMS
+            is below this share of the model's median at the step are at the floor: zero- and
+            tiny-initialised parameters, noise far below the model's own scale; not read.
+        dead_zero_fraction: ``zero_fraction`` at least this, of a module's output gradient and
+            of its parameter gradients ...
         dead_steps: ... for this many logged steps in a row.
-        stalled_update_ratio: ``update_ratio`` below this (1/100 of the healthy 1e-3) ...
+        stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
+            update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
         stalled_steps: ... for this many logged steps in a row.
     """
 
@@ -63,22 +91,83 @@ class Thresholds:
     vanishing_steps: int = 3
     exploding_factor: float = 100.0
     exploding_window: int = 5
-    exploding_update_ratio: float = 0.5
+    exploding_steps: int = 2
+    exploding_update_ratio: float = 10.0
+    floor_ratio: float = 0.1
     dead_zero_fraction: float = 0.99
     dead_steps: int = 3
-    stalled_update_ratio: float = 1e-5
+    stalled_update_ratio: float = 1e-4
     stalled_steps: int = 3
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, (low, high, closed) = getattr(self, f.name), _RANGES[f.name]
+            if f.type in (int, "int"):
+                accepted = f"an int from {low} to {high}" if high is not None else f"an int >= {low}"
+                integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+                if isinstance(value, bool) or not integral or value < low or (high is not None and value > high):
+                    raise ValueError(f"Thresholds.{f.name} expected {accepted}, got {value!r}")
+                object.__setattr__(self, f.name, int(value))
+                continue
+            accepted = _describe(low, high, closed)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Thresholds.{f.name} expected a finite number {accepted}, got {value!r}")
+            below = value < low if closed[0] else value <= low
+            above = high is not None and (value > high if closed[1] else value >= high)
+            if below or above:
+                raise ValueError(f"Thresholds.{f.name} expected a number {accepted}, got {value!r}")
+            object.__setattr__(self, f.name, float(value))
+
+
+# Accepted ranges: (low, high or None, (low included, high included)).
+_RANGES = {
+    "vanishing_ratio": (0.0, 1.0, (False, False)),
+    "vanishing_steps": (1, None, (True, True)),
+    "exploding_factor": (1.0, None, (False, True)),
+    "exploding_window": (1, None, (True, True)),
+    "exploding_steps": (1, None, (True, True)),
+    "exploding_update_ratio": (0.0, None, (False, True)),
+    "floor_ratio": (0.0, 1.0, (True, False)),
+    "dead_zero_fraction": (0.0, 1.0, (False, True)),
+    "dead_steps": (1, None, (True, True)),
+    "stalled_update_ratio": (0.0, 1.0, (True, False)),
+    "stalled_steps": (1, None, (True, True)),
+}
+
+
+def _describe(low: float, high: float | None, closed: tuple[bool, bool]) -> str:
+    if high is None:
+        return f"{'>=' if closed[0] else '>'} {low:g}"
+    return f"in {'[' if closed[0] else '('}{low:g}, {high:g}{']' if closed[1] else ')'}"
 
 
 @dataclass(frozen=True)
 class Flag:
-    """One problem: ``flag`` (one of :data:`FLAGS`) on ``name`` since logged step ``since``;
-    ``last`` is the statistic's latest value (RMS, zero fraction, update ratio or NaN count)."""
+    """One flagged entry: ``flag`` (one of :data:`FLAGS`) on ``name`` (``"<kind> <entry>"``)
+    since logged step ``since``; ``last`` is the statistic's latest value (RMS, zero fraction,
+    update ratio or NaN count); ``module`` the module the entry belongs to."""
 
     flag: str
     name: str
     since: int
     last: float
+    module: str = ""
+    score: float = 0.0  # how bad, within the flag: higher is worse
+
+
+@dataclass
+class Row:
+    """One line of the grouped report: a flag on a module, its entries folded in, and the
+    flags that follow from it (upstream modules, stalled parameters) under it."""
+
+    flag: str
+    module: str
+    since: int
+    value: float
+    detail: str
+    entries: list[str] = field(default_factory=list)
+    consequences: list[Flag] = field(default_factory=list)
+    score: float = 0.0
 
 
 @dataclass
@@ -87,15 +176,114 @@ class _Track:
 
     start: int | None = None
     length: int = 0
-    rms: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
 
 
-def _rms(stats: Mapping[str, float], count: float | None) -> float | None:
-    if count and "norm" in stats:
-        return stats["norm"] / math.sqrt(count)
-    if "mean" in stats and "std" in stats:
-        return math.hypot(stats["mean"], stats["std"])
+def module_of(kind: str, name: str) -> str:
+    """The module an entry belongs to: ``grad_output lstm/0`` -> ``lstm``, ``param_grad
+    net.2.bias`` -> ``net.2``, with an ``optimizer_<i>/`` prefix kept."""
+    match = _PREFIX.match(name)
+    prefix = match.group(1) if match else ""
+    rest = name[len(prefix):]
+    if kind in ("param_grad", "param"):
+        module = rest.rpartition(".")[0] or "(model)"
+    else:
+        module = rest.split("/")[0]
+    return prefix + module
+
+
+def _f32(stats: Mapping[str, float]) -> dict[str, float]:
+    """The statistics as the log holds them (float32)."""
+    keys = list(stats)
+    return dict(zip(keys, array("f", [float(stats[k]) for k in keys]).tolist()))
+
+
+def rms(stats: Mapping[str, float], nonzero: bool = True) -> float | None:
+    """The per-element RMS of a gradient from its logged statistics (over its non-zero elements
+    with ``nonzero``); None when it cannot be told (not logged, not finite, all zero)."""
+    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
+    if mean is None or std is None:
+        return None
+    if not math.isfinite(std):
+        std = 0.0  # a single element
+    if norm is not None and math.isfinite(norm):
+        # sum(x²) = norm² = n·mean² + (n-1)·std²: the element count, then norm/sqrt(n).
+        denominator = norm * norm + std * std
+        value = math.sqrt(norm * norm * (mean * mean + std * std) / denominator) if denominator > 0 else 0.0
+    else:
+        value = math.hypot(mean, std)
+    if not math.isfinite(value):
+        return None
+    zero = stats.get("zero_fraction") if nonzero else None
+    if zero is not None:
+        if zero >= 1.0 or value == 0.0:
+            return None
+        value /= math.sqrt(1.0 - zero)
+    return value if value > 0 else None
+
+
+def _size(stats: Mapping[str, float]) -> float | None:
+    """The element count of a gradient, from its norm, mean and std (None if not told)."""
+    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
+    if None in (mean, std, norm) or not all(map(math.isfinite, (mean, norm))):
+        return None
+    std = std if math.isfinite(std) else 0.0
+    if mean * mean + std * std == 0:
+        return None
+    return (norm * norm + std * std) / (mean * mean + std * std)
+
+
+def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
+    """Why an entry is non-finite (None: it is not)."""
+    count = stats.get("nonfinite", 0)
+    if count and count > 0:
+        return f"{int(count)} NaN/Inf"
+    norm = stats.get("norm")
+    if kind in GRADIENT_KINDS and norm is not None and not (norm < OVERFLOW_NORM):
+        return f"norm {norm:.3g} overflows float32"
+    if kind == "param":
+        ratio, size = stats.get("update_ratio"), stats.get("param_norm")
+        if size is not None and not math.isfinite(size):
+            return "weights non-finite after the step"
+        if ratio is not None and math.isnan(ratio):
+            return "update ratio NaN"
     return None
+
+
+def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tuple[str, str, float] | None:
+    """Where the NaN/Inf of one logged step were born, from its entries in record order:
+    ``(module, description, value)``, or None when the step is finite.
+
+    In this order: the weights were already non-finite when the step began; a module's inputs
+    were non-finite before its forward (made outside any module: the batch or functional code);
+    a module's forward made them (the first, in forward order, whose inputs were finite); the
+    loss (the first gradient of backward is already bad); the backward of a module (the first
+    bad gradient in backward order); the optimizer step (a non-finite update).
+    """
+    bad = [(kind, name, why) for kind, name, s in entries if (why := _bad(kind, s)) is not None]
+    if not bad:
+        return None
+    count = {(k, n): s.get("nonfinite", 0) for k, n, s in entries}
+    stats = {(k, n): s for k, n, s in entries}
+    for kind, name, why in bad:
+        if kind == "weights":
+            return name, f"weights already non-finite when the step began ({int(count[kind, name])} parameters)", count[kind, name]
+    for kind, name, why in bad:
+        if kind == "forward_input":
+            module = module_of(kind, name)
+            return module, f"inputs of `{module}` already non-finite: made outside any module (the batch, or functional code before it)", count[kind, name]
+        if kind == "forward":
+            return name, f"born in the forward of `{name}`", count[kind, name]
+    gradients = [(k, n) for k, n, _ in entries if k in GRADIENT_KINDS]
+    for kind, name, why in bad:
+        if kind in GRADIENT_KINDS:
+            module = module_of(kind, name)
+            value = count[kind, name] or stats[kind, name].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
+            if gradients and gradients[0] == (kind, name):
+                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", value
+            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", value
+    kind, name, why = bad[0]
+    return module_of(kind, name), f"the optimizer step: {why} of `{name}`", 0.0
 
 
 class HealthReport:
@@ -108,13 +296,22 @@ class HealthReport:
     def __init__(self, thresholds: Thresholds | None = None) -> None:
         self.thresholds = thresholds or Thresholds()
         self.steps = 0
+        self._seen: list[int] = []
         self._flags: dict[tuple[str, str], Flag] = {}
         self._tracks: dict[tuple[str, str], _Track] = {}
-        self._nonfinite: Flag | None = None
+        self._nonfinite: Row | None = None
+        self._order: dict[str, int] = {}  # module -> first position in backward order
+        self._sizes: dict[str, float] = {}  # parameter -> element count, from its gradient
+        self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
 
-    def add(self, step: int, record: GradientRecord) -> None:
-        """Take in the record of one logged step."""
-        self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries}, {(e.kind, e.name): e.count for e in record.entries})
+    def add(self, step: int, record: GradientRecord, statistics: Collection[str] | None = None) -> None:
+        """Take in the record of one logged step; with ``statistics``, only those (what was
+        logged: the report of the log is then this one)."""
+        if statistics is None:
+            self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
+        else:
+            chosen = set(statistics)
+            self.add_stats(step, {(e.kind, e.name): {k: v for k, v in e.stats.items() if k in chosen} for e in record.entries})
 
     def add_stats(
         self,
@@ -124,42 +321,94 @@ class HealthReport:
         new_step: bool = True,
     ) -> None:
         """Take in one logged step as ``{(kind, name): {statistic: value}}``, in record order;
-        ``new_step=False`` for more statistics of a step already counted (update ratios)."""
+        ``new_step=False`` for more statistics of a step already counted (update ratios).
+        ``counts`` is accepted for compatibility and not used: the report reads what a log holds."""
         t = self.thresholds
-        self.steps += new_step
-        counts = counts or {}
-        rms = {key: _rms(s, counts.get(key)) for key, s in stats.items()}
-        medians = {}
-        for kind in {k for k, _ in stats}:
-            values = [v for (k, _), v in rms.items() if k == kind and v is not None and math.isfinite(v)]
-            medians[kind] = _statistics.median(values) if len(values) > 2 else None
-        for key, s in stats.items():
-            label = f"{key[0]} {key[1]}"
-            if s.get("nonfinite", 0) > 0 and self._nonfinite is None:
-                self._nonfinite = Flag("nonfinite", label, step, s["nonfinite"])
-            value, median = rms[key], medians[key[0]]
-            if value is not None and math.isfinite(value) and key[0] != "forward":  # forward: sums
-                low = median is not None and median > 0 and value < t.vanishing_ratio * median
-                self._run("vanishing", label, step, low, t.vanishing_steps, value)
-                history = self._track("exploding-rms", label).rms
-                history.append(value)
-                del history[: -t.exploding_window]
-                floor = min(history)
-                if len(history) > 1 and value > t.exploding_factor * floor:
-                    self._raise("exploding", label, step, value)
-            zero = s.get("zero_fraction")
-            if zero is not None and key[0] in ("grad_output", "param_grad"):
-                self._run("dead", label, step, zero >= t.dead_zero_fraction, t.dead_steps, zero)
-            ratio = s.get("update_ratio")
-            if ratio is not None and math.isfinite(ratio):
-                if ratio > t.exploding_update_ratio:
-                    self._raise("exploding", label, step, ratio)
-                self._run("stalled", label, step, ratio < t.stalled_update_ratio, t.stalled_steps, ratio)
+        if new_step:
+            self.steps += 1
+            self._seen.append(step)
+        stats = {key: _f32(s) for key, s in stats.items()}
+        entries = [(k, n, s) for (k, n), s in stats.items()]
+        self._check_nonfinite(step, entries)
+        for k, n, s in entries:
+            if k in GRADIENT_KINDS:
+                self._order.setdefault(module_of(k, n), len(self._order))
+            if k == "param_grad" and (size := _size(s)) is not None:
+                self._sizes[n] = size
+            if k == "param_grad" and s.get("zero_fraction") is not None:
+                (self._zero_grads.add if s["zero_fraction"] >= t.dead_zero_fraction else self._zero_grads.discard)(n)
+        values = {(k, n): rms(s) for k, n, s in entries if k in GRADIENT_KINDS and not _bad(k, s)}
+        medians = {kind: _median([v for (k, _), v in values.items() if k == kind]) for kind in GRADIENT_KINDS}
+        for (kind, name), value in values.items():
+            label, median = f"{kind} {name}", medians[kind]
+            low = value is not None and median is not None and value < t.vanishing_ratio * median
+            self._run("vanishing", label, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
+            if value is None:
+                continue
+            history = self._track("history", label).values
+            baseline = _statistics.median(history) if history else None
+            floor = median is not None and value < t.floor_ratio * median
+            grown = baseline is not None and not floor and value > t.exploding_factor * baseline
+            self._run("exploding", label, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
+            history.append(value)
+            del history[: -t.exploding_window]
+        self._check_dead(step, entries)
+        self._check_updates(step, [(n, s) for k, n, s in entries if k == "param"])
+
+    def _check_dead(self, step: int, entries: list) -> None:
+        t = self.thresholds
+        zeros: dict[str, dict[str, list[float]]] = {}
+        for kind, name, s in entries:
+            if kind in ("grad_output", "param_grad") and s.get("zero_fraction") is not None and not _bad(kind, s):
+                zeros.setdefault(module_of(kind, name), {}).setdefault(kind, []).append(s["zero_fraction"])
+        for module, kinds in zeros.items():
+            dead = all(z >= t.dead_zero_fraction for values in kinds.values() for z in values)
+            value = min(z for values in kinds.values() for z in values)
+            self._run("dead", module, step, dead, t.dead_steps, value, module=module)
+
+    def _check_updates(self, step: int, params: list[tuple[str, Mapping[str, float]]]) -> None:
+        t = self.thresholds
+        ratios = {n: s["update_ratio"] for n, s in params if math.isfinite(s.get("update_ratio", math.nan))}
+        sizes = {
+            n: s["param_norm"] / math.sqrt(self._sizes[n])
+            for n, s in params
+            if n in self._sizes and math.isfinite(s.get("param_norm", math.nan))
+        }
+        median_size = _median(list(sizes.values()))
+        readable = {n for n, size in sizes.items() if median_size is not None and size >= t.floor_ratio * median_size}
+        # The model's typical update: of parameters at their own scale (near-zero ones move by
+        # more than their size in healthy training, and would inflate it).
+        median_ratio = _median([r for n, r in ratios.items() if n in readable]) or _median(list(ratios.values()))
+        for name, ratio in ratios.items():
+            label = f"param {name}"
+            size = sizes.get(name)
+            big = name in readable and ratio > t.exploding_update_ratio
+            # One such step is enough when it lands the weights far beyond the model's own scale.
+            far = big and size >= median_size / max(t.floor_ratio, 1e-12)
+            self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
+            still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
+            self._run("stalled", label, step, still, t.stalled_steps, ratio)
+
+    def _check_nonfinite(self, step: int, entries: list) -> None:
+        if self._nonfinite is not None and self._nonfinite.since <= step:
+            return
+        origin = nonfinite_origin(entries)
+        if origin is not None:
+            module, detail, value = origin
+            before = [s for s in self._seen if s < step]
+            detail += f"; last clean logged step {before[-1]}" if before else "; no clean logged step before it"
+            self._nonfinite = Row("nonfinite", module, step, value, detail, score=math.inf)
+
+    @property
+    def first_nonfinite(self) -> Row | None:
+        """The ``nonfinite`` row: the first logged step with NaN/Inf and where they were born."""
+        return self._nonfinite
 
     def _track(self, check: str, label: str) -> _Track:
         return self._tracks.setdefault((check, label), _Track())
 
-    def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float) -> None:
+    def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float,
+             module: str | None = None, score: float = 0.0) -> None:
         track = self._track(flag, label)
         if not bad:
             track.start, track.length = None, 0
@@ -168,40 +417,167 @@ class HealthReport:
             track.start = step
         track.length += 1
         if track.length >= needed:
-            self._raise(flag, label, track.start, value)
+            previous = self._flags.get((flag, label))
+            if module is None:
+                kind, _, name = label.partition(" ")
+                module = module_of(kind, name)
+            since = previous.since if previous else track.start
+            worst = max(score, previous.score) if previous else score
+            self._flags[(flag, label)] = Flag(flag, label, since, value, module, worst)
 
-    def _raise(self, flag: str, label: str, since: int, value: float) -> None:
-        previous = self._flags.get((flag, label))
-        self._flags[(flag, label)] = Flag(flag, label, previous.since if previous else since, value)
-
+    # -- reading the report ----------------------------------------------------------------
     def flags(self) -> list[Flag]:
-        """Every flag raised so far: non-finite first, then by flag, then by first step."""
-        found = sorted(self._flags.values(), key=lambda f: (FLAGS.index(f.flag), f.since))
-        return ([self._nonfinite] if self._nonfinite else []) + found
+        """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
+        found = sorted(self._flags.values(), key=lambda f: (FLAGS.index(f.flag), f.since, -f.score))
+        first = self._nonfinite
+        head = [Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf)] if first else []
+        return head + found
 
-    def table(self) -> str:
-        """The report as plain text: one line per flag, or one line saying nothing was seen."""
-        flags = self.flags()
-        if not flags:
+    def rows(self) -> list[Row]:
+        """The grouped report: one row per flag per module (its entries folded in), worst first;
+        upstream modules with the same flag, and stalled parameters of dead modules, under
+        their cause."""
+        groups: dict[tuple[str, str], list[Flag]] = {}
+        for f in self._flags.values():
+            groups.setdefault((f.flag, f.module), []).append(f)
+        rows = {key: _row(key, flags) for key, flags in groups.items()}
+        order = self._order
+        _fold_upstream(rows, groups, "dead", order)
+        _fold_upstream(rows, groups, "vanishing", order)
+        # Stalled parameters of a dead module, or whose gradient is all zero (downstream of a dead
+        # layer): a consequence of the first dead layer.
+        dead = sorted((r for r in rows.values() if r.flag == "dead"), key=lambda r: r.since)
+        for (flag, module), row in list(rows.items()):
+            stalled = groups[(flag, module)]
+            if flag == "stalled" and dead and (
+                ("dead", module) in groups or all(f.name.partition(" ")[2] in self._zero_grads for f in stalled)
+            ):
+                cause = next((r for r in dead if r.module == module or any(c.module == module for c in r.consequences)), dead[0])
+                cause.consequences += stalled
+                del rows[(flag, module)]
+        _fold_upstream(rows, groups, "stalled", order)
+        if self._nonfinite is not None:
+            first = self._nonfinite
+            earlier = [f for f in self._flags.values() if f.flag == "exploding" and f.since < first.since]
+            detail = first.detail
+            if earlier:
+                modules = len({f.module for f in earlier})
+                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {modules} module{'s' * (modules > 1)}"
+            rows[("nonfinite", first.module)] = Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)
+        return sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
+
+    def table(self, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
+        """The report as plain text: the grouped rows, worst first, at most ``limit`` per flag
+        and ``max_lines`` lines in all (the rest counted), or every flagged entry with ``full``;
+        one line when nothing was seen."""
+        rows = self.rows()
+        if not rows:
             return f"GradHooks: no gradient problems seen in {self.steps} logged steps."
-        rows = [("module", "flag", "since step", "last value")] + [
+        if full:
+            return self._full_table()
+        counts = {flag: sum(r.flag == flag for r in rows) for flag in FLAGS}
+        summary = ", ".join(f"{flag} on {n} module{'s' * (n > 1)}" for flag, n in counts.items() if n)
+        header = f"GradHooks: {summary} in {self.steps} logged steps (worst first; every entry: --all, or the Text tab):"
+        cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(4)]
+        lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
+        budget = max_lines - len(lines)
+        blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
+        # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
+        reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
+        for flag, block in blocks.items():
+            reserved[flag] = 0
+            room = budget - sum(reserved.values())
+            shown = 0
+            for r, cell in block:
+                needed = 1 + bool(r.consequences) + (shown + 1 < len(block))  # room for the "more" line
+                if shown == limit or needed > room:
+                    break
+                room -= 1 + bool(r.consequences)
+                lines.append("  ".join(c.ljust(w) for c, w in zip(cell, widths)) + "  " + r.detail)
+                lines.extend(["    " + _consequences(r)] if r.consequences else [])
+                shown += 1
+                budget -= 1 + bool(r.consequences)
+            if shown < len(block) and budget > 0:
+                lines.append(f"    ... and {len(block) - shown} more modules flagged {flag} (--all)")
+                budget -= 1
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _full_table(self) -> str:
+        flags = self.flags()
+        rows = [("entry", "flag", "since step", "last value")] + [
             (f.name, f.flag, str(f.since), f"{f.last:.3g}") for f in flags
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        header = f"GradHooks: {len(flags)} gradient problems in {self.steps} logged steps:"
-        return "\n".join([header, *lines])
+        header = f"GradHooks: {len(flags)} flagged entries in {self.steps} logged steps:"
+        extra = [f"nonfinite: {self._nonfinite.detail}"] if self._nonfinite else []
+        return "\n".join([header, *lines, *extra])
 
     def markdown(self) -> str:
-        """The report as a Markdown table (TensorBoard's Text tab renders it)."""
-        flags = self.flags()
-        if not flags:
+        """The report as Markdown (TensorBoard's Text tab): the grouped rows, then every entry."""
+        rows = self.rows()
+        if not rows:
             return f"No gradient problems seen in {self.steps} logged steps."
-        lines = ["| module | flag | since step | last value |", "|---|---|---|---|"]
-        lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in flags]
+        lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
+        for r in rows:
+            what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")
+            lines.append(f"| {r.flag} | `{r.module}` | {r.since} | {r.value:.3g} | {what} |")
+        lines += ["", "Every flagged entry:", "", "| entry | flag | since step | last value |", "|---|---|---|---|"]
+        lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in self.flags()]
         return "\n".join(lines)
 
     def names(self, flags: set[str] | None = None) -> set[str]:
         """The flags present (optionally only among ``flags``)."""
         present = {f.flag for f in self.flags()}
         return present if flags is None else present & flags
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return _statistics.median(values) if len(values) > 2 else None
+
+
+def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]], flag: str,
+                   order: dict[str, int]) -> None:
+    """Fold the rows of ``flag`` under the first flagged module in backward order (the one
+    nearest the loss): a module upstream of it flagged since the same step or later is one of
+    its consequences (no gradient flows up through a dead layer; a vanishing one keeps
+    shrinking; nothing moves where nothing arrives)."""
+    flagged = sorted((r for (fl, _), r in rows.items() if fl == flag), key=lambda r: order.get(r.module, 0))
+    causes: list[Row] = []
+    for row in flagged:
+        cause = next((c for c in causes if c.since <= row.since), None)
+        if cause is None:
+            causes.append(row)
+            continue
+        cause.consequences += groups[(flag, row.module)]
+        del rows[(flag, row.module)]
+
+
+def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
+    flag, module = key
+    flags = sorted(flags, key=lambda f: (f.since, -f.score))
+    worst = max(flags, key=lambda f: f.score)
+    entries = [f.name for f in flags]
+    if flag == "dead":
+        detail = "output and parameter gradients all zero"
+    elif flag == "stalled":
+        detail = "update ratio 0 or far below the model's: " + ", ".join(e.partition(" ")[2] for e in entries)
+    else:
+        detail = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        if flag == "exploding":
+            detail = f"worst x{worst.score:.3g}: " + detail
+    return Row(flag, module, flags[0].since, worst.last, detail, entries, score=worst.score)
+
+
+def _consequences(row: Row) -> str:
+    kinds: dict[str, list[str]] = {}
+    for f in row.consequences:
+        kinds.setdefault(f.flag, []).append(f.module if f.flag != "stalled" else f.name.partition(" ")[2])
+    parts = []
+    for flag, names in kinds.items():
+        names = list(dict.fromkeys(names))
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        parts.append(f"{flag}: {shown}")
+    return "follows from it (upstream): " + "; ".join(parts)

@@ -1,10 +1,11 @@
-"""``UpdateTracker``: ‖Δw‖/‖w‖ of an optimizer step, from the optimizer's own step hooks. Pure torch.
+"""``UpdateTracker``: ‖Δw‖/‖w_before‖ of an optimizer step, from the optimizer's own step hooks. Pure torch.
 
 On a step marked with :meth:`UpdateTracker.expect`, the step pre-hook copies the watched
 parameters of that optimizer (one copy of them, on their device: the snapshot memory is the
 size of the watched parameters of the one optimizer being stepped, held only between its pre-
 and post-hook, on marked steps only), and the post-hook turns the copy into two numbers per
-parameter, ``‖w_after - w_before‖`` and ``‖w_after‖``, in a few foreach ops, and frees it. Those
+parameter, ``‖w_after - w_before‖ / ‖w_before‖`` (the update ratio: how far the step moved the
+weights, against where they were) and ``‖w_after‖``, in a few foreach ops, and frees it. Those
 numbers go to the host in one copy per step: on CUDA a non-blocking copy into pinned memory, read
 once it has landed, so the tracker adds no synchronisation; elsewhere at once.
 
@@ -33,9 +34,12 @@ import torch
 from torch import Tensor, nn
 
 
-def _ratio(update: float, norm: float) -> float:
-    if norm > 0:
-        return update / norm
+def _ratio(update: float, before: float) -> float:
+    """``‖Δw‖ / ‖w_before‖``; 0 for no update; ``inf`` for weights that were all zero and moved
+    (zero-initialised biases at their first step: the report skips those, it reads ``inf`` as
+    an overflow only where ``‖w_after‖`` is not finite either)."""
+    if before > 0:
+        return update / before
     return 0.0 if update == 0 else float("inf")
 
 
@@ -90,8 +94,9 @@ class UpdateTracker:
         self._snapshot = None
         with torch.no_grad():
             now = [p.detach() for p in params]
+            before_norms = torch._foreach_norm(before)
             torch._foreach_sub_(before, now)  # in place: no second copy
-            values = torch.stack([*torch._foreach_norm(before), *torch._foreach_norm(now)]).double()
+            values = torch.stack([*torch._foreach_norm(before), *torch._foreach_norm(now), *before_norms]).double()
         del before
         if values.device.type == "cuda":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -117,7 +122,7 @@ class UpdateTracker:
             values = host.tolist()
             n = len(names)
             out.append((step, {
-                name: (_ratio(values[k], values[n + k]), values[n + k])
+                name: (_ratio(values[k], values[2 * n + k]), values[n + k])
                 for k, name in enumerate(names)
             }))
         self._landing = keep

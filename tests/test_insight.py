@@ -41,6 +41,7 @@ def test_zero_fraction_equals_reference_whatever_the_padding(batched):
 
 import math  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -93,6 +94,7 @@ def mlp(*layers: nn.Module) -> nn.Sequential:
 
 
 def flags_of(report: HealthReport, flag: str) -> dict[str, int]:
+    """Flagged entries (``"grad_output net.0"``; for ``dead``, modules) and their first step."""
     return {f.name: f.since for f in report.flags() if f.flag == flag}
 
 
@@ -126,17 +128,22 @@ def test_relu_layer_with_bias_minus_50_is_flagged_dead(tmp_path):
     with torch.no_grad():
         net[2].bias.fill_(-50.0)
     _, report = fit_report(tmp_path, Net(net))
-    dead = flags_of(report, "dead")
-    assert dead.get("grad_output net.2") == 0 and dead.get("param_grad net.2.weight") == 0
-    assert "grad_output net.4" not in dead
+    dead = flags_of(report, "dead")  # module level: output and parameter gradients all zero
+    assert dead == {"net.2": 0, "net.0": 0}  # net.0: upstream, no gradient reaches it
+    (row,) = report.rows()  # one row, its consequences under it
+    assert (row.flag, row.module, row.since) == ("dead", "net.2", 0)
+    assert {(f.flag, f.module) for f in row.consequences} == {
+        ("dead", "net.0"), ("stalled", "net.0"), ("stalled", "net.2"), ("stalled", "net.4")
+    }
 
 
 def test_nan_injected_mid_network_is_flagged_at_its_first_step(tmp_path):
     net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     _, report = fit_report(tmp_path, Net(net, nan_in="2", nan_from=4))
-    (first,) = [f for f in report.flags() if f.flag == "nonfinite"]
+    (first,) = [r for r in report.rows() if r.flag == "nonfinite"]
     assert first.since == 4
-    assert first.name == "forward net.2"  # where it was born, not where backward first saw it
+    assert first.module == "net.2"  # where it was born, not where backward first saw it
+    assert first.detail.startswith("born in the forward of `net.2`; last clean logged step 2")
 
 
 # -- update_ratio against an independent reference -------------------------------------------
@@ -145,7 +152,7 @@ from conftest import MLP, ManualGAN  # noqa: E402
 
 
 class UpdateReference(pl.Callback):
-    """A copy of the weights before each optimizer step; ‖after - before‖ / ‖after‖ at batch end."""
+    """A copy of the weights before each optimizer step; ‖after - before‖ / ‖before‖ at batch end."""
 
     def __init__(self) -> None:
         self.ratios: dict[tuple[int, str], float] = {}
@@ -164,7 +171,7 @@ class UpdateReference(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
         for name, (p, old) in self._before.items():
-            self.ratios[(self.step, name)] = ((p.detach() - old).norm() / p.detach().norm()).item()
+            self.ratios[(self.step, name)] = ((p.detach() - old).norm() / old.norm()).item()
         self._before.clear()
 
 
@@ -231,6 +238,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightning_gradhooks", *args], capture_output=True, text=True, timeout=120)
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (a new interpreter costs seconds on a loaded machine)."""
+    from report_panel import cli
+
+    code, out, err = cli(*args)
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     net = mlp(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     with torch.no_grad():
@@ -239,22 +254,22 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     logdir = str(tmp_path / "logs")
     printed = run_cli("report", logdir)
     assert printed.returncode == 0, printed.stderr
-    assert "module" in printed.stdout and "since step" in printed.stdout
-    dead = [line.split() for line in printed.stdout.splitlines() if " dead " in line]
-    assert ["grad_output", "net.2", "dead", "0", "1"] in dead
-    # The same flags as the report the callback printed (which saw exact element counts).
-    assert {(f.name, f.flag, f.since) for f in report.flags()} == {
-        (f"{row[0]} {row[1]}", row[2], int(row[3])) for row in map(str.split, printed.stdout.splitlines()[2:]) if len(row) == 5
-    }
-    failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")
+    # The same report as the callback printed, line for line.
+    assert printed.stdout.split("\n", 1)[1].rstrip("\n") == report.table()
+    assert ["dead", "net.2", "0", "1"] == printed.stdout.splitlines()[3].split()[:4]
+    everything = run_here("report", logdir, "--all")
+    assert "param net.4.weight" not in printed.stdout and "param net.4.weight  stalled" in everything.stdout
+    failing = run_cli("report", logdir, "--fail-on", "nonfinite,dead")  # the process's own exit status
     assert failing.returncode == 1 and "failing on: dead" in failing.stderr
-    assert run_cli("report", logdir, "--fail-on", "nonfinite").returncode == 0
-    assert run_cli("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead").returncode == 0
-    wrong = run_cli("report", logdir, "--fail-on", "nan")
+    assert run_here("report", logdir, "--fail-on", "nonfinite").returncode == 0
+    too_big = run_here("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead")
+    assert too_big.returncode == 2 and "Traceback" not in too_big.stderr
+    assert "Thresholds.dead_zero_fraction expected a number in (0, 1], got 1.5" in too_big.stderr
+    wrong = run_here("report", logdir, "--fail-on", "nan")
     assert wrong.returncode == 2 and "expected flags from nonfinite" in wrong.stderr
-    missing = run_cli("report", str(tmp_path / "nowhere"))
+    missing = run_here("report", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "LOGDIR expected an existing folder" in missing.stderr
-    assert "--fail-on" in run_cli("report", "--help").stdout
+    assert "--fail-on" in run_here("report", "--help").stdout
 
 
 # -- the gradient-flow picture and the custom-scalars layout ---------------------------------
@@ -417,3 +432,42 @@ def test_gradient_flow_of_the_last_logged_step_is_drawn_when_fit_fails(tmp_path)
     events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
     events.Reload()
     assert [i.step for i in events.Images("gradient_flow")][-1] == 4
+
+
+# -- the definitions on hand-made series: what a single step, noise and overflow do -----------
+
+def _steps(report: HealthReport, series: dict[str, list[float]], kind: str = "grad_output") -> None:
+    """Feed one RMS per step per name (mean 0, std = the value), over 20 steady companions."""
+    for step in range(len(next(iter(series.values())))):
+        stats = {(kind, f"steady{i}"): {"mean": 0.0, "std": 1.0 + 0.01 * i} for i in range(20)}
+        stats |= {(kind, name): {"mean": 0.0, "std": values[step]} for name, values in series.items()}
+        report.add_stats(step * 5, stats)
+
+
+def test_a_single_step_spike_and_noise_near_zero_are_not_exploding_two_steps_are():
+    report = HealthReport()
+    _steps(report, {
+        "spike": [1.0, 1.1, 0.9, 150.0, 1.0, 1.0],  # one logged step up, back at the next
+        "noise": [0.1, 0.08, 7.8e-5, 0.214, 0.09, 0.1],  # a dip near zero, then its usual size
+        "grows": [1.0, 1.0, 1.0, 200.0, 300.0, 400.0],  # up and staying up
+    })
+    assert {f.name: f.since for f in report.flags()} == {"grad_output grows": 15}
+
+
+def test_tiny_values_growing_inside_a_vanishing_stack_are_not_exploding():
+    report = HealthReport()
+    _steps(report, {"deep": [1e-26, 1e-24, 1e-22, 1e-20, 1e-18, 1e-16]})
+    assert {(f.flag, f.name) for f in report.flags()} == {("vanishing", "grad_output deep")}
+
+
+def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_weight_is_not():
+    report = HealthReport()
+    grads = {("param_grad", "w"): {"norm": 2.0, "mean": 0.0, "std": 1.0}, ("param_grad", "b"): {"norm": 1.0, "mean": 0.5, "std": 0.5}}
+    report.add_stats(0, grads)
+    # b was all zero before the step: an infinite ratio with finite weights after it is no overflow.
+    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}}, new_step=False)
+    assert report.flags() == []
+    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}}, new_step=False)
+    (row,) = report.rows()
+    assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
+    assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
