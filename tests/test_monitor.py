@@ -1,6 +1,6 @@
 import collections
-import contextlib
 import dataclasses
+import functools
 import warnings
 
 import pytest
@@ -658,15 +658,15 @@ def test_armed_steps_pause_the_cyclic_garbage_collector_and_always_restore_it():
 def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remove(path):
     """CPU buffers of the torch ops outlive a logged step only up to SCRATCH_KEPT elements each;
     reusing them changes no statistic; removing the hooks frees them. The C kernels need none."""
-    from lightning_gradhooks.stats import C_KERNELS, SCRATCH_KEPT, reduce, torch_ops
+    from lightning_gradhooks.stats import C_KERNELS, SCRATCH_KEPT, reduce
 
     if path == "C kernels" and not C_KERNELS:
         pytest.skip("the C kernels are not built")
-    with torch_ops() if path == "torch ops" else contextlib.nullcontext():
-        _scratch_steps(SCRATCH_KEPT, reduce, kept=path == "torch ops")
+    kernels = path == "C kernels"
+    _scratch_steps(SCRATCH_KEPT, functools.partial(reduce, kernels=kernels), kernels, kept=not kernels)
 
 
-def _scratch_steps(SCRATCH_KEPT: int, reduce, kept: bool) -> None:
+def _scratch_steps(SCRATCH_KEPT: int, reduce, kernels: bool, kept: bool) -> None:
 
     class Big(nn.Module):  # a parameter reduced alone, into buffers too big to keep
         def __init__(self) -> None:
@@ -679,6 +679,7 @@ def _scratch_steps(SCRATCH_KEPT: int, reduce, kept: bool) -> None:
     torch.manual_seed(0)
     model = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), "big": Big()})
     monitor = GradientMonitor(model)
+    monitor._kernels = kernels
     handle = monitor.attach()
     assert monitor.scratch_bytes == 0
     for step in range(3):
