@@ -44,7 +44,7 @@ except ImportError:
 
 #: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
 #: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: slower (on ResNet-18 the cost of an armed step about doubles: docs/benchmarks.md).
+#: several times slower (docs/benchmarks.md, "Many modules").
 C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
@@ -107,7 +107,7 @@ SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that the CPU reductions write their big temporaries (and batches) into.
+    """Buffers that torch ops copy CPU batches into (:func:`reduce_batch`).
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
     than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
