@@ -5,10 +5,11 @@ their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU. 
 which give the same values (the tests compare them, and both against plain torch):
 
 - **torch ops**, :func:`reduce_batch`, the reference and the path of every device: gradients
-  are gathered into batches (up to :data:`DEVICE_BATCH_ELEMENTS` elements on accelerators, where
-  the launch count, not the bytes, is what costs; :data:`CPU_BATCH_ELEMENTS` on the CPU; a
-  bigger tensor is a batch of its own) and each batch is reduced with a fixed number of ops,
-  without a host read: segment reductions over rows, one count for all their histograms;
+  are gathered into batches of up to :data:`DEVICE_BATCH_ELEMENTS` elements (a bigger tensor is
+  a batch of its own), because on accelerators the launch count, not the bytes, is what costs,
+  and each batch is reduced with a fixed number of ops, without a host read: segment
+  reductions over rows, one count for all their histograms. The CPU batches the same way, so
+  that the ops counted there are those of a GPU;
 - **the C kernels** of ``_kernels.c``, the CPU fast path for float32 gradients, where setup.py
   could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
   bigger one on its own) and reduced in one call, without a copy, in one pass a tensor for the
@@ -65,11 +66,11 @@ STATS_WIDTH = len(STATISTICS) + 3
 #: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
 MOMENTS = 7
 
-#: On accelerators, a batch is reduced once it holds this many elements (64 MiB of float32:
-#: fewer, bigger batches launch fewer kernels); a bigger gradient is a batch of its own.
+#: Torch ops reduce a batch once it holds this many elements (64 MiB of float32: fewer, bigger
+#: batches launch fewer kernels); a bigger gradient is a batch of its own.
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: On the CPU, a batch is reduced once it holds this many elements; a bigger gradient is
-#: reduced on its own.
+#: The C kernels reduce a batch once it holds this many elements; a bigger gradient is reduced
+#: on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
@@ -175,9 +176,9 @@ class Reducer:
         self.bins = bins
         self.kernels = C_KERNELS if kernels is None else kernels
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches, by (C kernels, histogram): on the CPU
-        # a histogram costs more than the statistics, so tensors without one are batched apart;
-        # on accelerators launches cost more, so every tensor joins one batch; what was added.
+        # tensors in the order added); the open batches, by (C kernels, histogram): the kernels
+        # batch tensors without a histogram apart (it costs more than the statistics); torch ops
+        # have one batch (launches cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
         self._open: dict[tuple[bool, bool], _Batch] = {}
         self._numels: list[int] = []
@@ -198,9 +199,7 @@ class Reducer:
                 self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
                 return
             key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
-        elif x.is_cpu:
-            key, capacity = (False, histogram), CPU_BATCH_ELEMENTS
-        else:
+        else:  # as on accelerators, wherever it runs: the op count measured on the CPU is the GPU's
             key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
         batch = self._open.get(key)
         if batch is None:
