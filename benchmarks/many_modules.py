@@ -13,8 +13,8 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
 that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, torch ops``
-(the same with the CPU gradients reduced by torch ops instead of the C kernels of ``_kernels.c``;
-only where they are built), ``per-param norm``
+(the same with the CPU gradients reduced by torch ops instead of the C kernels of ``_kernels.c``,
+the monitor's ``_kernels = False``; only where they are built), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -23,8 +23,8 @@ its histograms in hooks: a tensor hook per parameter counts backward passes and 
 on the root counts forwards; every ``log_freq``-th call reduces the tensor and publishes it to
 the run; ``run.log({})`` commits the row each logging step. A check counts them first.
 B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
-collect) over a bare one, on the CPU path and on the accelerator path forced on the CPU
-(``lightning_gradhooks.stats.branch_free``), and of an attached, unarmed step.
+collect) over a bare one, on the CPU path (the C kernels) and on the accelerator path (torch ops,
+the monitor's ``_kernels = False``, run on the CPU), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
@@ -76,14 +76,7 @@ from overhead import StepTimer, machine  # noqa: E402
 
 from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
-try:
-    from lightning_gradhooks.stats import branch_free
-except ImportError:
-    branch_free = None
-try:  # the C kernels for CPU gradients, and the switch back to torch ops
-    from lightning_gradhooks.stats import _kernels, torch_ops
-except ImportError:
-    _kernels = torch_ops = None
+from lightning_gradhooks.stats import C_KERNELS  # noqa: E402
 
 Batch = tuple[Tensor, ...]
 
@@ -220,7 +213,8 @@ class Loop:
     @contextlib.contextmanager
     def monitored(self, armed: bool, kernels: bool = True) -> Iterator[Variant]:
         monitor = self.monitor
-        with contextlib.nullcontext() if kernels else torch_ops(), monitor.attach():
+        monitor._kernels = None if kernels else False  # None: the C kernels for float32 CPU gradients
+        with monitor.attach():
             # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
             # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
             self.step(Variant(lambda: monitor.arm().__enter__(), monitor.collect))  # the first armed step: in-place probe
@@ -244,7 +238,7 @@ class Loop:
             "attached": lambda: self.monitored(False),
             "armed": lambda: self.monitored(True),
         }
-        if _kernels is not None and self.case.batch[0].device.type == "cpu":
+        if C_KERNELS and self.case.batch[0].device.type == "cpu":
             setups["armed, torch ops"] = lambda: self.monitored(True, kernels=False)
         setups |= {
             "per-param norm": lambda: self.plain(Variant(after=self.norms)),
@@ -365,27 +359,21 @@ def op_counts(case: Case) -> list[str]:
 
     step(False)  # warm-up
     bare, _ = count_ops(lambda: step(False))
-    paths: dict[str, Callable[[], contextlib.AbstractContextManager[None]] | None]
-    paths = {"CPU": contextlib.nullcontext, "accelerator": branch_free}
+    paths = {"CPU": None, "accelerator": False}  # the monitor's _kernels: C kernels where built; torch ops
     cells: dict[str, list[str]] = {}
     with monitor.attach():
         step(True)  # in-place probe
         not_armed = count_ops(lambda: step(False))[0] - bare
-        for path, context in paths.items():
-            if context is None:
-                cells[path] = ["n/a", "n/a"]
-                continue
-            with context():
-                step(True)  # warm-up of this path (cached layouts)
-                ops, reduced = count_ops(lambda: step(True))
+        for path, kernels in paths.items():
+            monitor._kernels = kernels
+            step(True)  # warm-up of this path (cached layouts)
+            ops, reduced = count_ops(lambda: step(True))
             cells[path] = [str(ops - bare), f"{(ops - bare) / max(reduced, 1):.1f}"]
             cells.setdefault("reduced", [str(reduced)])
     return [case.name, *cells["reduced"], *cells["CPU"], *cells["accelerator"], str(not_armed)]
 
 
 def part_b(names: list[str]) -> None:
-    if branch_free is None:
-        print("accelerator path: n/a (lightning_gradhooks.stats.branch_free does not exist yet)")
     rows = []
     for name in names:
         try:
@@ -394,7 +382,7 @@ def part_b(names: list[str]) -> None:
             rows.append([name, f"failed: {type(error).__name__}: {error}", *[""] * 5])
     print("\nOp counts (aten ops dispatched; extra = monitored step - bare step, forward + backward, no optimizer)")
     print(
-        "| model | reduced tensors | extra ops CPU path | per tensor | extra ops accelerator path | per tensor "
+        "| model | reduced tensors | extra ops CPU path (C kernels) | per tensor | extra ops accelerator path (torch ops) | per tensor "
         "| extra ops when not armed |\n| --- | --- | --- | --- | --- | --- | --- |"
     )
     for row in rows:
@@ -451,6 +439,14 @@ def fit_once(
     return timer.times[2:] or timer.times
 
 
+class TorchOps(GradHooks):
+    """GradHooks whose monitor reduces CPU gradients with torch ops, not the C kernels."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._monitor._kernels = False
+
+
 class SkippedReductions(GradHooks):
     """GradHooks whose monitor reduces nothing (hooks, parameters): the callback's own cost."""
 
@@ -468,8 +464,8 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
         variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
-        if _kernels is not None and args.device == "cpu":
-            variants["every step, torch ops"] = variants["GradHooks every step"]
+        if C_KERNELS and args.device == "cpu":
+            variants["every step, torch ops"] = lambda: [TorchOps(every_n_steps=1)]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         state = case.make().state_dict()
@@ -479,8 +475,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         typical = Timings(f"{case.name} (Lightning, median step)", list(variants))
 
         def fit(name: str, make: Callable[[], list[pl.Callback]]) -> float:
-            with torch_ops() if name.endswith("torch ops") else contextlib.nullcontext():
-                times = fit_once(case, state, make, args.lightning_steps, logdir)
+            times = fit_once(case, state, make, args.lightning_steps, logdir)
             typical.times[name].append(statistics.median(times))
             return statistics.fmean(times)
 

@@ -449,6 +449,7 @@ class GradientMonitor:
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
+        self._kernels: bool | None = None  # Reducer(kernels=): False, torch ops only (tests, benchmarks)
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
@@ -777,7 +778,7 @@ class GradientMonitor:
         device = grad.device
         reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, kernels=self._kernels)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, device))
 

@@ -1,21 +1,23 @@
 """Reductions of gradient tensors to statistics and histograms; pooling on the host.
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
-their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU:
+their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU. It has two paths,
+which give the same values (the tests compare them, and both against plain torch):
 
-- on the CPU, float32 gradients are reduced by the C kernels of ``_kernels.c`` where setup.py
+- **torch ops**, :func:`reduce_batch`, the reference and the path of every device: gradients
+  are gathered into batches of up to :data:`DEVICE_BATCH_ELEMENTS` elements (a bigger tensor is
+  a batch of its own), because on accelerators the launch count, not the bytes, is what costs,
+  and each batch is reduced with a fixed number of ops, without a host read: segment
+  reductions over rows, one count for all their histograms. The CPU batches the same way, so
+  that the ops counted there are those of a GPU;
+- **the C kernels** of ``_kernels.c``, the CPU fast path for float32 gradients, where setup.py
   could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
-  bigger one on its own, at once) and reduced in one call, without a copy, in one pass a tensor
-  for the statistics and one for the histogram;
-- otherwise, and for float64, with torch ops: small gradients are gathered and reduced together,
-  a batch at a time, with a fixed number of ops per batch (segment reductions over rows, one
-  scatter for all their histograms); big ones are reduced on their own in four passes (minimum
-  and maximum, sum, row norms, non-zero count), the finite check read from the minimum and
-  maximum, and their histogram in three more (shift and scale, convert to int8, count pairs of
-  neighbours);
-- on accelerators every gradient up to :data:`DEVICE_BATCH_ELEMENTS` elements joins a batch,
-  because there the launch count, not the bytes, is what costs (a batch holds at most that many
-  elements of gradients and their copy).
+  bigger one on its own) and reduced in one call, without a copy, in one pass a tensor for the
+  statistics and one for the histogram. A call that meets NaN or Inf is done again by
+  :func:`reduce_batch`.
+
+``Reducer(bins, kernels=None)`` takes the kernels for float32 CPU gradients where they were
+built, torch ops for everything else; ``kernels=False`` takes torch ops everywhere.
 
 The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
 values centred on a point near the mean, finite minimum and maximum, zero count);
@@ -26,11 +28,9 @@ one NaN does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -45,7 +45,7 @@ except ImportError:
 
 #: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
 #: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: slower (on ResNet-18 the cost of an armed step about doubles: docs/benchmarks.md).
+#: several times slower (docs/benchmarks.md, "Many modules").
 C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
@@ -66,55 +66,14 @@ STATS_WIDTH = len(STATISTICS) + 3
 #: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
 MOMENTS = 7
 
-#: On the CPU, without the C kernels, gradients of at most this many elements are batched; bigger
-#: ones are reduced alone.
-CPU_BATCH_TENSOR = 1 << 15
-#: On accelerators, gradients of at most this many elements are batched, and a batch is reduced
-#: once it holds this many (64 MiB of float32: fewer, bigger batches launch fewer kernels).
+#: Torch ops reduce a batch once it holds this many elements (64 MiB of float32: fewer, bigger
+#: batches launch fewer kernels); a bigger gradient is a batch of its own.
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: On the CPU, a batch is reduced once it holds this many elements.
+#: The C kernels reduce a batch once it holds this many elements; a bigger gradient is reduced
+#: on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
-
-
-def _width(n: int) -> int:
-    """The row width of a CPU batch for a tensor of ``n`` elements: :data:`ROW`, or for a smaller
-    tensor the power of two that holds it, so that a 64-element bias is not padded to 1024."""
-    return ROW if n >= ROW else 1 << max(n - 1, 0).bit_length()
-
-
-_branch_free = False
-_use_kernels = True
-
-
-@contextlib.contextmanager
-def branch_free() -> Iterator[None]:
-    """Reduce CPU tensors as accelerator tensors are reduced: batched, no host reads.
-
-    For tests and benchmarks: this is how the op count of the accelerator path is measured on a
-    machine without one.
-    """
-    global _branch_free
-    previous, _branch_free = _branch_free, True
-    try:
-        yield
-    finally:
-        _branch_free = previous
-
-
-@contextlib.contextmanager
-def torch_ops() -> Iterator[None]:
-    """Reduce CPU tensors with torch ops even where the C kernels of ``_kernels.c`` were built.
-
-    For tests and benchmarks, which compare the two paths.
-    """
-    global _use_kernels
-    previous, _use_kernels = _use_kernels, False
-    try:
-        yield
-    finally:
-        _use_kernels = previous
 
 
 def _as_float(tensor: Tensor) -> Tensor:
@@ -144,17 +103,12 @@ def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t.reshape(-1) for t in tensors]
 
 
-def _shrunk(bins: int) -> float:
-    """Scale so that the maximum lands just inside the last bin: no clamp pass is needed."""
-    return bins * (1 - 1e-6)
-
-
 #: CPU scratch buffers of at most this many elements outlive a logged step (see :class:`Scratch`).
 SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that the CPU reductions write their big temporaries (and batches) into.
+    """Buffers that torch ops copy CPU batches into (:func:`reduce_batch`).
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
     than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
@@ -196,26 +150,40 @@ class Reducer:
 
     Args:
         bins: histogram bins.
-        scratch: where CPU reductions write their temporaries; pass the same one every step
-            to reuse its buffers (by default each reducer has its own).
+        scratch: where CPU batches are copied into; pass the same one every step to reuse its
+            buffers (by default each reducer has its own).
+        kernels: whether float32 CPU gradients are reduced by the C kernels of ``_kernels.c``
+            (True), or with torch ops like every other gradient (False); by default, by the
+            kernels where they were built (:data:`C_KERNELS`).
+
+    Raises:
+        ValueError: ``kernels=True`` where the kernels were not built.
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer.
+
+    Example:
+        >>> reducer = Reducer(bins=4, kernels=False)
+        >>> reducer.add(torch.tensor([3.0, -4.0]), histogram=True)
+        >>> (row, counts), = reducer.finish()
+        >>> round(row[0], 4), counts
+        (5.0, [1.0, 0.0, 0.0, 1.0])
     """
 
-    def __init__(self, bins: int, scratch: Scratch | None = None) -> None:
+    def __init__(self, bins: int, scratch: Scratch | None = None, *, kernels: bool | None = None) -> None:
+        if kernels and _kernels is None:
+            raise ValueError("expected kernels=False or None where the C kernels of _kernels.c were not built, got True")
         self.bins = bins
+        self.kernels = C_KERNELS if kernels is None else kernels
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches (on the CPU, by histogram or not, since
-        # a histogram costs more than the statistics, and by row width, so that small tensors
-        # are padded at most to twice their size; on accelerators one: launches cost more);
-        # what was added.
+        # tensors in the order added); the open batches, by (C kernels, histogram): the kernels
+        # batch tensors without a histogram apart (it costs more than the statistics); torch ops
+        # have one batch (launches cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
-        self._open: dict[tuple[bool, int], _Batch] = {}
+        self._open: dict[tuple[bool, bool], _Batch] = {}
         self._numels: list[int] = []
         self._histogram: list[bool] = []
         self._scratch = Scratch() if scratch is None else scratch
-        self._cpu: bool | None = None  # the device's kind, from the first tensor added
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
         """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
@@ -224,26 +192,15 @@ class Reducer:
         position = len(self._numels)
         self._numels.append(n)
         self._histogram.append(histogram)
-        if self._cpu is None:
-            self._cpu = x.is_cpu
-        bins = self.bins if histogram else None
-        if _branch_free or not self._cpu:
-            key, capacity = (True, ROW), DEVICE_BATCH_ELEMENTS
-        elif _use_kernels and _kernels is not None and x.dtype == torch.float32:
+        if self.kernels and x.dtype == torch.float32 and x.is_cpu:
             if not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
                 x = x.contiguous()
             if n > CPU_BATCH_ELEMENTS:
-                self._blocks.append((*_reduce_with_kernels([x], bins), [position]))
+                self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
                 return
-            key, capacity = (histogram, 0), CPU_BATCH_ELEMENTS  # width 0: no rows, no copy
-        elif n > CPU_BATCH_TENSOR:
-            self._blocks.append((*_reduce_alone_on_cpu(x.reshape(-1), bins, self._scratch), [position]))
-            return
-        elif n == 0:  # an empty output: the CPU batch pads with a tensor's first element
-            self._blocks.append((*reduce_batch([x.reshape(-1)], bins), [position]))
-            return
-        else:
-            key, capacity = (histogram, _width(n)), CPU_BATCH_ELEMENTS
+            key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
+        else:  # as on accelerators, wherever it runs: the op count measured on the CPU is the GPU's
+            key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
@@ -254,15 +211,13 @@ class Reducer:
         batch.positions.append(position)
         batch.elements += n
 
-    def _flush(self, key: tuple[bool, int]) -> None:
+    def _flush(self, key: tuple[bool, bool]) -> None:
         batch = self._open.pop(key)
         bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
-        if _branch_free or not self._cpu:
-            moments, counts = reduce_batch(_flat(batch.tensors), bins)
-        elif key[1] == 0:
+        if key[0]:
             moments, counts = _reduce_with_kernels(batch.tensors, bins)
         else:
-            moments, counts = _reduce_on_cpu(_flat(batch.tensors), bins, self._scratch, key[1])
+            moments, counts = reduce_batch(_flat(batch.tensors), bins, self._scratch)
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
@@ -270,7 +225,7 @@ class Reducer:
         for key in list(self._open):
             self._flush(key)
         blocks, numels, wanted = self._blocks, self._numels, self._histogram
-        self.__init__(self.bins, self._scratch)
+        self._blocks, self._open, self._numels, self._histogram = [], {}, [], []
         self._scratch.trim()
         if not blocks:
             return []
@@ -291,57 +246,13 @@ class Reducer:
         return results
 
 
-def _reduce_alone_on_cpu(x: Tensor, bins: int | None, scratch: Scratch) -> tuple[Tensor, Tensor | None]:
-    """Moments (and histogram) of one big flat CPU tensor with torch ops, in as few passes as they allow.
-
-    One read of ``aminmax``, the sum, the row norms and the count of non-zeros: NaN and Inf show
-    in the minimum and maximum, and only then does the tensor take the masked path of
-    :func:`reduce_batch`. The sums are not centred (no copy): a tensor whose mean is far from
-    zero against its spread (rare for gradients) is centred on its mean and summed again.
-    """
-    n = x.numel()
-    whole = n - n % ROW
-    head = x[:whole].view(-1, ROW)
-    # Non-zeros as 1.0 summed by rows, exactly: count_nonzero branches on every element, and
-    # a gradient with random zeros (ReLU) makes it ten times slower.
-    ones = torch.ne(head, 0, out=scratch.get("float", whole, x.dtype).view(-1, ROW))
-    per_row = torch.stack([torch.linalg.vector_norm(head, dim=1), ones.sum(1)], 1).to(torch.float64)
-    per_row[:, 0].square_()
-    squares, nonzero = per_row.sum(0)
-    if whole < n:
-        tail = x[whole:].to(torch.float64)
-        squares, nonzero = squares + tail.square().sum(), nonzero + torch.count_nonzero(tail)
-    low, high = torch.aminmax(x)
-    lo, hi, total, squares, nonzero = torch.stack(
-        [low.double(), high.double(), x.sum().double(), squares, nonzero.double()]
-    ).tolist()
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return reduce_batch([x], bins)
-    centre = 0.0
-    if 0 < squares and squares - total * total / n <= 0.1 * squares:  # the mean is far from 0
-        centre = total / n
-        squares, total = _centred_sums(x, centre)
-    moments = torch.tensor([[n, centre + total / n, squares, total, lo, hi, n - nonzero]], dtype=torch.float64)
-    if bins is None:
-        return moments, None
-    # The factors of _bin_scale, as Python floats: no tensor ops for one scalar.
-    scale = _shrunk(bins) / (hi - lo) if hi > lo else 0.0
-    step = 2.0**64 if scale > torch.finfo(x.dtype).max / 2.0**64 else 1.0
-    index = torch.sub(x, lo, out=scratch.get("float", n, x.dtype))
-    if step != 1:
-        index.mul_(step)
-    index.mul_(scale / step)
-    counts = _count(scratch.get("index", n, _index_dtype(bins)).copy_(index), bins)
-    return moments, counts.view(1, bins)
-
-
 def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
     """:func:`reduce_batch` for dense float32 CPU tensors, in one call of the C kernels of
     ``_kernels.c``: no copy, one pass a tensor for its moments (sums centred on its first
-    element, as in :func:`_reduce_on_cpu`; a second pass, centred on the mean, where that lies
-    far out) and one for its histogram, the bins computed in float32 as torch computes them. A
-    call that meets NaN or Inf (or a square beyond float32) is done again by the masked path of
-    :func:`reduce_batch`, which tells which elements were not finite."""
+    element; a second pass, centred on the mean, where that lies far out) and one for its
+    histogram, the bins computed in float32 as :func:`reduce_batch` computes them. A call that
+    meets NaN or Inf (or a square beyond float32) is done again by :func:`reduce_batch`, which
+    tells which elements were not finite."""
     m = len(tensors)
     moments = torch.empty(m, MOMENTS, dtype=torch.float64)
     counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
@@ -357,95 +268,6 @@ def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[T
     return moments, counts
 
 
-def _reduce_on_cpu(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch, width: int = ROW
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`reduce_batch` for CPU tensors, in a few plain passes when every value is finite.
-
-    The tensors are laid out in rows of ``width`` elements (each tensor on rows of its own).
-
-    On the CPU, reading a reduced value is not a device synchronisation, so the code can
-    branch: rows are padded with copies of their tensor's first element instead of NaN, which
-    leaves minima and maxima alone, adds nothing to sums centred on that element and is taken
-    out of the histogram exactly, so no pass has to mask. A batch holding NaN or Inf goes
-    through :func:`reduce_batch`; a tensor whose first element lies far from its mean is
-    centred again on the mean.
-    """
-    row_of, pads, firsts = _layout(tuple(t.numel() for t in tensors), torch.device("cpu"), width)
-    if len(tensors) == 1 and not pads[0]:
-        x = tensors[0].view(-1, width)
-    else:
-        pieces = [p for t, pad in zip(tensors, pads) for p in ((t, t[:1].expand(pad)) if pad else (t,))]
-        dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-        x = torch.cat(pieces, out=scratch.get("batch", len(row_of) * width, dtype)).view(-1, width)
-    m = len(tensors)
-    work = scratch.get("float", x.numel(), x.dtype).view(-1, width)
-    low = torch.full((m,), math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amin(1), "amin")
-    high = torch.full((m,), -math.inf, dtype=x.dtype).scatter_reduce_(0, row_of, x.amax(1), "amax")
-    if not torch.stack([low, high]).isfinite().all():
-        return reduce_batch(tensors, bins)
-    first = x.view(-1)[firsts]  # centred on each tensor's first element, the padding adds nothing
-    shifted = torch.sub(x, first[row_of, None], out=work)
-    per_row = [torch.linalg.vector_norm(shifted, dim=1), shifted.sum(1)]
-    per_row.append(torch.ne(x, 0, out=work).sum(1))  # exact: at most `width` non-zeros per row
-    per_row = torch.stack(per_row, 1).to(torch.float64)
-    per_row[:, 0].square_()
-    squares, offset, nonzero = torch.zeros(m, 3, dtype=torch.float64).index_add_(0, row_of, per_row).unbind(1)
-    numel = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)
-    centre = first.to(torch.float64)
-    zeros = numel - nonzero + torch.tensor(pads, dtype=torch.float64) * (centre != 0)
-    far = (squares > 0) & (squares - offset * offset / numel <= 0.1 * squares)
-    for k in far.nonzero().view(-1).tolist():  # the first element is far out: centre on the mean
-        centre[k] += offset[k] / numel[k]
-        squares[k], offset[k] = _centred_sums(tensors[k], centre[k].item())
-    moments = torch.stack([numel, centre + offset / numel, squares, offset, low.double(), high.double(), zeros], 1)
-    if bins is None:
-        return moments, None
-    span = (high.double() - low.double())[row_of, None]
-    index = _to_bins(torch.sub(x, low[row_of, None], out=work), span, bins)
-    if m == 1:
-        index = scratch.get("index", x.numel(), _index_dtype(bins + 1)).copy_(index.view(-1))
-        counts = _count(index, bins + 1)
-    else:  # int16 where it holds every tensor's bins: fewer bytes for bincount to read
-        kind = torch.int16 if m * (bins + 1) <= torch.iinfo(torch.int16).max else torch.int32
-        index = scratch.get("index", x.numel(), kind).view(-1, width).copy_(index)
-        index = index.add_((row_of[:, None] * (bins + 1)).to(kind)).view(-1)
-        counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
-    # The padding copies the first element of its tensor: take it out of that element's bin.
-    if any(pads):
-        counts.index_add_(0, index[firsts].int(), -torch.tensor(pads, dtype=torch.float64))
-    return moments, counts.view(m, bins + 1)[:, :bins]
-
-
-def _index_dtype(bins: int) -> torch.dtype:
-    """The dtype of a histogram index: int8 up to 128 bins, else int16 (at most 4096 bins).
-
-    Converting float32 to int8 or int16 is vectorised; to uint8 it is not (four times slower).
-    """
-    return torch.int8 if bins <= 128 else torch.int16
-
-
-def _count(index: Tensor, bins: int) -> Tensor:
-    """``bincount`` of a flat index in ``[0, bins)`` (of :func:`_index_dtype`), as float64.
-
-    An int8 index is counted by pairs: viewed as int16, each pair of neighbours is one number
-    ``first + 256 * second`` (little-endian), below 32768, so one ``bincount`` over half as many
-    elements fills a ``bins x 256`` table whose row and column sums are the histogram.
-    ``bincount`` costs a counter update per element, and it is the slowest step of a histogram:
-    by pairs it runs ~1.7x faster, also when neighbours share a bin (ReLU zeros, a vanishing
-    layer), where updates of one counter wait on each other.
-    """
-    n = index.numel()
-    if index.dtype != torch.int8 or n < 2 or sys.byteorder != "little":
-        return torch.bincount(index, minlength=bins)[:bins].to(torch.float64)
-    whole = n - n % 2
-    table = torch.bincount(index[:whole].view(torch.int16), minlength=256 * bins).view(bins, 256)[:, :bins]
-    counts = table.sum(0).add_(table.sum(1))
-    if whole < n:
-        counts[index[-1].item()] += 1
-    return counts.to(torch.float64)
-
-
 def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     """The two factors, in ``dtype``, that take values minus their tensor's minimum (in
     ``[0, span]``) to bin positions in ``[0, bins)``: ``bins / span``, computed in float64 and
@@ -454,52 +276,30 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     The first factor is 1, or an exact 2**64 where a denormal span makes the scale too big for
     ``dtype``. A span of 0 (a constant tensor, or denormals flushed to zero under
     ``torch.set_flush_denormal``) gives a scale of 0: every element in bin 0, never NaN.
+    ``_kernels.c`` computes the same factors.
 
     Returns:
         shape ``(2, *span.shape)``.
     """
-    scale = (_shrunk(bins) / span).nan_to_num_(0.0, 0.0, 0.0)  # a span of 0 (or -inf: nothing finite)
+    scale = (bins * (1 - 1e-6) / span).nan_to_num_(0.0, 0.0, 0.0)  # a span of 0 (or -inf: nothing finite)
     step = torch.where(scale > torch.finfo(dtype).max / 2.0**64, 2.0**64, 1.0)
     return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
 
 
-def _to_bins(shifted: Tensor, span: Tensor, bins: int) -> Tensor:
-    """:func:`_bin_scale` applied in place; the exact first step only where it is needed."""
-    step, scale = _bin_scale(span, bins, shifted.dtype)
-    if (step != 1).any():
-        shifted.mul_(step)
-    return shifted.mul_(scale)
-
-
-def _centred_sums(x: Tensor, centre: float) -> tuple[float, float]:
-    """The sum of squares and the sum of ``x - centre``: the moments of a tensor whose mean lies
-    far from the point its sums were first centred on."""
-    centred = torch.sub(x, centre)
-    return _squares(centred), centred.sum().item()
-
-
-def _squares(x: Tensor) -> float:
-    """The sum of squares of a flat tensor, accurate to float64 rounding of float32 row norms."""
-    whole = x.numel() - x.numel() % ROW
-    head = torch.linalg.vector_norm(x[:whole].view(-1, ROW), dim=1).to(torch.float64).square().sum().item()
-    return head + x[whole:].to(torch.float64).square().sum().item()
-
-
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device, width: int = ROW) -> tuple[Tensor, list[int], Tensor]:
-    """Rows of a batch: the tensor each row belongs to, each tensor's padding, its first element.
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int]]:
+    """Rows of a batch: the tensor each row belongs to, and each tensor's padding.
 
-    Tensor ``k`` fills ``ceil(n_k / width)`` rows, the last one padded to ``width`` elements.
-    Built once per layout (a model gives the same layouts every logged step) and copied to the
-    device once.
+    Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
+    :data:`ROW` elements. Built once per layout (a model gives the same layouts every logged
+    step) and copied to the device once.
     """
-    rows = torch.tensor([max(1, -(-n // width)) for n in lengths])
+    rows = torch.tensor([max(1, -(-n // ROW)) for n in lengths])
     row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
-    firsts = (rows.cumsum(0) - rows) * width
     if device.type == "cuda":
-        row_of, firsts = row_of.pin_memory(), firsts.pin_memory()
-    pads = [r * width - n for r, n in zip(rows.tolist(), lengths)]
-    return row_of.to(device, non_blocking=True), pads, firsts.to(device, non_blocking=True)
+        row_of = row_of.pin_memory()
+    pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
+    return row_of.to(device, non_blocking=True), pads
 
 
 @functools.lru_cache(maxsize=8)
@@ -507,23 +307,32 @@ def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.full((ROW,), math.nan, dtype=dtype, device=device)
 
 
-def reduce_batch(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
+def reduce_batch(
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
+) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
     One ``cat`` lays the tensors out in rows of :data:`ROW` elements, each tensor on rows of its
-    own, padded with NaN. Every statistic is a row reduction (summed in float64) followed by one
-    ``index_add`` of the few rows of each tensor; the spread is a second pass, centred on the
-    mean. All histograms are one count over ``tensor * (bins + 1) + bin``.
+    own, padded with NaN (a lone tensor that fills its rows is read in place). Every statistic is
+    a row reduction (summed in float64) followed by one ``index_add`` of the few rows of each
+    tensor; the spread is a second pass, centred on the mean. All histograms are one count over
+    ``tensor * (bins + 1) + bin``. No value is read to the host. On the CPU the batch is copied
+    into ``scratch`` where one is given (a reused buffer costs no page faults).
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    row_of, pads, _ = _layout(tuple(t.numel() for t in tensors), device)
-    nan = _padding(device, dtype)
-    x = torch.cat([piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]).view(-1, ROW)
+    row_of, pads = _layout(tuple(t.numel() for t in tensors), device)
     m = len(tensors)
+    if m == 1 and not pads[0]:
+        x = tensors[0].view(-1, ROW)
+    else:
+        nan = _padding(device, dtype)
+        pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
+        out = scratch.get("batch", len(row_of) * ROW, dtype) if scratch is not None and device.type == "cpu" else None
+        x = torch.cat(pieces, out=out).view(-1, ROW)
     finite = x.abs() < math.inf  # False for NaN, padding included
     zeroed = x.nan_to_num(0.0, 0.0, 0.0)
     # exact over a row; the NaN padding is never zero
@@ -578,15 +387,18 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
     return torch.stack([norm, mean, std, absmax, numels - count, zero_fraction, count, low, high], 1)
 
 
-def reduce(tensors: Sequence[Tensor], bins: int | None = None) -> list[tuple[list[float], list[float] | None]]:
-    """Statistics rows (and histogram counts) of each tensor, read to the host at once.
+def reduce(
+    tensors: Sequence[Tensor], bins: int | None = None, *, kernels: bool | None = None
+) -> list[tuple[list[float], list[float] | None]]:
+    """Statistics rows (and histogram counts) of each tensor, read to the host at once
+    (``kernels`` as for :class:`Reducer`).
 
     Example:
         >>> (row, counts), = reduce([torch.tensor([3.0, -4.0, float("nan")])], bins=2)
         >>> [round(v, 4) for v in row[:5]], counts
         ([5.0, -0.5, 4.9497, 4.0, 1.0], [1.0, 1.0])
     """
-    reducer = Reducer(bins or 1)
+    reducer = Reducer(bins or 1, kernels=kernels)
     for t in tensors:
         reducer.add(t, bins is not None)
     return reducer.finish()

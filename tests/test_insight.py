@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradhooks.stats import STATISTICS, branch_free, pool_stats, reduce
+from lightning_gradhooks.stats import C_KERNELS, STATISTICS, pool_stats, reduce
 
 
 def _zero_heavy(n: int, share: float, first_zero: bool, seed: int) -> torch.Tensor:
@@ -16,10 +16,10 @@ def _zero_heavy(n: int, share: float, first_zero: bool, seed: int) -> torch.Tens
     return t
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_zero_fraction_equals_reference_whatever_the_padding(batched):
-    # Sizes that pad their last row (the CPU path pads with the first element), big ones reduced
-    # alone, a NaN that sends the batch through the masked path, an all-zero tensor.
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.skipif(not C_KERNELS, reason="not built")), False])
+def test_zero_fraction_equals_reference_whatever_the_padding(kernels):
+    # Sizes that pad their last row, a NaN that sends the C kernels' batch to torch ops, an
+    # all-zero tensor.
     tensors = [_zero_heavy(n, s, fz, i) for i, (n, s, fz) in enumerate(
         [(5, 0.5, True), (1000, 0.3, True), (1024, 0.9, False), (40_000, 0.7, True), (3, 0.0, False)]
     )]
@@ -27,8 +27,7 @@ def test_zero_fraction_equals_reference_whatever_the_padding(batched):
     with_nan = _zero_heavy(300, 0.5, True, 9)
     with_nan[7] = float("nan")
     tensors.append(with_nan)
-    with branch_free() if batched else torch.no_grad():
-        rows = reduce(tensors, bins=8)
+    rows = reduce(tensors, bins=8, kernels=kernels)
     index = STATISTICS.index("zero_fraction")
     for t, (row, _) in zip(tensors, rows):
         assert row[index] == pytest.approx((t == 0).double().mean().item(), abs=1e-12)

@@ -6,25 +6,26 @@ import torch
 
 from lightning_gradhooks import stats
 from lightning_gradhooks.stats import (
-    CPU_BATCH_TENSOR,
+    C_KERNELS,
+    CPU_BATCH_ELEMENTS,
     STATISTICS,
-    branch_free,
+    Reducer,
     histogram_edges,
     merge_histograms,
     pool_stats,
     reduce,
-    torch_ops,
 )
 
+#: A tensor the C kernels reduce alone (odd: its last row is padded on the torch-ops path).
+BIG = CPU_BATCH_ELEMENTS + 3
+needs_kernels = pytest.mark.skipif(not C_KERNELS, reason="the C kernels are not built")
 
-@pytest.fixture(autouse=True, params=["kernels", "torch ops"])
-def big_tensor_path(request):
-    """Every test runs twice: big float32 CPU tensors reduced by the C kernels, then by torch ops."""
-    if request.param == "torch ops":
-        with torch_ops():
-            yield request.param
-    else:
-        yield request.param
+
+@pytest.fixture(params=[pytest.param(True, id="kernels", marks=needs_kernels), pytest.param(False, id="torch ops")])
+def kernels(request):
+    """The path a test reduces on: float32 CPU tensors by the C kernels, or by torch ops (the
+    accelerator path, and the reference)."""
+    return request.param
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:
@@ -40,36 +41,34 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     }
 
 
-def stats_of(t: torch.Tensor) -> dict[str, float]:
-    return dict(zip(STATISTICS, reduce([t])[0][0]))
+def stats_of(t: torch.Tensor, kernels: bool) -> dict[str, float]:
+    return dict(zip(STATISTICS, reduce([t], kernels=kernels)[0][0]))
 
 
-def counts_of(t: torch.Tensor, bins: int) -> list[float]:
-    return reduce([t], bins)[0][1]
+def counts_of(t: torch.Tensor, bins: int, kernels: bool) -> list[float]:
+    return reduce([t], bins, kernels=kernels)[0][1]
 
 
-# Small tensors go through the batched path, big ones through the CPU's own.
-SIZES = [(1000,), (7, 13, 5), (2, 1), (CPU_BATCH_TENSOR + 1,)]
+# Small tensors are batched, big ones reduced alone (the last fills its rows: read in place).
+SIZES = [(1000,), (7, 13, 5), (2, 1), (BIG,), (2 * CPU_BATCH_ELEMENTS,)]
 
 
-@pytest.mark.parametrize("path", ["cpu", "branch_free"])
 @pytest.mark.parametrize("shape", SIZES)
-def test_statistics_match_reference(shape, path):
+def test_statistics_match_reference(shape, kernels):
     t = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
-    with branch_free() if path == "branch_free" else torch.no_grad():
-        got = stats_of(t)
+    got = stats_of(t, kernels)
     for name, value in reference(t).items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
-def test_a_batch_of_many_shapes_matches_each_tensor_alone():
+def test_a_batch_of_many_shapes_matches_each_tensor_alone(kernels):
     g = torch.Generator().manual_seed(5)
     tensors = [torch.randn(n, generator=g) * (k + 1) + k for k, n in enumerate([1, 3, 1023, 1024, 1025, 5000, 64])]
     tensors[3][7] = float("inf")
     tensors[4][:] = float("nan")  # a tensor with no finite element, inside a batch
-    together = reduce(tensors, bins=16)
+    together = reduce(tensors, bins=16, kernels=kernels)
     for t, (row, counts) in zip(tensors, together):
-        alone = reduce([t], bins=16)[0]
+        alone = reduce([t], bins=16, kernels=kernels)[0]
         assert row == pytest.approx(alone[0], rel=1e-6, abs=1e-9)
         assert counts == alone[1]
         want = reference(t) if torch.isfinite(t).any() else {"norm": 0.0, "mean": 0.0, "std": 0.0, "absmax": 0.0}
@@ -79,48 +78,46 @@ def test_a_batch_of_many_shapes_matches_each_tensor_alone():
 
 
 @pytest.mark.parametrize("count", [100, 700])  # one batch's bins fit int16 indices, or need int32
-def test_histograms_of_a_batch_of_many_tensors_equal_each_alone(count):
+def test_histograms_of_a_batch_of_many_tensors_equal_each_alone(count, kernels):
     g = torch.Generator().manual_seed(6)
     tensors = [torch.randn(64, generator=g) * (k % 7 + 1) for k in range(count)]
-    for t, (row, counts) in zip(tensors, reduce(tensors, bins=64)):
+    for t, (row, counts) in zip(tensors, reduce(tensors, bins=64, kernels=kernels)):
         alone = torch.histc(t, bins=64, min=t.min().item(), max=t.max().item())
         assert sum(counts) == 64 and (torch.tensor(counts) - alone).abs().sum() <= 2
         assert row[3] == t.abs().max().item()
 
 
-def test_mean_far_from_zero_keeps_the_std_exact():
-    t = 1000.0 + torch.randn(CPU_BATCH_TENSOR * 2, generator=torch.Generator().manual_seed(6)) * 1e-3
-    for context in (torch.no_grad(), branch_free()):
-        with context:
-            assert stats_of(t)["std"] == pytest.approx(t.double().std().item(), rel=1e-4)
-            assert stats_of(t[:100])["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
+def test_mean_far_from_zero_keeps_the_std_exact(kernels):
+    t = 1000.0 + torch.randn(BIG, generator=torch.Generator().manual_seed(6)) * 1e-3
+    assert stats_of(t, kernels)["std"] == pytest.approx(t.double().std().item(), rel=1e-4)
+    assert stats_of(t[:100], kernels)["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
 
 
 @pytest.mark.parametrize("big", [False, True])
-def test_nonfinite_values_are_counted_and_left_out(big):
+def test_nonfinite_values_are_counted_and_left_out(big, kernels):
     t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf")])
-    if big:  # the big-tensor path falls back to the masked one
-        t = torch.cat([t, torch.zeros(CPU_BATCH_TENSOR)])
-    got = stats_of(t)
+    if big:  # the C kernels reduce it alone, then fall back to torch ops
+        t = torch.cat([t, torch.zeros(BIG)])
+    got = stats_of(t, kernels)
     assert got["nonfinite"] == 3
     assert got["norm"] == pytest.approx(math.sqrt(14))
     assert got["mean"] == pytest.approx(0.0, abs=1e-6)
     assert got["absmax"] == 3
-    assert sum(counts_of(t, bins=4)) == t.numel() - 3
+    assert sum(counts_of(t, 4, kernels)) == t.numel() - 3
 
 
-def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram():
+def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram(kernels):
     t = torch.full((5,), float("nan"))
-    (row, counts), = reduce([t], bins=8)
+    (row, counts), = reduce([t], bins=8, kernels=kernels)
     assert row[:4] == [0.0, 0.0, 0.0, 0.0]
     assert row[4] == 5
     assert sum(counts) == 0
 
 
-@pytest.mark.parametrize("n", [10_000, CPU_BATCH_TENSOR * 2])
-def test_histogram_matches_torch_histc(n):
+@pytest.mark.parametrize("n", [10_000, BIG])
+def test_histogram_matches_torch_histc(n, kernels):
     t = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    counts = torch.tensor(counts_of(t, bins=30))
+    counts = torch.tensor(counts_of(t, 30, kernels))
     expected = torch.histc(t, bins=30, min=t.min().item(), max=t.max().item())
     # Elements on a bin edge may fall either side by float rounding.
     assert (counts - expected).abs().sum().item() <= 4 * n / 10_000
@@ -129,16 +126,14 @@ def test_histogram_matches_torch_histc(n):
     assert len(edges) == 30 and edges[-1] == pytest.approx(t.max().item())
 
 
-@pytest.mark.parametrize("n", [100, CPU_BATCH_TENSOR * 2])
-def test_denormal_and_constant_gradients(n):
+@pytest.mark.parametrize("n", [100, BIG])
+def test_denormal_and_constant_gradients(n, kernels):
     """A deep stack's vanishing gradients: spans of 1e-42 and runs of equal values."""
     tiny = torch.linspace(0, 1, n) * 1e-42
     for t in (tiny, torch.full((n,), 1e-40), torch.zeros(n)):
-        for context in (torch.no_grad(), branch_free()):
-            with context:
-                (row, counts), = reduce([t], bins=8)
-            assert sum(counts) == n and max(counts) < n or t.max() == t.min()
-            assert row[3] == t.abs().max().item()  # squares underflow in float32: std and norm may not
+        (row, counts), = reduce([t], bins=8, kernels=kernels)
+        assert sum(counts) == n and max(counts) < n or t.max() == t.min()
+        assert row[3] == t.abs().max().item()  # squares underflow in float32: std and norm may not
 
 
 @pytest.fixture
@@ -148,61 +143,46 @@ def flush_denormal():
     torch.set_flush_denormal(False)
 
 
-@pytest.mark.parametrize("n", [100, CPU_BATCH_TENSOR * 2])
-def test_histograms_count_every_element_when_the_user_flushes_denormals(n, flush_denormal):
+@pytest.mark.parametrize("n", [100, BIG])
+def test_histograms_count_every_element_when_the_user_flushes_denormals(n, flush_denormal, kernels):
     """Under ``torch.set_flush_denormal(True)`` a denormal span reads as 0: one full bin, no NaN."""
     g = torch.Generator().manual_seed(3)
     for t in (torch.linspace(0, 1, n) * 1e-42, torch.randn(n, generator=g) * 1e-39, torch.randn(n, generator=g)):
-        for context in (torch.no_grad(), branch_free()):
-            with context:
-                together = reduce([t, torch.randn(50, generator=g)], bins=8)
-            assert [sum(counts) for _, counts in together] == [n, 50]
+        together = reduce([t, torch.randn(50, generator=g)], bins=8, kernels=kernels)
+        assert [sum(counts) for _, counts in together] == [n, 50]
 
 
-@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2, CPU_BATCH_TENSOR * 2 + 3])
-@pytest.mark.parametrize("bins", [7, 64, 128, 129])
-def test_big_histograms_of_gradients_crowded_in_a_few_bins(n, bins):
-    """Half zeros and a heavy tail (a ReLU layer's gradient): big tensors count by pairs of
-    elements up to 128 bins, one by one above; an odd length leaves one element out of the pairs."""
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 3])
+@pytest.mark.parametrize("bins", [7, 64, 65, 129])
+def test_big_histograms_of_gradients_crowded_in_a_few_bins(n, bins, kernels):
+    """Half zeros and a heavy tail (a ReLU layer's gradient): the C kernels count big tensors by
+    pairs of elements up to 64 bins, one by one above; an odd length leaves one element out of
+    the pairs."""
     g = torch.Generator().manual_seed(4)
     t = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
-    counts = torch.tensor(counts_of(t, bins))
+    counts = torch.tensor(counts_of(t, bins, kernels))
     low, high = t.min().double(), t.max().double()
     expected = torch.bincount(((t.double() - low) / (high - low) * bins).long().clamp(max=bins - 1), minlength=bins)
     assert counts.sum().item() == n
     assert (counts - expected).abs().sum().item() <= 4 * n / 10_000  # elements on a bin edge may fall either side
 
 
-def test_constant_tensor_histogram_has_one_full_bin():
-    counts = counts_of(torch.zeros(100), bins=10)
+def test_constant_tensor_histogram_has_one_full_bin(kernels):
+    counts = counts_of(torch.zeros(100), 10, kernels)
     assert sum(counts) == 100 and max(counts) == 100
 
 
-def test_half_precision_is_reduced_in_float32():
+def test_half_precision_is_reduced_in_float32(kernels):
     t = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    assert stats_of(t)["norm"] == pytest.approx(t.float().norm().item(), rel=1e-5)
+    assert stats_of(t, kernels)["norm"] == pytest.approx(t.float().norm().item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("n", [4097, CPU_BATCH_TENSOR * 2])
-def test_narrow_range_far_from_zero_keeps_every_element_in_range(n):
+@pytest.mark.parametrize("n", [4097, BIG])
+def test_narrow_range_far_from_zero_keeps_every_element_in_range(n, kernels):
     t = 1000.0 + torch.linspace(0, 1e-3, n)
-    counts = counts_of(t, bins=64)
+    counts = counts_of(t, 64, kernels)
     assert sum(counts) == t.numel()
     assert counts[0] > 0 and counts[-1] > 0
-
-
-@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
-@pytest.mark.parametrize("n", [4096, CPU_BATCH_TENSOR * 2])
-def test_branch_free_accelerator_path_agrees_with_cpu_path(poison, n):
-    """The path used on GPUs (batched, no host reads) must give what the CPU path gives."""
-    t = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 2 - 0.3
-    if poison is not None:
-        t[::100] = poison
-    (fast, fast_counts), = reduce([t], bins=32)
-    with branch_free():
-        (batched, batched_counts), = reduce([t], bins=32)
-    assert fast == pytest.approx(batched, rel=1e-5, abs=1e-6)
-    assert fast_counts == batched_counts
 
 
 def test_pooled_rows_equal_the_statistics_of_the_concatenation():
@@ -225,7 +205,7 @@ def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
     low, high, counts = merge_histograms(parts, 16)
     assert (low, high) == (whole.min().item(), whole.max().item())
     assert sum(counts) == pytest.approx(1300)
-    reference_counts = torch.tensor(counts_of(whole, 16))
+    reference_counts = torch.tensor(counts_of(whole, 16, kernels=None))
     # Spreading counts across bins moves mass by at most a bin: the CDFs stay close.
     assert (torch.tensor(counts).cumsum(0) - reference_counts.cumsum(0)).abs().max() < 1300 * 0.05
     # The same range twice merges exactly.
@@ -239,12 +219,13 @@ def test_the_c_kernels_are_built():
     assert stats.C_KERNELS, "lightning_gradhooks/_kernels.c was not built: is a C compiler installed?"
 
 
-@pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
-@pytest.mark.parametrize("n", [CPU_BATCH_TENSOR * 2 + 3, 4099, 64, 1, 0])  # big: alone; small: in one batch
+@needs_kernels
+@pytest.mark.parametrize("n", [BIG, 4099, 64, 1, 0])  # big: alone; small: in one batch
 @pytest.mark.parametrize("bins", [1, 7, 64, 65, 129, 1000])
 def test_c_kernels_give_what_torch_ops_give(bins, n):
     """Same histograms exactly (the bin is the same float32 arithmetic), same minimum, maximum and
-    zero count exactly, sums to float32 rounding."""
+    zero count exactly, sums to float32 rounding; NaN and Inf counted alike (the kernels hand
+    such a call to torch ops)."""
     g = torch.Generator().manual_seed(bins)
     relu = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
     tensors = [
@@ -255,26 +236,31 @@ def test_c_kernels_give_what_torch_ops_give(bins, n):
         1000.0 + torch.randn(n, generator=g),  # far from zero: centred again
         torch.randn(n, generator=g) * 1e20,  # finite, but its squares overflow float32
     ]
-    fast = reduce(tensors, bins)
-    with torch_ops():
-        slow = reduce(tensors, bins)
-    for t, (fast_row, fast_counts), (slow_row, slow_counts) in zip(tensors, fast, slow):
-        assert fast_counts == slow_counts
-        assert sum(fast_counts) == n
-        assert fast_row[3:] == slow_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
-        if t.numel() == 0 or t.abs().max() < 1e19:  # else norm and std overflow float32 squares
-            assert fast_row[:3] == pytest.approx(slow_row[:3], rel=1e-5, abs=1e-30)
+    for poison in (None, float("nan"), float("inf")):
+        if poison is not None:
+            tensors[0] = relu.clone()
+            tensors[0][::100] = poison
+        fast = reduce(tensors, bins, kernels=True)
+        slow = reduce(tensors, bins, kernels=False)
+        for t, (fast_row, fast_counts), (slow_row, slow_counts) in zip(tensors, fast, slow):
+            assert fast_counts == slow_counts
+            assert sum(fast_counts) == torch.isfinite(t).sum().item()
+            assert fast_row[3:] == slow_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
+            if t.numel() == 0 or t.abs().max() < 1e19:  # else norm and std overflow float32 squares
+                assert [fast_row[0], fast_row[2]] == pytest.approx([slow_row[0], slow_row[2]], rel=1e-5, abs=1e-30)
+                # float32 sums: a mean near 0 is exact to a fraction of the spread, not of itself
+                assert fast_row[1] == pytest.approx(slow_row[1], rel=1e-5, abs=1e-6 * slow_row[2] + 1e-30)
 
 
-@pytest.mark.skipif(stats._kernels is None, reason="the C kernels are not built")
+@needs_kernels
 def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_bad_input():
     g = torch.Generator().manual_seed(8)
-    for n in (100, CPU_BATCH_TENSOR * 2):
+    for n in (100, BIG):
         t = torch.randn(n, dtype=torch.float64, generator=g)
-        (row, counts), = reduce([t], bins=16)
+        (row, counts), = reduce([t], bins=16, kernels=True)
         assert row[0] == pytest.approx(t.norm().item(), rel=1e-12) and sum(counts) == n
         strided = torch.randn(2 * n, generator=g)[::2]  # flat but not dense: the kernels would read it wrong
-        (row, counts), = reduce([strided], bins=16)
+        (row, counts), = reduce([strided], bins=16, kernels=True)
         assert row[0] == pytest.approx(strided.double().norm().item(), rel=1e-5) and sum(counts) == n
     with pytest.raises(ValueError, match="bins must be 0 \\(none\\) or positive, got -1"):
         stats._kernels.reduce_many([t.data_ptr()], [1], -1, t.data_ptr(), 0)
@@ -282,16 +268,56 @@ def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_ba
         stats._kernels.reduce_many([t.data_ptr()], [1, 2], 0, t.data_ptr(), 0)
 
 
+def test_kernels_are_taken_where_built_and_refused_where_not(monkeypatch):
+    assert Reducer(8).kernels == C_KERNELS and Reducer(8, kernels=False).kernels is False
+    monkeypatch.setattr(stats, "_kernels", None)
+    monkeypatch.setattr(stats, "C_KERNELS", False)
+    assert Reducer(8).kernels is False
+    with pytest.raises(ValueError, match="expected kernels=False or None .* got True"):
+        Reducer(8, kernels=True)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 4, 5, 6), (8, 64, 16, 16)])  # the last: 131 k elements
-def test_channels_last_and_expanded_gradients_give_what_their_contiguous_copy_gives(shape):
+def test_channels_last_expanded_and_sparse_gradients_give_what_their_contiguous_copy_gives(shape, kernels):
     """The C kernels read a channels-last gradient in place (order does not matter to statistics),
-    and an expanded one from a dense copy."""
+    and an expanded one from a dense copy; a sparse one is reduced as its dense tensor."""
     t = torch.randn(shape, generator=torch.Generator().manual_seed(9))
     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     expanded = torch.randn(shape[-1], generator=torch.Generator().manual_seed(10)).expand(shape)
-    for x in (t.to(memory_format=fmt), expanded):
-        (row, counts), = reduce([x], bins=16)
-        (ref_row, ref_counts), = reduce([x.contiguous()], bins=16)
+    sparse = (t * (t > 1)).to_sparse()
+    for x in (t.to(memory_format=fmt), expanded, sparse):
+        (row, counts), = reduce([x], bins=16, kernels=kernels)
+        (ref_row, ref_counts), = reduce([x.to_dense().contiguous()], bins=16, kernels=kernels)
         assert counts == ref_counts
         assert row[3:] == ref_row[3:]
         assert row[:3] == pytest.approx(ref_row[:3], rel=1e-5)
+
+
+def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_host():
+    """The accelerator path: the same ops whatever the number of tensors in a batch, and no value
+    read to the host before finish (``.item()`` would wait for the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # views launch nothing
+                ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(11)
+    counted = []
+    for count in (10, 100):
+        tensors = [torch.randn(k % 5 * 300 + 1, generator=g) for k in range(count)]
+        tensors[3][0] = float("nan")
+        reducer = Reducer(16, kernels=False)
+        for k, t in enumerate(tensors):
+            reducer.add(t, histogram=k % 2 == 0)
+        stats._layout(tuple(t.numel() for t in tensors), torch.device("cpu"))  # cached per model
+        ops = []
+        with Ops():
+            stats.reduce_batch(tensors, 16)
+        counted.append(ops)
+        (row, counts), *_ = reducer.finish()
+        assert row[0] == pytest.approx(tensors[0].norm().item(), rel=1e-5) and sum(counts) == tensors[0].numel()
+    assert counted[0] == counted[1]
+    assert not [op for op in counted[0] if "local_scalar" in op or op.startswith("item")], counted[0]
