@@ -2,7 +2,8 @@
 
 Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event files is one run),
 checking every record's length and CRC-32C as TensorBoard writes them, rebuilds every logged
-step from the GradHooks tags and prints the report of :mod:`lightning_gradhooks.report`. Works
+step from the compact summary GradHooks writes at each (``gradhooks/stats``; the scalar charts
+in logs written before it) and prints the report of :mod:`lightning_gradhooks.report`. Works
 while the run is still going. A file that is cut short or damaged is read up to the damage, and
 a warning names it and says what was read.
 
@@ -20,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c
+from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c, read_stats_value
 from lightning_gradhooks.records import FORWARD_KINDS
 from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
 
@@ -109,7 +110,14 @@ def read_folder(folder: Path) -> Run:
             events += 1
             for value in event.summary.value:
                 gradhooks = gradhooks or value.tag.startswith(OVERVIEW + "/")
-                parsed = _parse_tag(value.tag)
+                summary = read_stats_value(value)
+                if summary is not None:  # every statistic of the step, compact
+                    gradhooks = True
+                    logged.add(event.step)
+                    for key, stats in summary.items():
+                        steps[event.step].setdefault(key, {}).update(stats)
+                    continue
+                parsed = _parse_tag(value.tag)  # a scalar chart (and the only source in older logs)
                 if parsed is None:
                     continue
                 if value.HasField("simple_value"):

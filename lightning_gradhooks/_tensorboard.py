@@ -17,12 +17,18 @@ the same checksums (checked when it is switched on), ~600 times faster.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
 from collections.abc import Collection
 from typing import Any
 
 import google_crc32c
-from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+from tensorboard.compat.proto import types_pb2
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary, SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.summary.writer import record_writer
 
 from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
@@ -68,17 +74,14 @@ def scalar_metrics(
     run-level ``0_overview/nonfinite_total`` every step instead. The overview also holds
     ``0_overview/total_norm``: the L2 norm of all parameter gradients of the record, what
     ``torch.nn.utils.clip_grad_norm_`` computes; the overview tags end with ``suffix`` (with
-    several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). The forward checks
-    (entries of kind ``forward``, ``forward_input`` and ``weights``) are logged only where they
-    found NaN/Inf, as ``<kind>_nonfinite/<name>`` in record order: what the ``report`` command
-    needs to name where NaN/Inf were born, as the printed report does.
+    several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). The overview is
+    written whatever the statistics; the forward checks (kinds ``forward``, ``forward_input``,
+    ``weights``) are not charted: :func:`stats_value` carries them.
     """
     metrics = {}
     nonfinite_total, squares, params = 0.0, 0.0, False
     for entry in record.entries:
         if entry.kind in FORWARD_KINDS:
-            if entry.stats["nonfinite"] > 0 and "nonfinite" in statistics:
-                metrics[f"{entry.kind}_nonfinite/{entry.name}"] = entry.stats["nonfinite"]
             continue
         if entry.kind == "param_grad":
             squares, params = squares + entry.stats["norm"] ** 2, True
@@ -93,11 +96,39 @@ def scalar_metrics(
                 metrics[tag] = value
         if entry.calls > 1 and entry.kind == "grad_output":
             metrics[f"grad_output_calls/{entry.name}"] = float(entry.calls)
-    if "norm" in statistics and params:
+    if params:
         metrics[f"{OVERVIEW}/total_norm{suffix}"] = squares**0.5
-    if "nonfinite" in statistics and nonfinite_seen is not None:
+    if nonfinite_seen is not None:
         metrics[f"{OVERVIEW}/nonfinite_total{suffix}"] = nonfinite_total
     return metrics
+
+
+#: The tag of the compact summary that every logged step writes: every statistic of every entry,
+#: what the health report reads (``python -m lightning_gradhooks report`` reads it back).
+STATS_TAG = "gradhooks/stats"
+_STATS_PLUGIN = "gradhooks"  # a plugin no TensorBoard dashboard shows: no chart, no Text card
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) and abs(value) < 3.4e38 else value
+
+
+def stats_value(stats: dict[tuple[str, str], dict[str, float]]) -> Summary.Value:
+    """One step's statistics, ``{(kind, name): {statistic: value}}``, as one summary value: a JSON
+    string tensor under :data:`STATS_TAG`, values rounded to float32 as scalar events hold them."""
+    rows = [[kind, name, {k: _f32(float(v)) for k, v in values.items()}] for (kind, name), values in stats.items()]
+    text = json.dumps(rows, separators=(",", ":"), allow_nan=True).encode()
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN))
+    tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text], tensor_shape=TensorShapeProto())
+    return Summary.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
+
+
+def read_stats_value(value: Any) -> dict[tuple[str, str], dict[str, float]] | None:
+    """What :func:`stats_value` wrote, from a summary value read back; None for other values."""
+    if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
+        return None
+    rows = json.loads(value.tensor.string_val[0])
+    return {(kind, name): values for kind, name, values in rows}
 
 
 def histogram_values(record: GradientRecord) -> list[Summary.Value]:
@@ -121,8 +152,10 @@ def histogram_values(record: GradientRecord) -> list[Summary.Value]:
     return values
 
 
-def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int) -> None:
-    """Write the scalars (and the histograms of ``record``, if given) of one step as one event.
+def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int,
+               stats: dict[tuple[str, str], dict[str, float]] | None = None) -> None:
+    """Write the scalars (the histograms of ``record`` and the compact ``stats``, if given) of
+    one step as one event.
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
@@ -131,6 +164,8 @@ def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | 
     values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     if record is not None:
         values += histogram_values(record)
+    if stats:
+        values.append(stats_value(stats))
     # The file writer that SummaryWriter.add_scalar and add_histogram_raw write through.
     writer._get_file_writer().add_summary(Summary(value=values), step)
 

@@ -18,7 +18,7 @@ from lightning_gradhooks._checks import (
     check_int,
     check_patterns,
 )
-from lightning_gradhooks.log import LOGGED_STATISTICS, UPDATE_STATISTICS, GradientLog, LoggedStatistic
+from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import (
     DEFAULT_BINS,
     CollectorPause,
@@ -77,9 +77,11 @@ class GradHooksLogic:
             LightningModule) to monitor; None: every module that directly owns a trainable
             parameter. An empty list is refused.
         exclude: glob patterns of modules to leave out.
-        statistics: the statistics logged as scalars, from ``norm``, ``mean``, ``std``,
+        statistics: the statistics charted per module, from ``norm``, ``mean``, ``std``,
             ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` (‖Δw‖/‖w_before‖ of the
-            optimizer step) and ``param_norm``; default: all.
+            optimizer step) and ``param_norm``; default: all. The
+            overview is always charted, and every statistic is written in one compact summary
+            per logged step, which the health report and its command read.
         histograms: log histograms of module output gradients and parameter gradients.
         histogram_bins: bins of each histogram (1 to 4096).
         offload_threshold_bytes: offload saved activations of at least this many bytes to disk
@@ -147,7 +149,7 @@ class GradHooksLogic:
         check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
         include = check_patterns("include", include, allow_empty=False)
         exclude = check_patterns("exclude", exclude)
-        statistics = list(LOGGED_STATISTICS) if statistics is None else check_choices(
+        statistics = list(DEFAULT_STATISTICS) if statistics is None else check_choices(
             "statistics", statistics, list(LOGGED_STATISTICS))
         check_bool("histograms", histograms)
         check_bool("sync_dist", sync_dist)
@@ -228,7 +230,7 @@ class GradHooksLogic:
             exclude=self.exclude,
             histograms=self.histograms,
             bins=self.histogram_bins,
-            forward_checks="nonfinite" in self.statistics,  # where NaN/Inf are born
+            forward_checks=True,  # where NaN/Inf are born: the report names it
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
         self._pooled = self.sync_dist and trainer.world_size > 1

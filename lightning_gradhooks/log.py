@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks._tensorboard import scalar_metrics, write_step
+from lightning_gradhooks._tensorboard import OVERVIEW, scalar_metrics, write_step
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.monitor import listed
@@ -51,8 +51,11 @@ from lightning_gradhooks.updates import UpdateTracker
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = ("update_ratio", "param_norm")
 LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
-#: Every statistic a log can write, in the order of the docs.
+#: Every statistic a log can chart, in the order of the docs.
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
+#: What is charted by default. Every statistic of every entry is written all the same, in one
+#: compact summary per logged step that the report command reads, whatever is charted.
+DEFAULT_STATISTICS: tuple[str, ...] = LOGGED_STATISTICS
 
 def _is_tensorboard(writer: Any) -> bool:
     from torch.utils.tensorboard import SummaryWriter
@@ -79,6 +82,11 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
         edges = [hist.low + width * i / bins for i in range(bins + 1)]
         values[f"{entry.kind}_hist/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
     return values
+
+
+def _is_overview_or_norm(tag: str) -> bool:
+    section = tag.partition("/")[0]
+    return section == OVERVIEW or section.endswith("_norm") and section != "param_norm"
 
 
 def _rank() -> int:
@@ -113,8 +121,9 @@ class GradientLog:
             or None (nothing is written; the report is still kept).
         optimizers: the optimizers whose steps are measured for ``update_ratio`` and
             ``param_norm`` (through their own step hooks, removed by :meth:`close`).
-        statistics: the statistics to write as scalars; default: all of
-            :data:`LOGGED_STATISTICS`.
+        statistics: the statistics charted per module (from :data:`LOGGED_STATISTICS`);
+            default: :data:`DEFAULT_STATISTICS`. The overview (total norm, non-finite count) is
+            always charted, and the health report always reads every statistic.
         histograms: write the records' histograms to the TensorBoard writers.
         thresholds: when the health report raises a flag; default
             :class:`~lightning_gradhooks.report.Thresholds`.
@@ -145,7 +154,7 @@ class GradientLog:
                     "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
                     f"those or None, got {type(w).__name__}"
                 )
-        statistics = list(LOGGED_STATISTICS if statistics is None else statistics)
+        statistics = list(DEFAULT_STATISTICS if statistics is None else statistics)
         unknown = [s for s in statistics if s not in LOGGED_STATISTICS]
         if unknown:
             raise ValueError(f"`statistics` expected names from {list(LOGGED_STATISTICS)}, got {unknown}")
@@ -235,7 +244,7 @@ class GradientLog:
 
     def _measure_update(self, record: GradientRecord, step: int, index: int | None, suffix: str,
                         stepping: bool) -> None:
-        if not self.optimizers or not any(s in self.statistics for s in UPDATE_STATISTICS):
+        if not self.optimizers:  # the report reads update ratios, charted or not
             return
         if self._updates is None:
             # A sharded parameter is left out: the norm of a local piece is not the parameter's.
@@ -252,13 +261,14 @@ class GradientLog:
 
     def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float]) -> None:
         metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix), **extra}
+        stats = {(e.kind, e.name): e.stats for e in record.entries}
         for other in self._others:
-            if self.histograms and _is_wandb(other):
-                other.log_metrics({**metrics, **_wandb_histograms(record)}, step=step)
-            else:
-                other.log_metrics(metrics, step=step)
+            if _is_wandb(other):
+                other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
+            else:  # a table of columns (CSV): the overview and the norms
+                other.log_metrics({k: v for k, v in metrics.items() if _is_overview_or_norm(k)}, step=step)
         for writer in self._tensorboards:
-            write_step(writer, metrics, record if self.histograms else None, step)
+            write_step(writer, metrics, record if self.histograms else None, step, stats)
             if not self._layout_written:
                 writer.add_custom_scalars(custom_scalars_layout(self.statistics, record))
         self._layout_written = True
@@ -266,7 +276,7 @@ class GradientLog:
             self._flow.add(step, record)
             if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
                 self._draw_flow()
-        self.report.add(step, record, self.statistics)
+        self.report.add(step, record)
         # Named as the report and the `report` command name it (the same function).
         origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
         if origin is not None and not self.in_nonfinite_episode:
@@ -298,12 +308,11 @@ class GradientLog:
                     metrics[f"param_update_ratio/{name}"] = ratio
                 if "param_norm" in self.statistics:
                     metrics[f"param_norm/{name}"] = norm
-            for other in self._others:
+            for other in filter(_is_wandb, self._others):
                 other.log_metrics(metrics, step=step)
+            stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
             for writer in self._tensorboards:
-                write_step(writer, metrics, None, step)
-            stats = {("param", n): {k: v for k, v in (("update_ratio", r), ("param_norm", w)) if k in self.statistics}
-                     for n, (r, w) in values.items()}
+                write_step(writer, metrics, None, step, stats)
             self.report.add_stats(step, stats, new_step=False)
 
     def _draw_flow(self, final: bool = False) -> None:

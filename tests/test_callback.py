@@ -171,7 +171,10 @@ def test_without_tensorboard_scalars_go_to_other_loggers_with_one_warning(tmp_pa
         fit(tmp_path, GradHooks(every_n_steps=2), logger=logger)
     assert len([w for w in rec if "TensorBoardLogger" in str(w.message)]) == 1
     header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
-    assert "grad_output_norm/net.0" in header and "param_grad_absmax/net.4.bias" in header
+    # A table of columns gets the overview and the per-module norms, not every statistic.
+    assert "grad_output_norm/net.0" in header and "param_grad_norm/net.4.bias" in header
+    assert "0_overview/total_norm" in header and "param_grad_absmax/net.4.bias" not in header
+    assert not [c for c in header.split(",") if c.startswith(("param_update_ratio", "grad_output_std"))]
 
 
 class ArmedProbe(pl.Callback):

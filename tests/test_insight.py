@@ -189,7 +189,7 @@ def test_update_ratio_equals_a_copy_of_the_weights_before_the_step(tmp_path, cas
     else:
         model = ManualGAN()
     reference = UpdateReference()
-    callback = GradHooks(every_n_steps=2, histograms=False)
+    callback = GradHooks(every_n_steps=2, histograms=False, statistics=["norm", "update_ratio", "param_norm"])
     trainer = make_trainer(tmp_path, [callback, reference], max_steps=8, **kwargs)
     trainer.fit(model, loader(n=128))
     events = read_events(trainer.logger.log_dir)

@@ -129,3 +129,38 @@ def test_whole_floats_from_a_config_file_are_taken_as_step_counts():
     hooks = GradHooks(report_thresholds={"vanishing_steps": 4.0, "vanishing_ratio": 1e-4})
     assert hooks._thresholds.vanishing_steps == 4 and type(hooks._thresholds.vanishing_steps) is int
     assert Path(__file__).exists()
+
+
+def test_the_report_command_reads_the_compact_summary_whatever_is_charted(tmp_path):
+    """With only the norms charted, the command still gives the report printed at the end of fit:
+    every statistic is in the one `gradhooks/stats` summary of each logged step."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_gradhooks import GradHooks
+    from lightning_gradhooks._tensorboard import STATS_TAG
+
+    import torch
+    from conftest import MLP, loader
+
+    class Dead(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.nn.init.constant_(self.net[2].bias, -50.0)  # a dead ReLU layer
+
+    pl.seed_everything(0, verbose=False)
+    callback = GradHooks(every_n_steps=1, statistics=["norm"], histograms=False)
+    trainer = pl.Trainer(max_steps=6, logger=TensorBoardLogger(str(tmp_path), name="logs"), callbacks=[callback],
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         log_every_n_steps=1)
+    trainer.fit(Dead(), loader())
+    printed = callback.gradient_log.report
+    assert "dead" in printed.names()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(trainer.logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    assert len(events.Tensors(STATS_TAG)) >= 6  # one per logged step, and one per measured update
+    assert not [t for t in events.Tags()["scalars"] if "_mean/" in t or "zero_fraction" in t]
+    code, out, _ = panel.cli("report", trainer.logger.log_dir, "--all")
+    assert code == 0 and printed.table(full=True) in out
