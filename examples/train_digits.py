@@ -12,7 +12,6 @@ gradient-flow picture land in TensorBoard; at the end the gradient-health report
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -22,8 +21,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.__main__ import read_run
-from lightning_gradhooks.report import Thresholds
 
 
 class DigitsClassifier(pl.LightningModule):
@@ -111,8 +108,7 @@ def main() -> None:
         )
     print(f"Gradient statistics, histograms and the gradient-flow picture written to: {logger.log_dir}")
     print(f"Open them with:  tensorboard --logdir {args.logdir}")
-    print(f"\nGradient health (the same as `python -m lightning_gradhooks report {args.logdir}`):")
-    print(read_run(Path(logger.log_dir), Thresholds()).table())
+    print(f"The gradient-health report above, again from the logs:  python -m lightning_gradhooks report {args.logdir}")
 
 
 if __name__ == "__main__":

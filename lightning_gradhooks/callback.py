@@ -192,6 +192,11 @@ class GradHooksLogic:
         lightning_pytorch = any(c.__module__.startswith("lightning.pytorch") for c in type(self).__mro__)
         return logging.getLogger(f"{'lightning.pytorch' if lightning_pytorch else 'pytorch_lightning'}.callbacks.gradhooks")
 
+    def _echo(self, trainer: pl.Trainer) -> Any:
+        """How the report is printed: through the progress bar (above it, once), else Lightning's log."""
+        bar = trainer.progress_bar_callback
+        return bar.print if bar is not None and getattr(bar, "is_enabled", True) else self._logger().info
+
     # -- checkpoints -----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
@@ -279,7 +284,7 @@ class GradHooksLogic:
             histograms=self.histograms,
             thresholds=self._thresholds,
             sync_dist=self.sync_dist,
-            echo=self._logger().info,
+            echo=self._echo(trainer),
         )
         self.gradient_log.in_nonfinite_episode = self._in_nonfinite_episode
 

@@ -337,9 +337,11 @@ class GradientLog:
                 return None
             self._write_updates(wait=True)
             self._draw_flow(final=True)
+            if self._echo is not None:
+                self._echo(self.report.table() if self.report.steps else
+                           "GradHooks: no step was logged (the run ended before its first logged step), so there "
+                           "is no gradient-health report.")
             if self.report.steps:
-                if self._echo is not None:
-                    self._echo(self.report.table())
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)
                     writer.flush()

@@ -58,3 +58,11 @@ def test_fast_dev_run_is_silent_about_loggers(tmp_path):
 def test_without_a_logger_the_warning_says_what_is_lost(tmp_path):
     with pytest.warns(UserWarning, match="no statistics, histograms or gradient-flow picture .* report is still printed"):
         make_trainer(tmp_path, [GradHooks()], logger=False, max_steps=2).fit(MLP(), loader())
+
+
+def test_a_run_with_no_logged_step_says_so(tmp_path, capsys):
+    from lightning_gradhooks import GradientLog
+
+    GradientLog().close()  # nothing written: no report to give
+    assert "no step was logged" in capsys.readouterr().out
+    assert "0 logged steps" not in capsys.readouterr().out
