@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c, read_stats_value
 from lightning_gradhooks.records import FORWARD_KINDS
-from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
+from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds, counted
 
 # Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
 KINDS = ("forward_input", "grad_output", "grad_input", "param_grad", "param", "forward", "weights")
@@ -57,7 +57,7 @@ def read_records(path: Path) -> Iterator[bytes | _Damage]:
     offset = 0
     while offset < len(data):
         if len(data) - offset < 12:
-            yield _Damage(path, offset, f"cut short: {len(data) - offset} bytes of a record header")
+            yield _Damage(path, offset, f"cut short: {counted(len(data) - offset, 'byte')} of a record header")
             return
         header = data[offset : offset + 8]
         (length,) = struct.unpack("<Q", header)
@@ -67,7 +67,7 @@ def read_records(path: Path) -> Iterator[bytes | _Damage]:
             return
         end = offset + 12 + length + 4
         if end > len(data):
-            yield _Damage(path, offset, f"cut short: a record of {length} bytes, {len(data) - offset - 12} left")
+            yield _Damage(path, offset, f"cut short: a record of {counted(length, 'byte')}, {len(data) - offset - 12} left")
             return
         payload = data[offset + 12 : offset + 12 + length]
         if _masked_crc32c(payload) != struct.unpack("<I", data[end - 4 : end])[0]:
@@ -155,8 +155,31 @@ def _flag_list(text: str) -> set[str]:
     return chosen
 
 
+# One plain sentence per threshold for --help (no markup: argparse prints it as it is).
+_THRESHOLD_HELP = {
+    "vanishing_ratio": "Flag vanishing when a gradient's RMS is below this share of the median RMS of its kind "
+    "at the same step.",
+    "vanishing_steps": "Flag vanishing only after this many logged steps in a row.",
+    "exploding_factor": "Flag exploding when a gradient's RMS is this many times the median of its own last values.",
+    "exploding_window": "Take that median over this many of its last logged values.",
+    "exploding_steps": "Flag exploding only after this many logged steps in a row (update ratios too).",
+    "exploding_update_ratio": "Flag exploding when an update ratio (the size of the step over the size of the "
+    "weights) is above this.",
+    "floor_ratio": "Ignore gradients and parameters whose RMS is below this share of the model's median at the "
+    "step (zero- or tiny-initialised ones).",
+    "dead_zero_fraction": "Flag dead when at least this share of a module's output and parameter gradients is zero.",
+    "dead_steps": "Flag dead only after this many logged steps in a row.",
+    "stalled_update_ratio": "Flag stalled when a parameter's update ratio is 0 or below this share of the model's "
+    "median.",
+    "stalled_steps": "Flag stalled only after this many logged steps in a row.",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_gradhooks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_gradhooks",
+        description="python -m lightning_gradhooks report LOGDIR: the gradient-health report of a logged run.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser(
         "report",
@@ -179,7 +202,8 @@ def _parser() -> argparse.ArgumentParser:
     for f in fields(Thresholds):
         report.add_argument(
             f"--{f.name.replace('_', '-')}", type=int if f.type in (int, "int") else float, default=f.default,
-            help=f"threshold (default: {f.default}); see lightning_gradhooks.report.Thresholds",
+            metavar="N" if f.type in (int, "int") else "X",
+            help=f"{_THRESHOLD_HELP.get(f.name, 'A threshold of the report.')} Default: {f.default}.",
         )
     return parser
 
@@ -200,14 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in run.damage:
             where = f" at byte {d.offset}" if d.offset >= 0 else ""
             print(
-                f"warning: {d.path}: {d.reason}{where}; read {d.events} events ({d.steps} logged steps of "
+                f"warning: {d.path}: {d.reason}{where}; read {counted(d.events, 'event')} ({counted(d.steps, 'logged step')} of "
                 "GradHooks data) before it, the rest is not in the report (a run still writing can end in "
                 "a partial record)",
                 file=sys.stderr,
             )
     with_data = [run for run in runs if run.gradhooks]
     if not with_data:
-        what = f"{len(folders)} folders of event files, none with GradHooks tags" if folders else "no TensorBoard event files"
+        what = f"{counted(len(folders), 'folder')} of event files, none with GradHooks tags" if folders else "no TensorBoard event files"
         print(f"error: no GradHooks data under {args.logdir} ({what}); nothing to report", file=sys.stderr)
         return 2
     failed = set()
@@ -217,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed |= report.names(args.fail_on)
     skipped = [run.folder for run in runs if not run.gradhooks]
     if skipped:
-        print(f"note: {len(skipped)} folders hold event files without GradHooks tags: "
+        print(f"note: {counted(len(skipped), 'folder holds', 'folders hold')} event files without GradHooks tags: "
               + ", ".join(map(str, skipped[:5])), file=sys.stderr)
     if failed:
         print(f"failing on: {', '.join(sorted(failed))}", file=sys.stderr)

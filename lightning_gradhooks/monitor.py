@@ -297,6 +297,22 @@ def _compiled_modules(model: nn.Module) -> set[int]:
     return {id(sub) for root in roots for sub in root.modules()}
 
 
+def _did_you_mean(pattern: str, names: Mapping[str, nn.Module]) -> str:
+    """``'; did you mean "model.encoder.*"?'`` where a module's name + ``.`` + ``pattern`` matches
+    (the shortest such prefix: a model held as ``self.model``); ``""`` where none does."""
+    prefixes = set()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if fnmatch.fnmatchcase(".".join(parts[i:]), pattern):
+                prefixes.add(".".join(parts[:i]))
+                break  # the shortest prefix of this name
+    if not prefixes:
+        return ""
+    prefix = min(prefixes, key=lambda n: (n.count("."), len(n), n))
+    return f'; did you mean "{prefix}.{pattern}"?'
+
+
 def select_modules(
     model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
 ) -> dict[str, nn.Module]:
@@ -329,7 +345,7 @@ def select_modules(
                 if argument == "exclude":
                     warnings.warn(f"{message}. It excludes nothing.", UserWarning, stacklevel=2)
                     continue
-                raise ValueError(message)
+                raise ValueError(message + _did_you_mean(pattern, names))
 
     def chosen(name: str, module: nn.Module) -> bool:
         if include:

@@ -135,6 +135,11 @@ _RANGES = {
 }
 
 
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """``counted(1, "logged step")`` -> ``"1 logged step"``; ``counted(2, "entry", "entries")`` -> ``"2 entries"``."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
 def _describe(low: float, high: float | None, closed: tuple[bool, bool]) -> str:
     if high is None:
         return f"{'>=' if closed[0] else '>'} {low:g}"
@@ -267,7 +272,7 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
     stats = {(k, n): s for k, n, s in entries}
     for kind, name, why in bad:
         if kind == "weights":
-            return name, f"weights already non-finite when the step began ({int(count[kind, name])} parameters)", count[kind, name]
+            return name, f"weights already non-finite when the step began ({counted(int(count[kind, name]), 'parameter')})", count[kind, name]
     for kind, name, why in bad:
         if kind == "forward_input":
             module = module_of(kind, name)
@@ -462,7 +467,7 @@ class HealthReport:
             detail = first.detail
             if earlier:
                 modules = len({f.module for f in earlier})
-                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {modules} module{'s' * (modules > 1)}"
+                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {counted(modules, 'module')}"
             rows[("nonfinite", first.module)] = Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)
         return sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
 
@@ -472,12 +477,12 @@ class HealthReport:
         one line when nothing was seen."""
         rows = self.rows()
         if not rows:
-            return f"GradHooks: no gradient problems seen in {self.steps} logged steps."
+            return f"GradHooks: no gradient problems seen in {counted(self.steps, 'logged step')}."
         if full:
             return self._full_table()
         counts = {flag: sum(r.flag == flag for r in rows) for flag in FLAGS}
-        summary = ", ".join(f"{flag} on {n} module{'s' * (n > 1)}" for flag, n in counts.items() if n)
-        header = f"GradHooks: {summary} in {self.steps} logged steps (worst first; every entry: --all, or the Text tab):"
+        summary = ", ".join(f"{flag} on {counted(n, 'module')}" for flag, n in counts.items() if n)
+        header = f"GradHooks: {summary} in {counted(self.steps, 'logged step')} (worst first; every entry: --all, or the Text tab):"
         cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
@@ -499,7 +504,7 @@ class HealthReport:
                 shown += 1
                 budget -= 1 + bool(r.consequences)
             if shown < len(block) and budget > 0:
-                lines.append(f"    ... and {len(block) - shown} more modules flagged {flag} (--all)")
+                lines.append(f"    ... and {counted(len(block) - shown, 'more module')} flagged {flag} (--all)")
                 budget -= 1
         return "\n".join(line.rstrip() for line in lines)
 
@@ -510,7 +515,7 @@ class HealthReport:
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        header = f"GradHooks: {len(flags)} flagged entries in {self.steps} logged steps:"
+        header = f"GradHooks: {counted(len(flags), 'flagged entry', 'flagged entries')} in {counted(self.steps, 'logged step')}:"
         extra = [f"nonfinite: {self._nonfinite.detail}"] if self._nonfinite else []
         return "\n".join([header, *lines, *extra])
 
@@ -518,7 +523,7 @@ class HealthReport:
         """The report as Markdown (TensorBoard's Text tab): the grouped rows, then every entry."""
         rows = self.rows()
         if not rows:
-            return f"No gradient problems seen in {self.steps} logged steps."
+            return f"No gradient problems seen in {counted(self.steps, 'logged step')}."
         lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
         for r in rows:
             what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")

@@ -5,6 +5,7 @@ exits 1 only on a named flag; thresholds are range-checked everywhere they are g
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -65,10 +66,10 @@ def test_a_truncated_events_file_is_read_up_to_the_cut_and_named(dead_run, tmp_p
     events.write_bytes(data[: len(data) // 2])
     code, out, err = panel.cli("report", str(tmp_path))
     assert code == 0
-    assert f"warning: {events}: cut short" in err and "logged steps of GradHooks data) before it" in err
-    events_read, steps_read = int(err.split("read ")[1].split()[0]), int(err.split("events (")[1].split()[0])
+    assert f"warning: {events}: cut short" in err and " of GradHooks data) before it" in err
+    events_read, steps_read = map(int, re.search(r"read (\d+) events? \((\d+) logged steps? of", err).groups())
     whole = panel.cli("report", log_dir)[1]
-    steps = lambda text: int(text.split(" logged steps")[0].split()[-1])  # noqa: E731
+    steps = lambda text: int(re.search(r"(\d+) logged steps?\b", text).group(1))  # noqa: E731
     assert events_read > 0 and steps(out) == steps_read < steps(whole) == 4  # what was read, said so
 
 
