@@ -38,7 +38,7 @@ from lightning_gradhooks.offload._files import (
     _Record,
     _Segment,
 )
-from lightning_gradhooks.offload._memory import _buffer, _host_buffer, _PinnedPool
+from lightning_gradhooks.offload._memory import _buffer, _fix_mmap_threshold, _host_buffer, _PinnedPool
 
 _STOP = object()  # tells a thread to finish
 _ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
@@ -168,6 +168,7 @@ class _Engine:
         self.budget = budget  # bytes of offloadable tensors held in memory at once (None: write all)
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = os.path.abspath(directory)
+        self.mmap_threshold = _fix_mmap_threshold(threshold)  # freed offloaded tensors leave the process
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
         self._files = _Files(self.folder, dir_fd, tmpfile)
         self._lock = self._files.lock
