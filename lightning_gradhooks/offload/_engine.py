@@ -76,18 +76,6 @@ def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return keeper, version
 
 
-def _freeing_first(records: list[_Record]) -> Any:
-    """``records`` (oldest first), those whose memory writing them would free first, then the others;
-    looked at lazily, so that a spill costs what it writes plus what it skips."""
-    later = []
-    for rec in records:
-        if rec.src is not None and _held_elsewhere(rec.src):
-            later.append(rec)
-        else:
-            yield rec
-    yield from later
-
-
 def _held_elsewhere(src: torch.Tensor) -> bool:
     """Whether a tensor other than the engine's own alias ``src`` uses its storage (the batch, a tensor
     the caller keeps, a view): writing it would free nothing."""
@@ -250,12 +238,19 @@ class _Engine:
             self._prefetch_seg = None
         return seg.take_fds()
 
+    def _own(self) -> list[_Record]:
+        """The parked records that the budget counts, oldest first: all but the inputs that the caller
+        still holds (a tensor not computed by the graph, such as the batch, that a tensor other than
+        the engine's uses), which cost their memory whether written or not: writing them frees nothing."""
+        return [r for r in self._parked if r.src is not None and not (r.input and _held_elsewhere(r.src))]
+
     def _held(self) -> int:
-        """Bytes of offloadable tensors the engine holds: kept under the budget, being written, read back."""
-        return self._parked_bytes + self._in_flight + self._prefetched
+        """Bytes of offloadable tensors the engine alone keeps in memory: kept under the budget, being
+        written, read back."""
+        return sum(r.nbytes for r in self._own()) + self._in_flight + self._prefetched
 
     def _note_held(self) -> None:
-        held = self._parked_bytes + self._in_flight + self._prefetched
+        held = self._held()
         if held > self._held_peak:
             self._held_peak = held
 
@@ -397,17 +392,18 @@ class _Engine:
                 self._raise_pending()
                 budget = self.budget
                 # Spill until what stays once the writes are done leaves room for one more tensor, which
-                # can then be written while the forward goes on.
+                # can then be written while the forward goes on. Without a budget every parked record is
+                # written; under one, those it counts (not the inputs the caller holds), oldest first.
                 keep = None if budget is None else budget - newest
-                # Oldest first; under a budget, first those that only the engine holds: writing a tensor
-                # the caller also keeps (the batch, the output being used) frees nothing. Then the rest.
-                candidates = iter(list(self._parked)) if keep is None else _freeing_first(list(self._parked))
-                while self._parked and (keep is None or self._parked_bytes + self._prefetched > keep):
-                    rec = next(candidates, None)
-                    if rec is None:
+                candidates = list(self._parked) if keep is None else self._own()
+                own = 0 if keep is None else sum(r.nbytes for r in candidates)
+                left = len(candidates)
+                for rec in candidates:
+                    if keep is not None and own + self._prefetched <= keep:
                         break
                     if rec.src is None:  # failed or dead meanwhile: nothing to write
                         self._unpark(rec)
+                        left -= 1
                         continue
                     if self._in_flight and self._in_flight + rec.nbytes > self.max_in_flight:
                         break
@@ -415,9 +411,10 @@ class _Engine:
                         copy = rec, rec.src  # the device-to-host copy runs outside the lock
                         break
                     self._queue(rec)
+                    own -= rec.nbytes
+                    left -= 1
                 if copy is None:
-                    blocked = bool(self._parked) and (
-                        keep is None or self._parked_bytes + self._prefetched > keep)
+                    blocked = left > 0 and (keep is None or own + self._prefetched > keep)
                     if not (blocked or (budget is not None and self._in_flight and self._held() > budget)):
                         return
                     waiter = self._waiter()

@@ -187,7 +187,7 @@ class _Record:
     """One storage region written to a segment, shared by the handles of its views."""
 
     __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
-                 "direct", "step", "src", "pinned", "event", "refs", "queued", "done", "written", "dead",
+                 "direct", "step", "input", "src", "pinned", "event", "refs", "queued", "done", "written", "dead",
                  "failed", "loaded", "load_event", "loading", "read_error", "asked")
 
     def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage, byte_start: int, nbytes: int) -> None:
@@ -199,6 +199,7 @@ class _Record:
         self.storage_ref, self.version = weakref.ref(storage), t._version
         self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
+        self.input = t.grad_fn is None  # not computed by the graph (the batch): the caller may hold it
         self.src: torch.Tensor | None = t.detach()  # until written (CUDA: until copied to host)
         self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
         self.event: Any = None  # CUDA: device-to-host copy done
