@@ -86,7 +86,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             ``threshold_bytes``, not parameters) at any moment, plus the one being saved:
             tensors kept in memory, writes in flight and reads ahead together. The newest stay
             in memory (backward needs them first) and the oldest are written; reads ahead wait
-            for room. ``None``: every offloadable tensor is written.
+            for room. Inputs the caller still holds (tensors not computed by the graph, such
+            as the batch) are not counted and not written under a budget: writing them would
+            free nothing. ``None``: every offloadable tensor is written.
 
     Raises:
         ValueError: an argument has the wrong type or is out of range (naming it, what is
