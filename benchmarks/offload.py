@@ -14,9 +14,7 @@ machine affects all of them alike:
   the bytes saved per step (the newest stay in memory, the oldest are written);
 - optional (``--variants``): ``threshold_drop`` (``drop_page_cache=True``), ``torch_save``
   (the PyTorch docs' hooks, one ``torch.save`` file per tensor), ``none_mallopt`` (no offload,
-  with the fixed glibc mmap threshold that the engine sets: the cost of that setting alone), and
-  ``threshold_trim`` / ``budget50_trim`` (the alternative: glibc's dynamic threshold kept, and
-  ``malloc_trim(0)`` after each write).
+  with the fixed glibc mmap threshold that the engine sets: the cost of that setting alone).
 
 The engine fixes glibc's mmap threshold when it is created (see docs/offload.md); ``none`` and
 ``checkpoint`` run with glibc's defaults.
@@ -53,7 +51,7 @@ from lightning_gradhooks.offload import save_on_disk  # noqa: E402
 MiB = 1 << 20
 THRESHOLD = MiB
 VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_drop", "torch_save",
-            "none_mallopt", "threshold_trim", "budget50_trim")
+            "none_mallopt")
 DEFAULT_VARIANTS = VARIANTS[:6]
 
 
@@ -118,24 +116,9 @@ def worker(args: argparse.Namespace) -> None:
         from lightning_gradhooks.offload._memory import _fix_mmap_threshold
 
         _fix_mmap_threshold(THRESHOLD)
-    if variant.endswith("_trim"):  # glibc's dynamic threshold kept; the heap trimmed after each write
-        import ctypes
-
-        import lightning_gradhooks.offload._engine as engine_module
-
-        engine_module._fix_mmap_threshold = lambda threshold: None
     if variant.startswith(("threshold", "budget")):
-        budget = int(args.saved * int(variant[6:8]) / 100) if variant.startswith("budget") else None
+        budget = int(args.saved * int(variant[6:]) / 100) if variant.startswith("budget") else None
         engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "threshold_drop", budget_bytes=budget)
-        if variant.endswith("_trim"):
-            inner, trim = engine._engine, ctypes.CDLL(None).malloc_trim
-            write = inner._write
-
-            def write_and_trim(rec: object) -> None:
-                write(rec)
-                trim(0)
-
-            inner._write = write_and_trim
     docs_dir = tempfile.mkdtemp(dir=folder) if variant == "torch_save" else None
 
     def forward() -> torch.Tensor:
