@@ -12,8 +12,12 @@ machine affects all of them alike:
   or more is written);
 - ``budget25``, ``budget50``, ``budget75``: the same with ``budget_bytes`` = 25, 50 and 75 % of
   the bytes saved per step (the newest stay in memory, the oldest are written);
-- optional (``--variants``): ``threshold_drop`` (``drop_page_cache=True``) and ``torch_save``
-  (the PyTorch docs' hooks, one ``torch.save`` file per tensor).
+- optional (``--variants``): ``threshold_drop`` (``drop_page_cache=True``), ``torch_save``
+  (the PyTorch docs' hooks, one ``torch.save`` file per tensor), ``none_mallopt`` (no offload,
+  with the fixed glibc mmap threshold that the engine sets: the cost of that setting alone).
+
+The engine fixes glibc's mmap threshold when it is created (see docs/offload.md); ``none`` and
+``checkpoint`` run with glibc's defaults.
 
 ``--bandwidth`` adds the raw sequential write and read bandwidth of the folder (64 MiB
 blocks) and that of the engine alone.
@@ -46,7 +50,8 @@ from lightning_gradhooks.offload import save_on_disk  # noqa: E402
 
 MiB = 1 << 20
 THRESHOLD = MiB
-VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_drop", "torch_save")
+VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_drop", "torch_save",
+            "none_mallopt")
 DEFAULT_VARIANTS = VARIANTS[:6]
 
 
@@ -107,6 +112,10 @@ def worker(args: argparse.Namespace) -> None:
     model, x = make_model(args)
     variant, folder = args.worker, args.dir or tempfile.gettempdir()
     engine = None
+    if variant == "none_mallopt":
+        from lightning_gradhooks.offload._memory import _fix_mmap_threshold
+
+        _fix_mmap_threshold(THRESHOLD)
     if variant.startswith(("threshold", "budget")):
         budget = int(args.saved * int(variant[6:]) / 100) if variant.startswith("budget") else None
         engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "threshold_drop", budget_bytes=budget)

@@ -61,6 +61,11 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     written region (per step). CUDA tensors are copied to reused pinned host buffers on a
     side stream and read back the same way.
 
+    On glibc Linux, construction fixes malloc's mmap threshold at ``threshold_bytes``
+    (clamped to 1-32 MiB; process-wide, unless ``MALLOC_MMAP_THRESHOLD_`` is set), so that
+    the memory of written tensors goes back to the system: with glibc's dynamic default the
+    heap keeps it and offload does not lower the process's peak (see docs/offload.md).
+
     Args:
         threshold_bytes: offload a saved tensor if the storage region it spans has at least
             this many bytes.
@@ -81,7 +86,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             ``threshold_bytes``, not parameters) at any moment, plus the one being saved:
             tensors kept in memory, writes in flight and reads ahead together. The newest stay
             in memory (backward needs them first) and the oldest are written; reads ahead wait
-            for room. ``None``: every offloadable tensor is written.
+            for room. Inputs the caller still holds (tensors not computed by the graph, such
+            as the batch) are not counted and not written under a budget: writing them would
+            free nothing. ``None``: every offloadable tensor is written.
 
     Raises:
         ValueError: an argument has the wrong type or is out of range (naming it, what is

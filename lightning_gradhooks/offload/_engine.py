@@ -37,8 +37,9 @@ from lightning_gradhooks.offload._files import (
     _pwrite_all,
     _Record,
     _Segment,
+    _State,
 )
-from lightning_gradhooks.offload._memory import _buffer, _host_buffer, _PinnedPool
+from lightning_gradhooks.offload._memory import _buffer, _fix_mmap_threshold, _host_buffer, _PinnedPool
 
 _STOP = object()  # tells a thread to finish
 _ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
@@ -74,18 +75,6 @@ def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         return None
     _set_versions((keeper,), (version,))  # ...which is set back at once (one thread: the forward's)
     return keeper, version
-
-
-def _freeing_first(records: list[_Record]) -> Any:
-    """``records`` (oldest first), those whose memory writing them would free first, then the others;
-    looked at lazily, so that a spill costs what it writes plus what it skips."""
-    later = []
-    for rec in records:
-        if rec.src is not None and _held_elsewhere(rec.src):
-            later.append(rec)
-        else:
-            yield rec
-    yield from later
 
 
 def _held_elsewhere(src: torch.Tensor) -> bool:
@@ -168,6 +157,7 @@ class _Engine:
         self.budget = budget  # bytes of offloadable tensors held in memory at once (None: write all)
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = os.path.abspath(directory)
+        self.mmap_threshold = _fix_mmap_threshold(threshold)  # freed offloaded tensors leave the process
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
         self._files = _Files(self.folder, dir_fd, tmpfile)
         self._lock = self._files.lock
@@ -189,6 +179,7 @@ class _Engine:
         # Offloadable tensors kept in memory, oldest first (an insertion-ordered set): under a budget
         # the newest stay, and the oldest are handed to the writer when the total would exceed it.
         self._parked: dict[_Record, None] = {}
+        self._queued: dict[_Record, None] = {}  # handed to the writer and counted in _in_flight
         self._parked_bytes = self._held_peak = 0
         self._space_warned = False
         self._step_offloaded = 0  # bytes handed to the writer before this step began
@@ -249,12 +240,19 @@ class _Engine:
             self._prefetch_seg = None
         return seg.take_fds()
 
+    def _own(self) -> list[_Record]:
+        """The parked records that the budget counts, oldest first: all but the inputs that the caller
+        still holds (a tensor not computed by the graph, such as the batch, that a tensor other than
+        the engine's uses), which cost their memory whether written or not: writing them frees nothing."""
+        return [r for r in self._parked if r.src is not None and not (r.input and _held_elsewhere(r.src))]
+
     def _held(self) -> int:
-        """Bytes of offloadable tensors the engine holds: kept under the budget, being written, read back."""
-        return self._parked_bytes + self._in_flight + self._prefetched
+        """Bytes of offloadable tensors the engine alone keeps in memory: kept under the budget, being
+        written, read back."""
+        return sum(r.nbytes for r in self._own()) + self._in_flight + self._prefetched
 
     def _note_held(self) -> None:
-        held = self._parked_bytes + self._in_flight + self._prefetched
+        held = self._held()
         if held > self._held_peak:
             self._held_peak = held
 
@@ -396,17 +394,18 @@ class _Engine:
                 self._raise_pending()
                 budget = self.budget
                 # Spill until what stays once the writes are done leaves room for one more tensor, which
-                # can then be written while the forward goes on.
+                # can then be written while the forward goes on. Without a budget every parked record is
+                # written; under one, those it counts (not the inputs the caller holds), oldest first.
                 keep = None if budget is None else budget - newest
-                # Oldest first; under a budget, first those that only the engine holds: writing a tensor
-                # the caller also keeps (the batch, the output being used) frees nothing. Then the rest.
-                candidates = iter(list(self._parked)) if keep is None else _freeing_first(list(self._parked))
-                while self._parked and (keep is None or self._parked_bytes + self._prefetched > keep):
-                    rec = next(candidates, None)
-                    if rec is None:
+                candidates = list(self._parked) if keep is None else self._own()
+                own = 0 if keep is None else sum(r.nbytes for r in candidates)
+                left = len(candidates)
+                for rec in candidates:
+                    if keep is not None and own + self._prefetched <= keep:
                         break
                     if rec.src is None:  # failed or dead meanwhile: nothing to write
                         self._unpark(rec)
+                        left -= 1
                         continue
                     if self._in_flight and self._in_flight + rec.nbytes > self.max_in_flight:
                         break
@@ -414,9 +413,10 @@ class _Engine:
                         copy = rec, rec.src  # the device-to-host copy runs outside the lock
                         break
                     self._queue(rec)
+                    own -= rec.nbytes
+                    left -= 1
                 if copy is None:
-                    blocked = bool(self._parked) and (
-                        keep is None or self._parked_bytes + self._prefetched > keep)
+                    blocked = left > 0 and (keep is None or own + self._prefetched > keep)
                     if not (blocked or (budget is not None and self._in_flight and self._held() > budget)):
                         return
                     waiter = self._waiter()
@@ -430,9 +430,11 @@ class _Engine:
     def _queue(self, rec: _Record) -> None:
         """Hand a parked record to the writer (with the lock held). The queue's C ``put`` comes first
         and no call follows it: an interrupt lands before it (the record stays parked) or right after
-        it (the writer then unparks the record, which is not counted in flight)."""
+        it (the writer then unparks the record, which is not counted in flight). What follows the
+        transition makes no call."""
         self._writes.put(rec)
-        rec.queued = True
+        rec.to(_State.QUEUED)  # an interrupt at this call leaves it PARKED, in _parked and not counted
+        self._queued[rec] = None
         del self._parked[rec]
         self._parked_bytes -= rec.nbytes
         self._in_flight += rec.nbytes
@@ -445,7 +447,7 @@ class _Engine:
                         nbytes: int) -> _Record | None:
         elsize = t.element_size()
         for rec in self._dedupe.get((t.device, storage.data_ptr()), ()):
-            if (not rec.dead and rec.failed is None and rec.step == self._step and rec.version == t._version
+            if (rec.state is not _State.DEAD and rec.state is not _State.FAILED and rec.step == self._step and rec.version == t._version
                     and rec.storage_ref() is not None and rec.byte_start <= start
                     and start + nbytes <= rec.byte_start + rec.nbytes and rec.byte_start % elsize == 0
                     and rec.alive()):
@@ -494,10 +496,15 @@ class _Engine:
         with self._lock:
             if rec in self._parked:  # its hand-over was interrupted right after the put
                 self._unpark(rec)
-            if rec.dead or not rec.alive() or self.closed or rec.step == self._failed_step:
-                rec.dead = rec.dead or not rec.alive()
-                if rec.step == self._failed_step and not rec.dead:
-                    rec.failed = self._step_failure
+            if rec.state is not _State.PARKED and rec.state is not _State.QUEUED:
+                pass  # dead, failed, or handed over twice: nothing to write
+            elif not rec.alive():
+                rec.to(_State.DEAD)
+            elif rec.step == self._failed_step:
+                rec.to(_State.FAILED)
+                rec.failure = self._step_failure
+            elif self.closed:
+                rec.to(_State.DEAD)
             else:
                 try:
                     seg = self._segment_for(rec)  # opens a file: under the lock, so a fork sees it
@@ -542,34 +549,45 @@ class _Engine:
                 rec.pinned = rec.event = None
                 if self._pool is not None:
                     self._pool.put(pinned, event)  # a skipped write may leave its copy running
-            if rec.queued:
+            if rec in self._queued:
+                del self._queued[rec]
                 self._in_flight -= n
             if seg is not None:
                 seg.io -= 1
             if failure is not None:
                 self._fail(rec, seg, failure)
             elif seg is not None:
-                rec.written = True
+                if rec.state is _State.PARKED or rec.state is _State.QUEUED:  # not dead or failed meanwhile
+                    rec.to(_State.WRITTEN)
                 self._bytes_written += n
-            rec.done = True
             fds = self._release(seg)
             self._notify()
         _close_all(fds)
 
     def _fail(self, rec: _Record, seg: _Segment | None, failure: Failure) -> None:
         """The step's tensors can no longer come back: drop what they hold, surface the error."""
-        rec.failed = failure
+        self._fail_record(rec, failure)
         self._failed_step, self._step_failure = rec.step, failure
         if self._error is None:
             self._error = failure
         if seg is not None and seg.failed is None:
             seg.failed = failure
             for r in seg.records:
-                r.src = r.loaded = None
-                r.failed = failure
+                self._fail_record(r, failure)
         for r in [r for r in self._parked if r.step == rec.step]:  # kept in memory: dropped too
             self._unpark(r)
-            r.src, r.failed = None, failure
+            self._fail_record(r, failure)
+
+    def _fail_record(self, rec: _Record, failure: Failure) -> None:
+        """``rec`` can no longer come back: FAILED, holding nothing (a dead record stays dead)."""
+        if rec.state is _State.DEAD:
+            return
+        if rec.state is not _State.FAILED:
+            rec.to(_State.FAILED)
+        rec.failure, rec.src = failure, None
+        if rec.loaded is not None:
+            rec.loaded = rec.load_event = None
+            self._prefetched -= rec.nbytes
 
     # -- unpack (backward)
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -584,10 +602,11 @@ class _Engine:
             ask = False
             with self._lock:
                 self._check_usable()
-                if rec.failed is not None:
-                    if self._error is rec.failed:  # told here: the next step must not tell it again
+                state = rec.state
+                if state is _State.FAILED:
+                    if self._error is rec.failure:  # told here: the next step must not tell it again
                         self._error = None
-                    _raise(rec.failed)
+                    _raise(rec.failure)
                 if rec.read_error is not None:
                     failure, rec.read_error = rec.read_error, None
                     _raise(failure)
@@ -596,17 +615,18 @@ class _Engine:
                     buf = event = None
                     h.uses += 1
                     break
-                if rec.loaded is not None:
+                if state is _State.LOADED:
                     buf, event = rec.loaded, rec.load_event
                     h.uses += 1
                     if all(other.uses >= h.uses for other in rec.handles()):  # every live handle served
+                        rec.to(_State.WRITTEN)  # first: what follows makes no call
                         rec.loaded = rec.load_event = None
                         self._prefetched -= rec.nbytes
                     rec.asked = False
                     break
-                if rec.done and not rec.written:
+                if state is _State.DEAD:
                     raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
-                ask = rec.written and not asked
+                ask = (state is _State.WRITTEN or state is _State.LOADING) and not asked
                 if ask:
                     rec.asked = True
                 else:
@@ -632,9 +652,9 @@ class _Engine:
         with self._lock:
             if ref in rec.refs:
                 rec.refs.remove(ref)
-            if rec.dead or rec.alive():
+            if rec.state is _State.DEAD or rec.alive():
                 return
-            rec.dead = True
+            rec.to(_State.DEAD)
             rec.src = None  # a running write keeps its own reference until done
             if rec in self._parked:
                 self._unpark(rec)
@@ -650,8 +670,7 @@ class _Engine:
 
     def _needs_load(self, rec: _Record) -> bool:
         seg = rec.segment
-        return (rec.written and not rec.dead and rec.loaded is None and not rec.loading and rec.failed is None
-                and seg is not None and seg.fd >= 0 and rec.alive())
+        return rec.state is _State.WRITTEN and seg is not None and seg.fd >= 0 and rec.alive()
 
     def _demand(self, rec: _Record, load: bool) -> None:
         with self._lock:
@@ -674,7 +693,7 @@ class _Engine:
             self._load(rec)
 
     def _start_load(self, rec: _Record) -> None:
-        rec.loading = True
+        rec.to(_State.LOADING)
         self._prefetched += rec.nbytes
         self._note_held()
         rec.segment.io += 1
@@ -714,13 +733,16 @@ class _Engine:
             failure = (RuntimeError, (f"save_on_disk: reading {rec.nbytes} bytes failed: {type(exc).__name__}: "
                                       f"{exc}",))
         with self._lock:
-            rec.loading = False
             rec.segment.io -= 1
             if failure is None:
                 self._bytes_read += rec.nbytes
-            if failure is None and not rec.dead:
+            if rec.state is not _State.LOADING:  # dead or failed meanwhile: the bytes are not needed
+                self._prefetched -= rec.nbytes
+            elif failure is None:
+                rec.to(_State.LOADED)
                 rec.loaded, rec.load_event = buf, event
             else:
+                rec.to(_State.WRITTEN)  # a later unpack asks again
                 self._prefetched -= rec.nbytes
                 rec.read_error = failure
             fds = self._release(rec.segment)
@@ -800,6 +822,7 @@ class _Engine:
         with self._lock:
             self.closed = True
             for r in self._parked:
+                r.to(_State.DEAD)
                 r.src = None
             self._parked.clear()
             self._parked_bytes = 0

@@ -9,6 +9,7 @@ of its owner before it is closed.
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
 import secrets
@@ -183,12 +184,38 @@ class _Files:
         _close_all(fds)
 
 
+class _State(enum.Enum):
+    """Where an offloaded record's bytes are: one state per record, changed only by :meth:`_Record.to`."""
+
+    PARKED = "kept in memory by the engine (under a budget, or until handed to the writer)"
+    QUEUED = "handed to the writer thread, or being written: served from memory while its source is"
+    WRITTEN = "on disk only"
+    LOADING = "being read back by the reader thread"
+    LOADED = "read back, held until every live handle was served (then WRITTEN again)"
+    FAILED = "its step's write failed: the bytes are lost and unpack raises ``failure``"
+    DEAD = "no handle needs it any more (every handle died, or the engine closed)"
+
+
+_TRANSITIONS: dict[_State, frozenset[_State]] = {
+    # PARKED -> WRITTEN: a hand-over interrupted right after the writer's queue took the record.
+    _State.PARKED: frozenset({_State.QUEUED, _State.WRITTEN, _State.FAILED, _State.DEAD}),
+    _State.QUEUED: frozenset({_State.WRITTEN, _State.FAILED, _State.DEAD}),
+    _State.WRITTEN: frozenset({_State.LOADING, _State.FAILED, _State.DEAD}),
+    # LOADING -> WRITTEN: the read failed (``read_error``); a later unpack asks again.
+    _State.LOADING: frozenset({_State.LOADED, _State.WRITTEN, _State.FAILED, _State.DEAD}),
+    _State.LOADED: frozenset({_State.WRITTEN, _State.FAILED, _State.DEAD}),
+    _State.FAILED: frozenset({_State.DEAD}),
+    _State.DEAD: frozenset(),
+}
+
+
 class _Record:
-    """One storage region written to a segment, shared by the handles of its views."""
+    """One storage region written to a segment, shared by the handles of its views. Its lifecycle is
+    ``state`` (see :class:`_State`); the other fields are what that state holds."""
 
     __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
-                 "direct", "step", "src", "pinned", "event", "refs", "queued", "done", "written", "dead",
-                 "failed", "loaded", "load_event", "loading", "read_error", "asked")
+                 "direct", "step", "input", "src", "pinned", "event", "refs", "state", "failure", "loaded",
+                 "load_event", "read_error", "asked")
 
     def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage, byte_start: int, nbytes: int) -> None:
         self.segment: _Segment | None = None  # assigned by the writer thread
@@ -199,20 +226,22 @@ class _Record:
         self.storage_ref, self.version = weakref.ref(storage), t._version
         self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
+        self.input = t.grad_fn is None  # not computed by the graph (the batch): the caller may hold it
         self.src: torch.Tensor | None = t.detach()  # until written (CUDA: until copied to host)
         self.pinned: torch.Tensor | None = None  # CUDA: host copy until written
         self.event: Any = None  # CUDA: device-to-host copy done
         self.refs: list[_HandleRef] = []  # weak references to the handles autograd keeps
-        self.queued = False  # counted in bytes in flight
-        self.done = False  # the writer is finished with it
-        self.written = False
-        self.dead = False  # every handle died
-        self.failed: Failure | None = None  # the write failed
-        self.loaded: torch.Tensor | None = None  # bytes read back, held until served
-        self.load_event: Any = None  # CUDA: host-to-device copy done
-        self.loading = False
-        self.read_error: Failure | None = None
-        self.asked = False  # an unpack waits for it
+        self.state = _State.PARKED
+        self.failure: Failure | None = None  # FAILED: the error unpack raises
+        self.loaded: torch.Tensor | None = None  # LOADED: the bytes read back
+        self.load_event: Any = None  # LOADED, CUDA: host-to-device copy done
+        self.read_error: Failure | None = None  # the last read failed: the next unpack raises it once
+        self.asked = False  # an unpack waits for it (a request, not a state)
+
+    def to(self, state: _State) -> None:
+        """Move to ``state`` (the engine's lock held): the one place a record's lifecycle changes."""
+        assert state in _TRANSITIONS[self.state], f"save_on_disk: internal error: record {self.state.name} -> {state.name}"
+        self.state = state
 
     def alive(self) -> bool:
         for ref in self.refs:
