@@ -259,7 +259,7 @@ def test_unarmed_hooks_do_nothing_and_collect_is_empty():
     monitor = GradientMonitor(net)
     with monitor.attach():
         net(torch.randn(4, 6)).sum().backward()
-        assert monitor._pending == []
+        assert not monitor.pending
         assert monitor.collect().entries == []
 
 
@@ -693,8 +693,7 @@ def _scratch_steps(SCRATCH_KEPT: int, reduce, kernels: bool, kept: bool) -> None
 
     torch.manual_seed(0)
     model = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), "big": Big()})
-    monitor = GradientMonitor(model)
-    monitor._kernels = kernels
+    monitor = GradientMonitor(model, kernels=kernels)
     handle = monitor.attach()
     assert monitor.scratch_bytes == 0
     for step in range(3):
