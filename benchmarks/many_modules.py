@@ -14,7 +14,7 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
 that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, torch ops``
 (the same with the CPU gradients reduced by torch ops instead of the C kernels of ``_kernels.c``,
-the monitor's ``_kernels = False``; only where they are built), ``per-param norm``
+``GradientMonitor(kernels=False)``; only where they are built), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -24,7 +24,7 @@ on the root counts forwards; every ``log_freq``-th call reduces the tensor and p
 the run; ``run.log({})`` commits the row each logging step. A check counts them first.
 B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
 collect) over a bare one, on the CPU path (the C kernels) and on the accelerator path (torch ops,
-the monitor's ``_kernels = False``, run on the CPU), and of an attached, unarmed step.
+``GradientMonitor(kernels=False)``, run on the CPU), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
@@ -180,7 +180,9 @@ class Loop:
         self.case, self.state, self.model = case, state, case.make()
         self.model.load_state_dict(state)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        self.monitor = GradientMonitor(self.model)
+        # by the C kernels for float32 CPU gradients where built (True), by torch ops (False)
+        self.monitors = {True: GradientMonitor(self.model), False: GradientMonitor(self.model, kernels=False)}
+        self.monitor = self.monitors[True]
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:
@@ -201,7 +203,8 @@ class Loop:
             with setup() as variant:
                 return statistics.fmean(self.step(variant) for _ in range(steps))
         except Exception:
-            self.monitor.disarm()  # a step failed half-way: leave nothing armed or accumulated
+            for monitor in self.monitors.values():
+                monitor.disarm()  # a step failed half-way: leave nothing armed or accumulated
             self.optimizer.zero_grad()
             raise
 
@@ -212,8 +215,7 @@ class Loop:
 
     @contextlib.contextmanager
     def monitored(self, armed: bool, kernels: bool = True) -> Iterator[Variant]:
-        monitor = self.monitor
-        monitor._kernels = None if kernels else False  # None: the C kernels for float32 CPU gradients
+        monitor = self.monitors[kernels]
         with monitor.attach():
             # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
             # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
@@ -346,7 +348,8 @@ def op_counts(case: Case) -> list[str]:
     """The table row of one model: extra ops of an armed step on each path, of an unarmed one."""
     torch.manual_seed(0)
     model = case.make()
-    monitor = GradientMonitor(model)
+    monitors = {"CPU": GradientMonitor(model), "accelerator": GradientMonitor(model, kernels=False)}
+    monitor = monitors["CPU"]  # C kernels where built; the accelerator path: torch ops
 
     def step(armed: bool) -> int:
         """Forward, backward, collect (no optimizer); the tensors reduced into the record."""
@@ -359,13 +362,12 @@ def op_counts(case: Case) -> list[str]:
 
     step(False)  # warm-up
     bare, _ = count_ops(lambda: step(False))
-    paths = {"CPU": None, "accelerator": False}  # the monitor's _kernels: C kernels where built; torch ops
     cells: dict[str, list[str]] = {}
-    with monitor.attach():
-        step(True)  # in-place probe
-        not_armed = count_ops(lambda: step(False))[0] - bare
-        for path, kernels in paths.items():
-            monitor._kernels = kernels
+    for path, monitor in monitors.items():
+        with monitor.attach():
+            step(True)  # in-place probe
+            if path == "CPU":
+                not_armed = count_ops(lambda: step(False))[0] - bare
             step(True)  # warm-up of this path (cached layouts)
             ops, reduced = count_ops(lambda: step(True))
             cells[path] = [str(ops - bare), f"{(ops - bare) / max(reduced, 1):.1f}"]
@@ -442,9 +444,10 @@ def fit_once(
 class TorchOps(GradHooks):
     """GradHooks whose monitor reduces CPU gradients with torch ops, not the C kernels."""
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        self._monitor._kernels = False
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch_ops = functools.partial(GradientMonitor, kernels=False)
+        with mock.patch("lightning_gradhooks.callback.GradientMonitor", torch_ops):
+            super().setup(trainer, pl_module, stage)
 
 
 class SkippedReductions(GradHooks):
@@ -494,6 +497,24 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         typical.table("plain")
 
 
+@contextlib.contextmanager
+def planned(views: bool = False, grad_input: bool = True) -> Iterator[None]:
+    """While active, the monitors' plans read every grad_input through a view (``views``: no
+    module is read as one autograd node), or read none (``grad_input=False``)."""
+    from lightning_gradhooks import monitor as core
+
+    decide = core._decide
+
+    def changed(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> core.Plan:
+        plan = decide(module, compiled, seen if not views or seen is None else seen | {core.SEVERAL_NODES})
+        if not grad_input and plan.read in (core.Read.VIEWS, core.Read.ONE_NODE):
+            return core.Plan(core.Read.OUTPUT_ONLY, "benchmark: no grad_input")
+        return plan
+
+    with mock.patch.object(core, "_decide", changed):
+        yield
+
+
 def part_d(names: list[str], args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -530,10 +551,10 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
                   "armed + collect, no grad_input"]
         timings = Timings(f"{case.name} (stages)", stages)
         with monitor.attach(), no_inputs.attach(), views.attach():
-            for stage, other in others.items():  # their probe steps, then their plans changed
-                step(stage)
-                other._one_node, other._slots = set(), None
-            no_inputs._plan = set()
+            with planned(views=True):  # their probe steps plan them
+                step("armed + collect, views")
+            with planned(grad_input=False):
+                step("armed + collect, no grad_input")
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
                 step(stage)
             windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}

@@ -16,6 +16,7 @@ to the host in one transfer per device, as a :class:`~lightning_gradhooks.record
 from __future__ import annotations
 
 import dataclasses
+import enum
 import fnmatch
 import functools
 import gc
@@ -23,7 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -32,9 +33,11 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gradhooks import _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
-from lightning_gradhooks.stats import Reducer, Scratch
+from lightning_gradhooks.stats import C_KERNELS, Reducer, Scratch
 
-__all__ = ["GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "select_modules"]
+__all__ = [
+    "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",
+]
 
 #: Label used for the root module, whose qualified name is the empty string.
 ROOT_NAME = "(model)"
@@ -127,21 +130,75 @@ class _Armed:
             self._monitor.disarm()  # switches the collector back on too
 
 
+class Read(enum.Enum):
+    """How the monitor reads a module's gradients on a logged step: see :attr:`GradientMonitor.plan`.
+
+    Every mechanism reads what a full backward hook would receive, without its wrapping of every
+    forward; ``param_grad`` entries come from :meth:`GradientMonitor.collect` whatever the plan.
+    """
+
+    #: The first logged step: ``grad_output`` only, while the tensors' version counters are
+    #: watched for in-place use; its backward decides the lasting plan.
+    PROBE = "probe"
+    #: ``grad_output`` from the node that made each output, ``grad_input`` from the node of a
+    #: view that each input is passed through.
+    VIEWS = "views"
+    #: The module's forward is one autograd node: one hook on it reads both, with no view.
+    ONE_NODE = "one node"
+    #: ``grad_output`` only (a view could not be used, or not safely): the reason says why.
+    OUTPUT_ONLY = "output only"
+    #: No hook (code compiled by ``torch.compile``): parameter gradients only.
+    PARAMETERS_ONLY = "parameters only"
+
+
+class Plan(NamedTuple):
+    """A module's read plan: what is read (:class:`Read`) and why."""
+
+    read: Read
+    reason: str
+
+
+#: What a module can show on logged steps, which :func:`_decide` plans from.
+IN_PLACE, STRUCTURED, NOT_RUN, SEVERAL_NODES = "in place", "structured", "not run", "several nodes"
+
+
+def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
+    """The read plan of ``module``, from what the logged steps showed of it (``seen``; None
+    before the first logged step's backward). Every plan of the monitor is made here."""
+    if compiled:
+        return Plan(Read.PARAMETERS_ONLY, "in code compiled by torch.compile: a hook would split the compiled graph")
+    if seen is None:
+        return Plan(Read.PROBE, "first logged step: grad_output only, watching for in-place use")
+    if IN_PLACE in seen:
+        return Plan(Read.OUTPUT_ONLY, "its input or output is modified in place: a view would break")
+    if STRUCTURED in seen:
+        return Plan(Read.OUTPUT_ONLY, "its output is not a tensor or a flat tuple of tensors, as a full backward hook needs")
+    if NOT_RUN in seen:
+        return Plan(Read.OUTPUT_ONLY, "it did not run in the first logged step, so in-place use could not be ruled out")
+    if type(module) in _ONE_NODE_TYPES and SEVERAL_NODES not in seen:
+        return Plan(Read.ONE_NODE, f"torch's {type(module).__name__} made one autograd node in every call")
+    if SEVERAL_NODES in seen:
+        return Plan(Read.VIEWS, "made more than one autograd node in a call")
+    return Plan(Read.VIEWS, "grad_input through a view of each input")
+
+
 @dataclass
 class _Probe:
-    """What the first forward after :meth:`GradientMonitor.attach` saw of in-place use."""
+    """What the first logged forward showed of each module (:data:`IN_PLACE`, ...)."""
 
     inputs: dict[str, list[list[tuple[Tensor, int]]]] = field(default_factory=dict)
     outputs: list[tuple[str, list[tuple[Tensor, int]]]] = field(default_factory=list)
-    unsafe: set[str] = field(default_factory=set)
-    #: Modules whose output is a dict, list, nested tuple or object: full hooks miss it.
-    structured: set[str] = field(default_factory=set)
-    #: Modules of :data:`_ONE_NODE_TYPES` that made more than one autograd node in a call.
-    several: set[str] = field(default_factory=set)
+    seen: dict[str, set[str]] = field(default_factory=dict)
 
-    def modified_in_place(self) -> set[str]:
-        later = {name for name, outs in self.outputs if any(t._version != v for t, v in outs)}
-        return self.unsafe | later
+    def add(self, name: str, observation: str) -> None:
+        self.seen.setdefault(name, set()).add(observation)
+
+    def observations(self, names: Iterable[str]) -> dict[str, frozenset[str]]:
+        for name, outs in self.outputs:
+            if any(t._version != v for t, v in outs):
+                self.add(name, IN_PLACE)  # modified in place after the module returned it
+        ran = {name for name, _ in self.outputs}
+        return {name: frozenset(self.seen.get(name, set()) | ({NOT_RUN} if name not in ran else set())) for name in names}
 
 
 def _tensor_leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Tensor]]:
@@ -386,6 +443,10 @@ class GradientMonitor:
             the gradients, and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
+        kernels: how float32 CPU gradients are reduced: None (default), by the C kernels of
+            ``_kernels.c`` where they were built (:data:`~lightning_gradhooks.stats.C_KERNELS`);
+            False, by torch ops, as every other gradient (the accelerator path, run on the
+            CPU); True, by the kernels, refused where they were not built.
 
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
@@ -412,12 +473,16 @@ class GradientMonitor:
         bins: int = DEFAULT_BINS,
         parameters: bool = True,
         forward_checks: bool = False,
+        *,
+        kernels: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks)):
             check_bool(argument, value)
+        if kernels is not None and check_bool("kernels", kernels) and not C_KERNELS:
+            raise ValueError("`kernels` expected False or None where the C kernels of _kernels.c were not built, got True")
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = [
@@ -431,8 +496,9 @@ class GradientMonitor:
         # (and leave the degraded code in its cache): modules there get no hooks, and report
         # their parameter gradients only.
         compiled = _compiled_modules(model)
-        #: Modules in code compiled by torch.compile: parameter gradients only.
-        self.compiled = [_label(name) for name, module in self.modules.items() if id(module) in compiled]
+        self._plan = {
+            _label(name): _decide(module, id(module) in compiled, None) for name, module in self.modules.items()
+        }
         self._hooked = {_label(name): module for name, module in self.modules.items() if id(module) not in compiled}
         if self.compiled:
             warnings.warn(
@@ -465,21 +531,12 @@ class GradientMonitor:
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
-        self._kernels: bool | None = None  # Reducer(kernels=): False, torch ops only (tests, benchmarks)
+        self.kernels = kernels
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
-        self._probe: _Probe | None = None
-        #: The hooked modules whose inputs are watched too (``grad_input``), once the first armed
-        #: step has shown which modules are safe for it. None until then.
-        self._plan: set[str] | None = None
-        self._slots: list[_Slot] | None = None  # the planned hooks, once planned
-        #: Planned modules whose forward was one autograd node in every call of the first armed
-        #: step: their grad_input is read from that node's hook, with no view.
-        self._one_node: set[str] = set()
-        #: Modules whose grad_output alone is read (modified in place, structured outputs, or not
-        #: run in the first armed step).
-        self.fallback: list[str] = []
+        self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
+        self._slots: list[_Slot] | None = None  # the hooks of the plan: made again when it changes
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
@@ -503,31 +560,52 @@ class GradientMonitor:
         return self._handle
 
     def _register(self) -> None:
-        """Put the hooks in the modules: the in-place probe at first, the planned hooks after."""
+        """Put the hooks of each module's plan in the modules."""
         self._handle.put(self._check_slots)
-        if self._plan is None:
-            self._probe = _Probe()
-            self._handle.put(
-                [
-                    slot
-                    for label, module in self._hooked.items()
-                    for slot in (
-                        _slot(module._forward_pre_hooks, functools.partial(self._probe_inputs, label)),
-                        _slot(module._forward_hooks, functools.partial(self._probe_outputs, label)),
-                    )
-                ]
-            )
-            return
-        if self._slots is None:  # made once, put in and taken out at every logged step
+        if self._probe is None and any(p.read is Read.PROBE for p in self._plan.values()):
+            self._probe = _Probe()  # again, if a probe's backward never came
+        if self._slots is None:  # made once per plan, put in and taken out at every logged step
             self._slots = []
             for label, module in self._hooked.items():
-                if label in self._one_node:
+                read = self._plan[label].read
+                if read is Read.PROBE:
+                    self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._probe_inputs, label)))
+                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._probe_outputs, label)))
+                elif read is Read.ONE_NODE:
                     self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_one_node, label)))
-                    continue
-                if label in self._plan:
-                    self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._watch_inputs, label)))
-                self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_forward, label)))
+                else:
+                    if read is Read.VIEWS:
+                        self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._watch_inputs, label)))
+                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_forward, label)))
         self._handle.put(self._slots)
+
+    def _replan(self, seen: Mapping[str, frozenset[str]]) -> None:
+        """Plan again the modules that showed something new (``seen``: all they showed so far);
+        the hooks are made again when next put in."""
+        for label, shown in seen.items():
+            self._plan[label] = _decide(self._hooked[label], False, shown)
+        self._slots = None
+
+    @property
+    def plan(self) -> dict[str, Plan]:
+        """Each chosen module's read plan, by name: :class:`Plan` ``(read, reason)``, as it stands.
+
+        Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
+        step's backward plans each lastingly (see ``docs/usage.md``, "How the gradients are
+        read"). A one-node module that later makes several nodes in a call is read through
+        views from the next logged step on."""
+        return dict(self._plan)
+
+    @property
+    def compiled(self) -> list[str]:
+        """Modules in code compiled by torch.compile: parameter gradients only."""
+        return [name for name, p in self._plan.items() if p.read is Read.PARAMETERS_ONLY]
+
+    @property
+    def fallback(self) -> list[str]:
+        """Modules whose ``grad_output`` alone is read (:attr:`Read.OUTPUT_ONLY`: modified in
+        place, structured outputs, or not run in the first logged step), sorted."""
+        return sorted(name for name, p in self._plan.items() if p.read is Read.OUTPUT_ONLY)
 
     def _park(self) -> None:
         self._weights_checked = False
@@ -545,36 +623,28 @@ class GradientMonitor:
             return
         calls = self._probe.inputs.get(name)
         if calls and any(t._version != v for t, v in calls.pop()):
-            self._probe.unsafe.add(name)  # the module modified its own input in place
+            self._probe.add(name, IN_PLACE)  # the module modified its own input in place
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
-            self._probe.structured.add(name)
+            self._probe.add(name, STRUCTURED)
         if type(module) in _ONE_NODE_TYPES and _one_node_edges(output, args) is None:
-            self._probe.several.add(name)
+            self._probe.add(name, SEVERAL_NODES)
         self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
         self._watch_forward(name, module, args, output)
 
     def _finish_probe(self) -> None:
-        """Plan each module's lasting hook, once the first armed backward has started."""
+        """Plan each probed module lastingly, once the first armed backward has started."""
         probe, self._probe = self._probe, None
         self._handle.park()  # the probe's hooks, the only ones in
-        in_place = probe.modified_in_place()
-        # A module that did not run yet (a branch taken later) might meet an in-place
-        # operation when it does: only its outputs are safe to watch. Inputs of a module with
-        # structured outputs are not watched either, as a full backward hook could not.
-        unseen = set(self._hooked) - {name for name, _ in probe.outputs}
-        fallback = in_place | probe.structured | unseen
-        self._plan = set(self._hooked) - fallback
-        self._one_node = {
-            name for name in self._plan if type(self._hooked[name]) in _ONE_NODE_TYPES and name not in probe.several
-        }
-        self.fallback = sorted(fallback)
+        seen = probe.observations(name for name, p in self._plan.items() if p.read is Read.PROBE)
+        self._replan(seen)
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
+        in_place = sorted(name for name, shown in seen.items() if IN_PLACE in shown)
         if in_place:
             warnings.warn(
                 "in-place operations touch these modules' outputs or inputs, so their grad_output is "
-                f"read with tensor hooks and grad_input is not logged: {', '.join(sorted(in_place))}",
+                f"read with tensor hooks and grad_input is not logged: {', '.join(in_place)}",
                 stacklevel=2,
             )
 
@@ -707,9 +777,8 @@ class GradientMonitor:
 
     def _read_through_views(self, name: str) -> None:
         """A one-node module made more than one node: read its inputs through views from now on."""
-        if name in self._one_node:
-            self._one_node.discard(name)
-            self._slots = None  # made again at the next arm
+        if self._plan[name].read is Read.ONE_NODE:
+            self._replan({name: frozenset({SEVERAL_NODES})})
             warnings.warn(
                 f"module `{name}` made more than one autograd node in a call (in the first logged step "
                 "it made one), so its grad_input is missing from this step; from the next logged "
@@ -794,7 +863,7 @@ class GradientMonitor:
         device = grad.device
         reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, kernels=self._kernels)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, kernels=self.kernels)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, device))
 

@@ -1,12 +1,14 @@
 import collections
+import functools
 import warnings
+from unittest import mock
 
 import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_gradhooks import GradHooks
+from lightning_gradhooks import GradHooks, GradientMonitor
 
 from conftest import MLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
 
@@ -184,7 +186,7 @@ class ArmedProbe(pl.Callback):
 
     def _check(self) -> None:
         monitor = self.gradhooks._monitor
-        self.seen.append(monitor is not None and (monitor.armed or bool(monitor._pending)))
+        self.seen.append(monitor is not None and (monitor.armed or monitor.pending))
 
     def on_validation_batch_end(self, *args, **kwargs):  # noqa: ANN002, ANN003
         self._check()
@@ -380,8 +382,9 @@ def test_sparse_parameter_gradients_are_logged_as_their_dense_tensor(tmp_path, p
 
     class TorchOps(GradHooks):  # its monitor reduces with torch ops only
         def setup(self, trainer, pl_module, stage):  # noqa: ANN001, ANN201
-            super().setup(trainer, pl_module, stage)
-            self._monitor._kernels = False
+            torch_ops = functools.partial(GradientMonitor, kernels=False)
+            with mock.patch("lightning_gradhooks.callback.GradientMonitor", torch_ops):
+                super().setup(trainer, pl_module, stage)
 
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randint(0, 50, (32, 5), generator=g), torch.randint(0, 3, (32,), generator=g)), batch_size=8)

@@ -53,6 +53,7 @@ def test_resnet_block_falls_back_where_needed_and_matches_the_reference():
     got = {(e.kind, e.name): e.stats for e in entries}
     calls = {(e.kind, e.name): e.calls for e in entries}
     assert monitor.fallback == ["bn1", "bn2", "relu"]
+    assert all("modified in place" in monitor.plan[name].reason for name in monitor.fallback)
 
     captured = {}
     for name in ("conv1", "bn1", "conv2", "bn2", "relu"):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import STATISTICS, GradientMonitor
-from lightning_gradhooks.monitor import select_modules
+from lightning_gradhooks.monitor import Read, select_modules
 
 from conftest import calls_into_the_library, graph_nodes, hook_snapshot
 
@@ -162,6 +162,7 @@ def test_one_node_modules_are_read_from_their_node_others_through_a_view():
     net, x = Mixed(), torch.randn(5, 6, requires_grad=True)
     names = ["flat", "seq", "sub", "late"]
     monitor = GradientMonitor(net, parameters=False)
+    assert {p.read for p in monitor.plan.values()} == {Read.PROBE}
     with monitor.attach():
         for _ in range(2):  # the probe step, then the planned hooks
             monitor.arm()
@@ -170,6 +171,9 @@ def test_one_node_modules_are_read_from_their_node_others_through_a_view():
             loss.backward()
             assert [len(getattr(net, n)._forward_pre_hooks) for n in names] == [0, 1, 1, 0]
             record = monitor.collect()
+        reads = {name: p.read for name, p in monitor.plan.items()}
+        assert reads == {"flat": Read.ONE_NODE, "seq": Read.VIEWS, "sub": Read.VIEWS, "late": Read.ONE_NODE}
+        assert "made more than one autograd node" in monitor.plan["seq"].reason
         assert nodes["ViewBackward0"] == graph_nodes((net(x) ** 2).sum())["ViewBackward0"] + 2
         want = full_hook_reference(net, x, names)
         got = {(e.kind, e.name): e.stats for e in record.entries}
@@ -190,6 +194,7 @@ def test_one_node_modules_are_read_from_their_node_others_through_a_view():
             monitor.arm()
             (net(x) ** 2).sum().backward()
             assert len(net.late._forward_pre_hooks) == 1  # read through a view now
+            assert monitor.plan["late"].read is Read.VIEWS
             got = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
         assert set(got) == set(want)
         for key, grad in want.items():
@@ -259,7 +264,7 @@ def test_unarmed_hooks_do_nothing_and_collect_is_empty():
     monitor = GradientMonitor(net)
     with monitor.attach():
         net(torch.randn(4, 6)).sum().backward()
-        assert monitor._pending == []
+        assert not monitor.pending
         assert monitor.collect().entries == []
 
 
@@ -443,6 +448,8 @@ def test_every_output_tensor_of_nested_outputs_is_labelled_by_key_or_position():
         "body.lstm/1/1", "body.proj",
     }
     assert monitor.fallback == ["body", "body.lstm"]
+    assert monitor.plan["body.proj"].read is Read.VIEWS  # a Linear on 3-D input
+    assert all("not a tensor" in monitor.plan[name].reason for name in monitor.fallback)
 
     captured = {}
     net.body.register_forward_hook(lambda m, i, o: captured.update(body=o))
@@ -500,6 +507,8 @@ def test_a_module_first_run_after_the_first_step_is_safe_from_in_place_use():
             net(x).sum().backward()  # with a full backward hook on `late`, relu_ would raise
             names = {(e.kind, e.name) for e in monitor.collect().entries}
     assert monitor.fallback == ["late"]
+    assert monitor.plan["late"].read is Read.OUTPUT_ONLY
+    assert "did not run in the first logged step" in monitor.plan["late"].reason
     assert {("grad_output", "late"), ("grad_output", "early"), ("grad_input", "early")} <= names
 
 
@@ -693,8 +702,7 @@ def _scratch_steps(SCRATCH_KEPT: int, reduce, kernels: bool, kept: bool) -> None
 
     torch.manual_seed(0)
     model = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), "big": Big()})
-    monitor = GradientMonitor(model)
-    monitor._kernels = kernels
+    monitor = GradientMonitor(model, kernels=kernels)
     handle = monitor.attach()
     assert monitor.scratch_bytes == 0
     for step in range(3):
