@@ -192,6 +192,18 @@ class GradHooksLogic:
         lightning_pytorch = any(c.__module__.startswith("lightning.pytorch") for c in type(self).__mro__)
         return logging.getLogger(f"{'lightning.pytorch' if lightning_pytorch else 'pytorch_lightning'}.callbacks.gradhooks")
 
+    @property
+    def monitor(self) -> GradientMonitor | None:
+        """The :class:`~lightning_gradhooks.GradientMonitor` of the fit under way (its ``plan``,
+        ``pending``, ``armed``); None outside a fit."""
+        return self._monitor
+
+    @property
+    def offload(self) -> save_on_disk | None:
+        """The :class:`~lightning_gradhooks.offload.save_on_disk` engine of the fit under way (its
+        ``stats()``); None without offload and outside a fit (``offload_stats`` keeps the last)."""
+        return self._offload
+
     def _echo(self, trainer: pl.Trainer) -> Any:
         """How the report is printed: through the progress bar (above it, once), else Lightning's log."""
         bar = trainer.progress_bar_callback

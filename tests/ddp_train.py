@@ -51,7 +51,7 @@ class Reference(pl.Callback):
     def on_train_end(self, trainer, pl_module):  # noqa: ANN001
         self.handle.remove()
         torch.save(self.grads, self.out / f"grads-rank{trainer.global_rank}.pt")
-        offload = self.gradhooks._offload.stats()
+        offload = self.gradhooks.offload.stats()
         facts = {"collectives": self.gradhooks.gradient_log.collectives, "offload_dir": offload.directory,
                  "offload_written": offload.bytes_written}
         (self.out / f"facts-rank{trainer.global_rank}.json").write_text(json.dumps(facts))

@@ -76,7 +76,7 @@ def lightning_fit(folder: str, ddp_fork: bool, forever: bool = False) -> None:
                     print("READY", flush=True)
                 return loss
             if self.global_step == 2:
-                offload = next(c for c in self.trainer.callbacks if isinstance(c, GradHooks))._offload
+                offload = next(c for c in self.trainer.callbacks if isinstance(c, GradHooks)).offload
                 offload.flush()
                 print(f"READY {offload.stats().bytes_on_disk}", flush=True)  # this step's files
                 if ddp_fork:

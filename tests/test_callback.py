@@ -185,7 +185,7 @@ class ArmedProbe(pl.Callback):
         self.seen = []
 
     def _check(self) -> None:
-        monitor = self.gradhooks._monitor
+        monitor = self.gradhooks.monitor
         self.seen.append(monitor is not None and (monitor.armed or monitor.pending))
 
     def on_validation_batch_end(self, *args, **kwargs):  # noqa: ANN002, ANN003

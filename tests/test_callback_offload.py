@@ -31,7 +31,7 @@ class OffloadProbe(pl.Callback):
         self.open_files: list[int] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
-        engine = self.gradhooks._offload
+        engine = self.gradhooks.offload
         self.folder = engine.directory
         # Backward may have read a tensor from memory while the writer was still writing it;
         # the file closes when that write ends (on a loaded machine, after backward).
@@ -142,7 +142,7 @@ class PidMLP(MLP):
 
     def on_before_backward(self, loss):  # noqa: ANN001
         # The step's file is open here: the parent holds it, the workers must not.
-        self.gradhooks._offload.flush()
+        self.gradhooks.offload.flush()
         held = [f for pid in sorted(self.workers) for f in open_files(self.offload_folder, pid)]
         self.held = getattr(self, "held", []) + [(len(open_files(self.offload_folder)), held)]
 

@@ -191,7 +191,7 @@ class Offloaded(pl.Callback):
         self.gradhooks, self.bytes = gradhooks, 0
 
     def on_train_end(self, trainer, pl_module):  # noqa: ANN001
-        self.bytes = self.gradhooks._offload.stats().bytes_offloaded
+        self.bytes = self.gradhooks.offload.stats().bytes_offloaded
 
 
 def train(tmp_path, name: str, callback: GradHooks | None):  # noqa: ANN001, ANN201
@@ -240,7 +240,7 @@ def test_model_trains_with_defaults_and_with_offload(tmp_path, name, caplog):
         if offload:
             offloaded = next(c for c in trainer.callbacks if isinstance(c, Offloaded)).bytes
             assert offloaded > 0  # activations really went to disk
-            assert callback._offload is None and not list(folder.iterdir())
+            assert callback.offload is None and not list(folder.iterdir())
     if name == "frozen":
         assert "2 frozen modules (no trainable parameter) are not monitored: net.backbone.0, net.backbone.2" in caplog.text
     if name == "checkpointed":
