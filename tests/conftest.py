@@ -1,4 +1,16 @@
-"""Shared models and helpers for the tests."""
+"""Shared models and helpers for the tests.
+
+The tests are laid out by the room they test, one file per room of the package:
+``test_monitor`` (monitor.py: choosing modules, the read plan), ``test_stats`` (stats.py: both
+reduction paths against plain torch), ``test_log`` (log.py: plain loops and Fabric),
+``test_flow`` (flow.py), ``test_report`` / ``test_report_panel`` / ``test_report_cli``
+(report.py and ``python -m lightning_gradhooks``), ``test_checks`` (_checks.py),
+``test_offload*`` (offload/: engine, budget, in-place truth, signals), ``test_callback*``,
+``test_lifecycle``, ``test_loggers`` and ``test_lightning_cli`` (callback.py, the Lightning shell).
+Set-ups that cross rooms have their own: ``test_models``, ``test_setups``, ``test_compile``,
+``test_inplace``, ``test_ddp``, ``test_sharded``, ``test_namespaces``, ``test_gpu``, and the
+user's view: ``test_example``, ``test_docs``, ``test_console``, ``test_tensorboard_server``.
+"""
 
 from __future__ import annotations
 

@@ -321,3 +321,31 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
         assert row[0] == pytest.approx(tensors[0].norm().item(), rel=1e-5) and sum(counts) == tensors[0].numel()
     assert counted[0] == counted[1]
     assert not [op for op in counted[0] if "local_scalar" in op or op.startswith("item")], counted[0]
+
+
+def _zero_heavy(n: int, share: float, first_zero: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g)
+    t[torch.rand(n, generator=g) < share] = 0.0
+    t[0] = 0.0 if first_zero else 1.5
+    return t
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.skipif(not C_KERNELS, reason="not built")), False])
+def test_zero_fraction_equals_reference_whatever_the_padding(kernels):
+    # Sizes that pad their last row, a NaN that sends the C kernels' batch to torch ops, an
+    # all-zero tensor.
+    tensors = [_zero_heavy(n, s, fz, i) for i, (n, s, fz) in enumerate(
+        [(5, 0.5, True), (1000, 0.3, True), (1024, 0.9, False), (40_000, 0.7, True), (3, 0.0, False)]
+    )]
+    tensors.append(torch.zeros(17))
+    with_nan = _zero_heavy(300, 0.5, True, 9)
+    with_nan[7] = float("nan")
+    tensors.append(with_nan)
+    rows = reduce(tensors, bins=8, kernels=kernels)
+    index = STATISTICS.index("zero_fraction")
+    for t, (row, _) in zip(tensors, rows):
+        assert row[index] == pytest.approx((t == 0).double().mean().item(), abs=1e-12)
+    pooled = pool_stats([row for row, _ in rows[:4]])
+    whole = torch.cat(tensors[:4])
+    assert pooled[index] == pytest.approx((whole == 0).double().mean().item(), abs=1e-12)
