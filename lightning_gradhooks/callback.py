@@ -135,17 +135,11 @@ class GradHooksLogic:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
         check_int("offload_budget_bytes", offload_budget_bytes, allow_none=True)
-        if offload_budget_bytes is not None and offload_threshold_bytes is None:
-            raise ValueError(
-                f"`offload_budget_bytes` expected `offload_threshold_bytes` to be set too, got "
-                f"offload_budget_bytes={offload_budget_bytes!r} with offload_threshold_bytes=None (offload off)"
-            )
         offload_dir = check_folder("offload_dir", offload_dir)
-        if offload_dir is not None and offload_threshold_bytes is None:
-            raise ValueError(
-                f"`offload_dir` expected `offload_threshold_bytes` to be set too, got offload_dir={offload_dir!r} "
-                "with offload_threshold_bytes=None (offload off)"
-            )
+        for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
+            if value is not None and offload_threshold_bytes is None:
+                raise ValueError(f"`{name}` expected `offload_threshold_bytes` to be set too, got {name}={value!r} "
+                                 "with offload_threshold_bytes=None (offload off)")
         check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
         include = check_patterns("include", include, allow_empty=False)
         exclude = check_patterns("exclude", exclude)
@@ -395,17 +389,10 @@ class GradHooksLogic:
         self._end_batch(trainer)
 
     def _end_batch(self, trainer: pl.Trainer, epoch_over: bool = False) -> None:
-        """End what ``on_train_batch_start`` began: the offload hooks exited, the monitor disarmed
-        and the garbage collector back on. Idempotent.
-
-        Lightning skips ``on_train_batch_end`` when ``on_train_batch_start`` of the
-        LightningModule returns -1 (the rest of the epoch is skipped), so this runs at the end
-        of every batch, of every epoch, before validation, and at the start of a batch whose
-        predecessor never ended; teardown and ``on_exception`` remove everything anyway. Hook
-        statistics waiting for their optimizer step (gradient accumulation) keep the monitor
-        armed, unless the epoch is over: a backward that no optimizer step followed (an epoch
-        cut short, by -1 or by the end of fit) is logged as it is.
-        """
+        """End what ``on_train_batch_start`` began (offload hooks, armed monitor, paused collector),
+        idempotently: Lightning skips ``on_train_batch_end`` when ``on_train_batch_start`` returns
+        -1. Statistics waiting for their optimizer step (accumulation) keep the monitor armed,
+        unless the epoch is over: then a backward that no step followed is logged as it is."""
         self._in_batch = False
         monitor = self._monitor
         try:
