@@ -356,7 +356,7 @@ def main() -> None:
     warm = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
     wrote = {v: statistics.median(res.get("written_per_step", 0) for res in results[v]) for v in args.variants}
     held = {v: max(res.get("held_peak", 0) for res in results[v]) for v in args.variants}
-    ref_t, ref_rss = med.get("none"), rss.get("none")
+    ref_rss = rss.get("none")
     print()
     print("peak: the peak RSS (VmHWM) of the measured steps (after the warm-up) over the RSS before the first")
     print("step (model and batch loaded); over step start: the same peak over the RSS just before the measured")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces

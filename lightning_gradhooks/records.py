@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_gradhooks.stats import _COUNT, STATISTICS, STATS_WIDTH, merge_histograms, pool_stats
+from lightning_gradhooks.stats import _COUNT, STATISTICS, merge_histograms, pool_stats
 
 #: Kinds of the monitor's forward checks (not gradients): a module's output, its inputs, and
 #: the weights when the step began; only their ``nonfinite`` count means something.

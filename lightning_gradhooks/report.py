@@ -54,7 +54,7 @@ from array import array
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 
-from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
+from lightning_gradhooks.records import GradientRecord
 
 #: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
