@@ -18,9 +18,7 @@ the same checksums (checked when it is switched on), ~600 times faster.
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from collections.abc import Collection
 from typing import Any
 
@@ -109,14 +107,11 @@ STATS_TAG = "gradhooks/stats"
 _STATS_PLUGIN = "gradhooks"  # a plugin no TensorBoard dashboard shows: no chart, no Text card
 
 
-def _f32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) and abs(value) < 3.4e38 else value
-
-
 def stats_value(stats: dict[tuple[str, str], dict[str, float]]) -> Summary.Value:
     """One step's statistics, ``{(kind, name): {statistic: value}}``, as one summary value: a JSON
-    string tensor under :data:`STATS_TAG`, values rounded to float32 as scalar events hold them."""
-    rows = [[kind, name, {k: _f32(float(v)) for k, v in values.items()}] for (kind, name), values in stats.items()]
+    string tensor under :data:`STATS_TAG` (the report rounds what it reads to float32, as scalar
+    events hold them, so the report of the log is the printed one)."""
+    rows = [[kind, name, {k: float(v) for k, v in values.items()}] for (kind, name), values in stats.items()]
     text = json.dumps(rows, separators=(",", ":"), allow_nan=True).encode()
     metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN))
     tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text], tensor_shape=TensorShapeProto())

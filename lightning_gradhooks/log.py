@@ -45,7 +45,7 @@ from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_m
 from lightning_gradhooks.monitor import listed
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
-from lightning_gradhooks.stats import STATISTICS, Statistic
+from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
@@ -77,9 +77,7 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
         hist = entry.histogram
         if hist is None or sum(hist.counts) == 0:
             continue
-        bins = len(hist.counts)
-        width = (hist.high - hist.low) if hist.high > hist.low else 1.0
-        edges = [hist.low + width * i / bins for i in range(bins + 1)]
+        edges = [hist.low, *histogram_edges(hist.low, hist.high, len(hist.counts))]  # TensorBoard's right edges
         values[f"{entry.kind}_hist/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
     return values
 
