@@ -15,7 +15,6 @@ from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 from lightning_gradhooks.stats import STATISTICS
 
 if TYPE_CHECKING:
-    from lightning_gradhooks._tensorboard import write_record
     from lightning_gradhooks.callback import GradHooks
     from lightning_gradhooks.log import GradientLog
 
@@ -28,7 +27,6 @@ __all__ = [
     "GradientMonitor",
     "GradientRecord",
     "save_on_disk",
-    "write_record",
 ]
 __version__ = "0.1.0"
 
@@ -36,7 +34,6 @@ __version__ = "0.1.0"
 _LAZY = {
     "GradHooks": "lightning_gradhooks.callback",
     "GradientLog": "lightning_gradhooks.log",
-    "write_record": "lightning_gradhooks._tensorboard",
 }
 
 

@@ -31,7 +31,10 @@ assert set(FORWARD_KINDS) <= set(KINDS)
 
 
 def _parse_tag(tag: str) -> tuple[str, str, str] | None:
-    """``grad_output_norm/net.0`` -> ``("grad_output", "norm", "net.0")``; None for other tags."""
+    """``grad_output_norm/net.0`` -> ``("grad_output", "norm", "net.0")``; None for other tags.
+
+    The scalar tags of logs written before the compact summary and the numbered sections
+    (today's charts start with ``∇`` and are not read: the summary holds all they hold)."""
     section, _, name = tag.partition("/")
     for kind in KINDS:
         if section.startswith(kind + "_") and name:
@@ -109,7 +112,7 @@ def read_folder(folder: Path) -> Run:
                 break
             events += 1
             for value in event.summary.value:
-                gradhooks = gradhooks or value.tag.startswith(OVERVIEW + "/")
+                gradhooks = gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's overview, an older log's
                 summary = read_stats_value(value)
                 if summary is not None:  # every statistic of the step, compact
                     gradhooks = True
@@ -117,7 +120,7 @@ def read_folder(folder: Path) -> Run:
                     for key, stats in summary.items():
                         steps[event.step].setdefault(key, {}).update(stats)
                     continue
-                parsed = _parse_tag(value.tag)  # a scalar chart (and the only source in older logs)
+                parsed = _parse_tag(value.tag)  # a scalar chart of an older log
                 if parsed is None:
                     continue
                 if value.HasField("simple_value"):

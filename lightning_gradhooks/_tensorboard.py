@@ -1,8 +1,17 @@
 """Turning a :class:`GradientRecord` into TensorBoard tags, scalars and raw histograms.
 
-Tag scheme: ``<kind>_<statistic>/<name>`` for scalars (``grad_output_norm/encoder.0.linear1``)
-and ``<kind>_hist/<name>`` for histograms, so TensorBoard groups one section per statistic;
-``grad_output_calls/<name>`` counts the gradients pooled into an entry when there are several.
+Tag scheme: ``<section>/<name>``, and TensorBoard shows one section per ``<section>``. Sections
+of ours are numbered, in the order a person reads them: ``∇1 overview`` (the total gradient norm,
+the non-finite total, the gradient-flow picture), ``∇2 grad_output_norm``, ``∇3 grad_input_norm``,
+``∇4 param_grad_norm``, ``∇5 param_update_ratio``, ``∇6 histograms`` (``<kind>/<name>``), and
+``∇7 <kind>_<statistic>`` for the statistics charted only by option (``∇7 grad_output_mean``).
+
+Why the ``∇``: TensorBoard's Time Series dashboard groups cards by the tag up to its first
+``/`` and orders the groups by their first tag, compared digit runs as numbers first, then
+character by character (``compareTagNames`` in its frontend); only the first two groups are open.
+A section named with a letter or a digit would sort among (or above) the user's own ``train_loss``;
+``∇`` (U+2207) sorts after every ASCII character, so the user's metrics come first and ours
+after, in the order of their numbers.
 
 A logged step is written as a single event holding every scalar and histogram of the step: the
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
@@ -30,11 +39,27 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.summary.writer import record_writer
 
 from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
-from lightning_gradhooks.stats import STATISTICS, histogram_edges
+from lightning_gradhooks.stats import histogram_edges
 
 
-#: The section TensorBoard lists (and opens) first: a leading digit sorts before every letter.
-OVERVIEW = "0_overview"
+#: The first section of ours: the total gradient norm, the non-finite total, the flow picture.
+OVERVIEW = "∇1 overview"
+#: The image of :class:`~lightning_gradhooks.flow.GradientFlow`.
+FLOW_TAG = f"{OVERVIEW}/gradient_flow"
+#: Every histogram, ``∇6 histograms/<kind>/<name>``.
+HISTOGRAMS = "∇6 histograms"
+#: The numbered sections of the default statistics; every other statistic is in a ``∇7`` one.
+_NUMBERS = {("grad_output", "norm"): 2, ("grad_input", "norm"): 3, ("param_grad", "norm"): 4, ("param", "update_ratio"): 5}
+
+
+def section(kind: str, stat: str) -> str:
+    """The section of a per-module statistic: ``∇2 grad_output_norm``, ``∇7 grad_output_mean``,
+    ``∇5 param_update_ratio``, ``∇7 param_norm`` (kind ``param``: the optimizer step's)."""
+    return f"∇{_NUMBERS.get((kind, stat), 7)} {kind}_{stat}"
+
+
+#: The sections of the per-module gradient norms (what a table of columns, CSV, gets).
+NORM_SECTIONS = tuple(section(kind, "norm") for kind in ("grad_output", "grad_input", "param_grad"))
 
 
 def _masked_crc32c(data: bytes) -> int:
@@ -64,13 +89,12 @@ def use_fast_checksums() -> bool:
 def scalar_metrics(
     record: GradientRecord, statistics: Collection[str], nonfinite_seen: set[str] | None = None, suffix: str = ""
 ) -> dict[str, float]:
-    """The scalars of ``record`` under their tags, for the chosen statistics only, and the call
-    count (``grad_output_calls/<name>``) of modules whose entry pools more than one gradient.
+    """The scalars of ``record`` under their tags, for the chosen statistics only.
 
     With ``nonfinite_seen`` (a set kept across steps, updated here), a ``*_nonfinite`` tag is
     written from the first step where it is non-zero on, and the overview section holds the
-    run-level ``0_overview/nonfinite_total`` every step instead. The overview also holds
-    ``0_overview/total_norm``: the L2 norm of all parameter gradients of the record, what
+    run-level ``∇1 overview/nonfinite_total`` every step instead. The overview also holds
+    ``∇1 overview/total_norm``: the L2 norm of all parameter gradients of the record, what
     ``torch.nn.utils.clip_grad_norm_`` computes; the overview tags end with ``suffix`` (with
     several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). The overview is
     written whatever the statistics; the forward checks (kinds ``forward``, ``forward_input``,
@@ -86,14 +110,12 @@ def scalar_metrics(
         nonfinite_total += entry.stats["nonfinite"]
         for stat, value in entry.stats.items():
             if stat in statistics:
-                tag = f"{entry.kind}_{stat}/{entry.name}"
+                tag = f"{section(entry.kind, stat)}/{entry.name}"
                 if stat == "nonfinite" and nonfinite_seen is not None:
                     if value == 0 and tag not in nonfinite_seen:
                         continue
                     nonfinite_seen.add(tag)
                 metrics[tag] = value
-        if entry.calls > 1 and entry.kind == "grad_output":
-            metrics[f"grad_output_calls/{entry.name}"] = float(entry.calls)
     if params:
         metrics[f"{OVERVIEW}/total_norm{suffix}"] = squares**0.5
     if nonfinite_seen is not None:
@@ -143,7 +165,7 @@ def histogram_values(record: GradientRecord) -> list[Summary.Value]:
             bucket_limit=histogram_edges(hist.low, hist.high, len(hist.counts)),
             bucket=hist.counts,
         )
-        values.append(Summary.Value(tag=f"{entry.kind}_hist/{entry.name}", histo=proto))
+        values.append(Summary.Value(tag=f"{HISTOGRAMS}/{entry.kind}/{entry.name}", histo=proto))
     return values
 
 
@@ -163,16 +185,3 @@ def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | 
         values.append(stats_value(stats))
     # The file writer that SummaryWriter.add_scalar and add_histogram_raw write through.
     writer._get_file_writer().add_summary(Summary(value=values), step)
-
-
-def write_record(
-    writer: Any, record: GradientRecord, step: int, statistics: Collection[str] = STATISTICS, histograms: bool = True
-) -> None:
-    """Write a :class:`GradientRecord` to a ``SummaryWriter`` under the GradHooks tag scheme.
-
-    For loops without the callback (Lightning Fabric, plain PyTorch)::
-
-        writer = torch.utils.tensorboard.SummaryWriter("runs/exp")
-        write_record(writer, monitor.collect(), step)
-    """
-    write_step(writer, scalar_metrics(record, statistics), record if histograms else None, step)

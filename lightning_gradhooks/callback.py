@@ -79,7 +79,7 @@ class GradHooksLogic:
         exclude: glob patterns of modules to leave out.
         statistics: the statistics charted per module, from ``norm``, ``mean``, ``std``,
             ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` (‖Δw‖/‖w_before‖ of the
-            optimizer step) and ``param_norm``; default: all. The
+            optimizer step) and ``param_norm``; default: ``["norm", "update_ratio"]``. The
             overview is always charted, and every statistic is written in one compact summary
             per logged step, which the health report and its command read.
         histograms: log histograms of module output gradients and parameter gradients.

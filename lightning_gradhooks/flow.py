@@ -45,6 +45,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
+from lightning_gradhooks._tensorboard import OVERVIEW, section
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS
 
@@ -61,8 +62,8 @@ MAX_STEPS = 400
 DRAW_BUDGET = 0.02
 #: Lines per Custom Scalars chart at most.
 MAX_LINES = 12
-#: The callback's per-parameter tags of the optimizer step, and their statistic.
-UPDATE_TAGS = (("param_update_ratio", "update_ratio"), ("param_norm", "param_norm"))
+#: The optimizer step's per-parameter statistics, and their statistic name in a section (kind ``param``).
+UPDATE_STATS = (("update_ratio", "update_ratio"), ("param_norm", "norm"))
 
 
 def have_matplotlib() -> bool:
@@ -307,9 +308,14 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
     return titled
 
 
+def _escape(text: str) -> str:
+    """``re.escape`` without escaping spaces (a JavaScript RegExp in unicode mode refuses ``\\ ``)."""
+    return re.escape(text).replace("\\ ", " ")
+
+
 def _exact(tag_prefix: str, names: Sequence[str]) -> str:
     """One regular expression matching exactly the tags ``<tag_prefix>/<name>`` of ``names``."""
-    return f"^{re.escape(tag_prefix)}/(" + "|".join(re.escape(n) for n in names) + ")$"
+    return f"^{_escape(tag_prefix)}/(" + "|".join(_escape(n) for n in names) + ")$"
 
 
 def custom_scalars_layout(
@@ -319,9 +325,10 @@ def custom_scalars_layout(
 ) -> dict:
     """A layout for ``SummaryWriter.add_custom_scalars``, from a logged step's record.
 
-    Categories: ``0_overview`` (the total gradient norm and the non-finite total), then one per
-    kind and statistic (``grad_output_norm``), and ``param_update_ratio`` and ``param_norm``
-    for the parameters of ``record``'s ``param_grad`` entries. Each holds the charts of
+    Categories, named as the sections of the Time Series dashboard: ``∇1 overview`` (the total
+    gradient norm and the non-finite total), then one per kind and statistic
+    (``∇2 grad_output_norm``), and ``∇5 param_update_ratio`` and ``∇7 param_norm`` for the
+    parameters of ``record``'s ``param_grad`` entries. Each holds the charts of
     :func:`chart_groups`: at most :data:`MAX_LINES` lines each. No per-module ``nonfinite``
     charts (empty on healthy runs). Without a record, only the overview.
 
@@ -334,17 +341,11 @@ def custom_scalars_layout(
         >>> from lightning_gradhooks.records import GradientEntry, GradientRecord
         >>> stats = dict.fromkeys(STATISTICS, 0.0)
         >>> record = GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)])
-        >>> custom_scalars_layout(["norm"], record)["grad_output_norm"]
-        {'net.0': ['Multiline', ['^grad_output_norm/(net\\\\.0)$']]}
+        >>> custom_scalars_layout(["norm"], record)["∇2 grad_output_norm"]
+        {'net.0': ['Multiline', ['^∇2 grad_output_norm/(net\\\\.0)$']]}
     """
-    layout: dict[str, dict[str, list]] = {}
-    overview = {}
-    if "norm" in statistics:
-        overview["total_norm"] = ["Multiline", [r"^0_overview/total_norm"]]
-    if "nonfinite" in statistics:
-        overview["nonfinite_total"] = ["Multiline", [r"^0_overview/nonfinite_total"]]
-    if overview:
-        layout["0_overview"] = overview
+    overview = {name: ["Multiline", [f"^{_escape(OVERVIEW)}/{name}"]] for name in ("total_norm", "nonfinite_total")}
+    layout: dict[str, dict[str, list]] = {OVERVIEW: overview}
     if record is None:
         return layout
     names: dict[str, dict[str, None]] = {}  # kind: names, in order, once each
@@ -352,9 +353,9 @@ def custom_scalars_layout(
         names.setdefault(entry.kind, {})[entry.name] = None
     ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
     # Hook entries come in backward order: reversed, the charts follow the forward order.
-    tags = [(f"{kind}_{stat}", kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
-    tags += [(tag, "param_grad") for tag, stat in UPDATE_TAGS if stat in statistics]
-    for tag, kind in tags:
+    tags = [(section(kind, stat), kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
+    tags += [(section("param", stat), "param_grad") for option, stat in UPDATE_STATS if option in statistics]
+    for tag, kind in sorted(tags):  # in the order of the Time Series sections (one-digit numbers)
         if ordered.get(kind):
             layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}
     return layout

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks._tensorboard import OVERVIEW, scalar_metrics, write_step
+from lightning_gradhooks._tensorboard import FLOW_TAG, HISTOGRAMS, NORM_SECTIONS, OVERVIEW, scalar_metrics, section, write_step
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.monitor import listed
@@ -53,9 +53,10 @@ UPDATE_STATISTICS = ("update_ratio", "param_norm")
 LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 #: Every statistic a log can chart, in the order of the docs.
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
-#: What is charted by default. Every statistic of every entry is written all the same, in one
-#: compact summary per logged step that the report command reads, whatever is charted.
-DEFAULT_STATISTICS: tuple[str, ...] = LOGGED_STATISTICS
+#: What is charted by default: the per-module norms and the update ratios (with the overview and
+#: the histograms, six sections). Every statistic of every entry is written all the same, in one
+#: compact summary per logged step that the health report and the report command read.
+DEFAULT_STATISTICS: tuple[str, ...] = ("norm", "update_ratio")
 
 def _is_tensorboard(writer: Any) -> bool:
     from torch.utils.tensorboard import SummaryWriter
@@ -78,13 +79,12 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
         if hist is None or sum(hist.counts) == 0:
             continue
         edges = [hist.low, *histogram_edges(hist.low, hist.high, len(hist.counts))]  # TensorBoard's right edges
-        values[f"{entry.kind}_hist/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
+        values[f"{HISTOGRAMS}/{entry.kind}/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
     return values
 
 
 def _is_overview_or_norm(tag: str) -> bool:
-    section = tag.partition("/")[0]
-    return section == OVERVIEW or section.endswith("_norm") and section != "param_norm"
+    return tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS)
 
 
 def _rank() -> int:
@@ -204,7 +204,8 @@ class GradientLog:
                 record's names are prefixed with ``optimizer_<i>/``; default: all of them step.
             stepping: the optimizer's step has already begun (called from its closure): its
                 weights are copied now for the update ratio.
-            scalars: more scalars of this step (a loss scale, say).
+            scalars: more scalars of this step (a loss scale, say), charted in the overview
+                section (``∇1 overview/<name>``).
             pool: pool over the ranks (every rank must write at the same steps); False for a
                 record that only this rank has.
         """
@@ -258,8 +259,10 @@ class GradientLog:
                 self._updates.expect(o, step, prefix, now=stepping)
 
     def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float]) -> None:
-        metrics = {**scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix), **extra}
-        stats = {(e.kind, e.name): e.stats for e in record.entries}
+        metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
+        metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
+        # The summary also says how many gradients an entry pools, when more than one.
+        stats = {(e.kind, e.name): {**e.stats, "calls": e.calls} if e.calls > 1 else e.stats for e in record.entries}
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
@@ -303,9 +306,9 @@ class GradientLog:
             metrics = {}
             for name, (ratio, norm) in values.items():
                 if "update_ratio" in self.statistics:
-                    metrics[f"param_update_ratio/{name}"] = ratio
+                    metrics[f"{section('param', 'update_ratio')}/{name}"] = ratio
                 if "param_norm" in self.statistics:
-                    metrics[f"param_norm/{name}"] = norm
+                    metrics[f"{section('param', 'norm')}/{name}"] = norm
             for other in filter(_is_wandb, self._others):
                 other.log_metrics(metrics, step=step)
             stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
@@ -320,7 +323,7 @@ class GradientLog:
             return
         image = flow.image()
         for writer in self._tensorboards:
-            writer.add_image("gradient_flow", image, flow.steps[-1], dataformats="HWC")
+            writer.add_image(FLOW_TAG, image, flow.steps[-1], dataformats="HWC")
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> HealthReport | None:

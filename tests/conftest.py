@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import pytest
 import pytorch_lightning as pl
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -186,6 +188,23 @@ def calls_into_the_library(run: Callable[[], object]) -> tuple[list[str], object
     finally:
         sys.setprofile(None)
     return calls, result
+
+
+def tag(kind: str, stat: str, name: str) -> str:
+    """The chart of a statistic (``∇2 grad_output_norm/net.0``; the scheme itself is asserted
+    literally in test_callback and test_tensorboard_server)."""
+    from lightning_gradhooks._tensorboard import section
+
+    return f"{section(kind, stat)}/{name}"
+
+
+def pooled_calls(log_dir: str, name: str, kind: str = "grad_output") -> dict[int, int]:
+    """How many gradients the entry of ``name`` pools at each logged step, read from the compact
+    summary as the report command reads it (which names the count when it is more than one)."""
+    from lightning_gradhooks.__main__ import read_folder
+
+    steps = read_folder(Path(log_dir)).steps
+    return {step: int(stats[(kind, name)].get("calls", 1)) for step, stats in sorted(steps.items()) if (kind, name) in stats}
 
 
 def read_events(log_dir: str):  # noqa: ANN201

@@ -9,6 +9,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from lightning_gradhooks import GradHooks, GradientMonitor
+from lightning_gradhooks.log import LOGGED_STATISTICS
 
 from conftest import MLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
 
@@ -24,24 +25,44 @@ def fit(tmp_path, callback=None, model=None, **kwargs):  # noqa: ANN001, ANN201
     return trainer, model
 
 
+def sections(tags) -> set[str]:  # noqa: ANN001
+    return {t.partition("/")[0] for t in tags}
+
+
+def test_default_charts_are_six_sections_a_third_of_every_statistic(tmp_path):
+    trainer, _ = fit(tmp_path / "default", GradHooks(every_n_steps=2))
+    events = read_events(trainer.logger.log_dir)
+    tags = events.Tags()
+    ours = [t for t in tags["scalars"] + tags["histograms"] + tags["images"] if t.startswith("∇")]
+    assert sections(ours) == {"∇1 overview", "∇2 grad_output_norm", "∇3 grad_input_norm", "∇4 param_grad_norm",
+                              "∇5 param_update_ratio", "∇6 histograms"}
+    assert {"∇1 overview/total_norm", "∇1 overview/nonfinite_total", "∇1 overview/gradient_flow"} <= set(ours)
+    trainer, _ = fit(tmp_path / "all", GradHooks(every_n_steps=2, statistics=list(LOGGED_STATISTICS)))
+    every = [t for t in read_events(trainer.logger.log_dir).Tags()["scalars"] if t.startswith("∇")]
+    assert len(sections(every)) > 6 and len(tags["scalars"]) <= len(every) / 2
+    assert set(tags["scalars"]) & set(every) == {t for t in tags["scalars"] if t.startswith("∇")}
+
+
 def test_events_hold_expected_tags_at_expected_steps(tmp_path):
-    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2))
+    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2, statistics=list(LOGGED_STATISTICS)))
     events = read_events(trainer.logger.log_dir)
     scalars, histograms = set(events.Tags()["scalars"]), set(events.Tags()["histograms"])
-    assert {"0_overview/total_norm", "0_overview/nonfinite_total"} <= scalars
+    assert {"∇1 overview/total_norm", "∇1 overview/nonfinite_total"} <= scalars
     assert not [t for t in scalars if t.endswith("_nonfinite")]  # written from the first non-zero step only
     for stat in ("norm", "mean", "std", "absmax", "zero_fraction"):
-        assert {f"grad_output_{stat}/{m}" for m in LAYERS} <= scalars
-        assert {f"grad_input_{stat}/{m}" for m in ("net.2", "net.4")} <= scalars
-        assert {f"param_grad_{stat}/{p}" for p in PARAMS} <= scalars
-    assert "grad_input_norm/net.0" not in scalars  # the input batch needs no grad
-    assert histograms == {f"grad_output_hist/{m}" for m in LAYERS} | {f"param_grad_hist/{p}" for p in PARAMS}
-    for tag in ("grad_output_norm/net.0", "param_grad_std/net.4.bias"):
+        number = lambda kind: 7 if stat != "norm" else {"grad_output": 2, "grad_input": 3, "param_grad": 4}[kind]  # noqa: E731
+        assert {f"∇{number('grad_output')} grad_output_{stat}/{m}" for m in LAYERS} <= scalars
+        assert {f"∇{number('grad_input')} grad_input_{stat}/{m}" for m in ("net.2", "net.4")} <= scalars
+        assert {f"∇{number('param_grad')} param_grad_{stat}/{p}" for p in PARAMS} <= scalars
+    assert {f"∇5 param_update_ratio/{p}" for p in PARAMS} | {f"∇7 param_norm/{p}" for p in PARAMS} <= scalars
+    assert "∇3 grad_input_norm/net.0" not in scalars  # the input batch needs no grad
+    assert histograms == {f"∇6 histograms/grad_output/{m}" for m in LAYERS} | {f"∇6 histograms/param_grad/{p}" for p in PARAMS}
+    for tag in ("∇2 grad_output_norm/net.0", "∇7 param_grad_std/net.4.bias"):
         assert [e.step for e in events.Scalars(tag)] == [0, 2, 4]
-    hist = events.Histograms("grad_output_hist/net.2")
+    hist = events.Histograms("∇6 histograms/grad_output/net.2")
     assert [e.step for e in hist] == [0, 2, 4]
     assert hist[0].histogram_value.num == 8 * 16  # batch 8 x 16 features, all finite
-    norm = events.Scalars("grad_output_norm/net.2")[0].value
+    norm = events.Scalars("∇2 grad_output_norm/net.2")[0].value
     assert hist[0].histogram_value.sum_squares == pytest.approx(norm**2, rel=1e-4)
 
 
@@ -49,17 +70,17 @@ def test_default_interval_is_log_every_n_steps_and_statistics_are_chosen(tmp_pat
     trainer, _ = fit(tmp_path, GradHooks(statistics=["norm"], histograms=False), log_every_n_steps=5)
     events = read_events(trainer.logger.log_dir)
     ours = {t for t in events.Tags()["scalars"] if "grad" in t}
-    assert ours == {f"grad_output_norm/{m}" for m in LAYERS} | {"grad_input_norm/net.2", "grad_input_norm/net.4"} | {
-        f"param_grad_norm/{p}" for p in PARAMS
+    assert ours == {f"∇2 grad_output_norm/{m}" for m in LAYERS} | {"∇3 grad_input_norm/net.2", "∇3 grad_input_norm/net.4"} | {
+        f"∇4 param_grad_norm/{p}" for p in PARAMS
     }
     assert events.Tags()["histograms"] == []
-    assert [e.step for e in events.Scalars("grad_output_norm/net.0")] == [0, 5]
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/net.0")] == [0, 5]
 
 
 def test_include_and_exclude_choose_modules(tmp_path):
     trainer, _ = fit(tmp_path, GradHooks(every_n_steps=3, include=["net.*"], exclude=["net.3", "net.4"]))
     tags = read_events(trainer.logger.log_dir).Tags()["scalars"]
-    assert {t.split("/", 1)[1] for t in tags if t.startswith("grad_output_norm/")} == {"net.0", "net.1", "net.2"}
+    assert {t.split("/", 1)[1] for t in tags if t.startswith("∇2 grad_output_norm/")} == {"net.0", "net.1", "net.2"}
 
 
 def test_pattern_matching_nothing_fails_at_fit_start_naming_it(tmp_path):
@@ -155,15 +176,15 @@ def test_hooks_removed_after_exception_in_training_step(tmp_path):
 
 def test_nonfinite_gradients_are_counted_and_warned_once(tmp_path):
     with pytest.warns(UserWarning, match=r"non-finite values at step 2: the loss: the first gradient of backward \(grad_output of `net.4`\)") as rec:
-        trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1), model=MLP(nan_at=2))
+        trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1, statistics=["norm", "nonfinite"]), model=MLP(nan_at=2))
     assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
     events = read_events(trainer.logger.log_dir)
-    counts = {e.step: e.value for e in events.Scalars("grad_output_nonfinite/net.4")}
+    counts = {e.step: e.value for e in events.Scalars("∇7 grad_output_nonfinite/net.4")}
     assert min(counts) == 2 and counts[2] == 3  # one sample's 3 logits, charted from that step on
-    totals = {e.step: e.value for e in events.Scalars("0_overview/nonfinite_total")}
+    totals = {e.step: e.value for e in events.Scalars("∇1 overview/nonfinite_total")}
     assert totals[0] == totals[1] == 0 and totals[2] > 3  # every logged step
     # Histograms are built from the finite values of that step.
-    hist = {e.step: e.histogram_value for e in events.Histograms("grad_output_hist/net.4")}
+    hist = {e.step: e.histogram_value for e in events.Histograms("∇6 histograms/grad_output/net.4")}
     assert hist[2].num == 8 * 3 - 3
 
 
@@ -174,9 +195,9 @@ def test_without_tensorboard_scalars_go_to_other_loggers_with_one_warning(tmp_pa
     assert len([w for w in rec if "TensorBoardLogger" in str(w.message)]) == 1
     header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     # A table of columns gets the overview and the per-module norms, not every statistic.
-    assert "grad_output_norm/net.0" in header and "param_grad_norm/net.4.bias" in header
-    assert "0_overview/total_norm" in header and "param_grad_absmax/net.4.bias" not in header
-    assert not [c for c in header.split(",") if c.startswith(("param_update_ratio", "grad_output_std"))]
+    assert "∇2 grad_output_norm/net.0" in header and "∇4 param_grad_norm/net.4.bias" in header
+    assert "∇1 overview/total_norm" in header and "∇7 param_grad_absmax/net.4.bias" not in header
+    assert not [c for c in header.split(",") if c.startswith(("∇5 param_update_ratio", "∇7"))]
 
 
 class ArmedProbe(pl.Callback):
@@ -236,17 +257,17 @@ def test_mixed_precision_statistics_are_unscaled_and_the_scale_is_logged(tmp_pat
     for init_scale in (1.0, 1024.0):
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
         trainer, _ = fit(
-            tmp_path / str(init_scale), GradHooks(every_n_steps=1), max_steps=2,
+            tmp_path / str(init_scale), GradHooks(every_n_steps=1, statistics=["norm", "absmax"]), max_steps=2,
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         )
         events = read_events(trainer.logger.log_dir)
-        assert [e.value for e in events.Scalars("loss_scale")] == [init_scale, init_scale]
+        assert [e.value for e in events.Scalars("∇1 overview/loss_scale")] == [init_scale, init_scale]
         norms[init_scale] = {
             tag: events.Scalars(tag)[0].value
-            for tag in ("grad_output_norm/net.4", "grad_input_absmax/net.2", "param_grad_norm/net.0.weight")
+            for tag in ("∇2 grad_output_norm/net.4", "∇7 grad_input_absmax/net.2", "∇4 param_grad_norm/net.0.weight")
         }
-        hist = events.Histograms("grad_output_hist/net.4")[0].histogram_value
-        absmax = events.Scalars("grad_output_absmax/net.4")[0].value
+        hist = events.Histograms("∇6 histograms/grad_output/net.4")[0].histogram_value
+        absmax = events.Scalars("∇7 grad_output_absmax/net.4")[0].value
         assert max(abs(hist.min), abs(hist.max)) == pytest.approx(absmax, rel=1e-6)
         norms[init_scale]["hist.max"] = hist.max
     for tag, value in norms[1.0].items():
@@ -274,7 +295,7 @@ def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
         trainer.fit(MLP(nan_at=1), loader(), ckpt_path=path)
     assert not [w for w in rec if "non-finite" in str(w.message)]  # still the same episode
     events = read_events(trainer.logger.log_dir)
-    assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [4]
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/net.4")] == [4]
 
 
 def test_event_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):
@@ -389,11 +410,12 @@ def test_sparse_parameter_gradients_are_logged_as_their_dense_tensor(tmp_path, p
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randint(0, 50, (32, 5), generator=g), torch.randint(0, 3, (32,), generator=g)), batch_size=8)
     model = SparseEmbeddingModel()
-    trainer = make_trainer(tmp_path, [(TorchOps if path == "torch ops" else GradHooks)(every_n_steps=1)], max_steps=3)
+    hooks = (TorchOps if path == "torch ops" else GradHooks)(every_n_steps=1, statistics=["norm", "zero_fraction"])
+    trainer = make_trainer(tmp_path, [hooks], max_steps=3)
     trainer.fit(model, data)
     events = read_events(trainer.logger.log_dir)
-    logged = [e.value for e in events.Scalars("param_grad_norm/embed.weight")]
-    zeros = [e.value for e in events.Scalars("param_grad_zero_fraction/embed.weight")]
+    logged = [e.value for e in events.Scalars("∇4 param_grad_norm/embed.weight")]
+    zeros = [e.value for e in events.Scalars("∇7 param_grad_zero_fraction/embed.weight")]
     assert logged == pytest.approx([g.norm().item() for g in model.weight_grads], rel=1e-5)
     assert zeros == pytest.approx([(g == 0).double().mean().item() for g in model.weight_grads], rel=1e-6)
-    assert events.Histograms("param_grad_hist/embed.weight")[0].histogram_value.num == 50 * 4
+    assert events.Histograms("∇6 histograms/param_grad/embed.weight")[0].histogram_value.num == 50 * 4

@@ -92,7 +92,7 @@ def test_lightning_fit_of_a_compiled_module(tmp_path):
     assert graph_breaks() == 0
     events = read_events(trainer.logger.log_dir)
     tags = events.Tags()["scalars"]
-    assert [e.step for e in events.Scalars("param_grad_norm/net.0.weight")] == [0, 1, 2]
+    assert [e.step for e in events.Scalars("∇4 param_grad_norm/net.0.weight")] == [0, 1, 2]
     assert not [t for t in tags if t.startswith(("grad_output", "grad_input")) or "_orig_mod" in t]
     assert len(model.losses) == 3 and all(torch.isfinite(loss) for loss in model.losses)
 
@@ -110,7 +110,7 @@ def test_lightning_module_with_a_compiled_training_step(tmp_path):
     with pytest.warns(UserWarning, match="torch.compile: .*3 modules in compiled code"):
         trainer.fit(model, loader())
     events = read_events(trainer.logger.log_dir)
-    assert [e.step for e in events.Scalars("param_grad_norm/net.4.bias")] == [0, 1]
+    assert [e.step for e in events.Scalars("∇4 param_grad_norm/net.4.bias")] == [0, 1]
     assert not [t for t in events.Tags()["scalars"] if t.startswith("grad_output")]
 
 

@@ -15,9 +15,9 @@ def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Open them with:  tensorboard --logdir runs" in done.stdout
     events = read_events(str(tmp_path / "runs" / "version_0"))
-    assert "grad_output_norm/net.0" in events.Tags()["scalars"]
-    assert "param_grad_hist/net.4.weight" in events.Tags()["histograms"]
-    assert [e.step for e in events.Scalars("grad_output_norm/net.4")] == [0, 10, 20]
+    assert "∇2 grad_output_norm/net.0" in events.Tags()["scalars"]
+    assert "∇6 histograms/param_grad/net.4.weight" in events.Tags()["histograms"]
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/net.4")] == [0, 10, 20]
     assert len(events.Scalars("train_loss")) > 2  # log_every_n_steps follows --every-n-steps
     assert "smaller than the logging interval" not in done.stderr
     # The report is printed once, by the callback, through the progress bar (not inside its redraw).

@@ -36,7 +36,7 @@ def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp
     trainer, _ = fit_report(tmp_path, model, steps=6)
     events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0, "tensors": 0})
     events.Reload()
-    images = events.Images("gradient_flow")
+    images = events.Images("∇1 overview/gradient_flow")
     # The first logged step is drawn, later ones within the drawing budget, the last one at the end.
     steps = [i.step for i in images]
     assert steps[0] == 0 and steps[-1] == 4 and set(steps) <= {0, 2, 4}
@@ -49,7 +49,7 @@ def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp
         for title, regexes in category.items():
             lines = [t for t in tags if any(re.search(r, t) for r in regexes)]
             assert 1 <= len(lines) <= MAX_LINES, (title, lines)  # none empty, none crowded
-    assert not any("nonfinite" in t and not t.startswith("^0_overview/") for c in charts.values() for r in c.values() for t in r)
+    assert not any("nonfinite" in t and not t.startswith("^∇1 overview/") for c in charts.values() for r in c.values() for t in r)
 
 
 def _entry(kind, name, rms, count=4):  # noqa: ANN001, ANN202
@@ -115,12 +115,16 @@ def test_custom_scalars_charts_hold_a_block_each_and_at_most_max_lines():
         [_entry("grad_output", n, 1.0) for n in reversed(names)] + [_entry("param_grad", f"{n}.weight", 1.0) for n in names[:3]]
     )
     layout = custom_scalars_layout(list(STATISTICS) + ["update_ratio"], record, kinds=("grad_output", "param_grad"))
-    assert "grad_output_nonfinite" not in layout and "0_overview" in layout and "grad_input_norm" not in layout
-    tags = [f"grad_output_norm/{n}" for n in names] + ["grad_output_norm/blocks.3.attn.qkv/0", "grad_output_mean/head"]
-    lines = {title: [t for t in tags if re.search(regex, t)] for title, (_, (regex,)) in layout["grad_output_norm"].items()}
+    assert list(layout) == ["∇1 overview", "∇2 grad_output_norm", "∇4 param_grad_norm", "∇5 param_update_ratio",
+                            "∇7 grad_output_absmax", "∇7 grad_output_mean", "∇7 grad_output_std",
+                            "∇7 grad_output_zero_fraction", "∇7 param_grad_absmax", "∇7 param_grad_mean",
+                            "∇7 param_grad_std", "∇7 param_grad_zero_fraction"]  # as Time Series orders them
+    tags = [f"∇2 grad_output_norm/{n}" for n in names] + ["∇2 grad_output_norm/blocks.3.attn.qkv/0", "∇7 grad_output_mean/head"]
+    lines = {title: [t for t in tags if re.search(regex, t)] for title, (_, (regex,)) in layout["∇2 grad_output_norm"].items()}
     assert sorted(t for ts in lines.values() for t in ts) == sorted(tags[: len(names)])  # each once, exactly
-    assert list(layout["param_update_ratio"]) == ["patch_embed.proj.weight … blocks.0.norm1.weight"]
-    assert custom_scalars_layout(["norm"]) == {"0_overview": {"total_norm": ["Multiline", ["^0_overview/total_norm"]]}}
+    assert list(layout["∇5 param_update_ratio"]) == ["patch_embed.proj.weight … blocks.0.norm1.weight"]
+    assert custom_scalars_layout(["norm"]) == {"∇1 overview": {
+        "total_norm": ["Multiline", ["^∇1 overview/total_norm"]], "nonfinite_total": ["Multiline", ["^∇1 overview/nonfinite_total"]]}}
 
 
 def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, monkeypatch, caplog):
@@ -133,7 +137,7 @@ def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, mon
         lightning_logger.removeHandler(caplog.handler)
     assert caplog.text.count("lightning-gradhooks[plots]") == 1
     events = read_events(trainer.logger.log_dir)
-    assert events.Tags()["images"] == [] and "grad_output_norm/net.0" in events.Tags()["scalars"]
+    assert events.Tags()["images"] == [] and "∇2 grad_output_norm/net.0" in events.Tags()["scalars"]
     assert report.steps == 2
 
 
@@ -174,6 +178,6 @@ def test_gradient_flow_of_the_last_logged_step_is_drawn_when_fit_fails(tmp_path)
     log_dir = next(p.parent for p in tmp_path.rglob("events.out.tfevents.*"))
     events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
     events.Reload()
-    assert [i.step for i in events.Images("gradient_flow")][-1] == 4
+    assert [i.step for i in events.Images("∇1 overview/gradient_flow")][-1] == 4
 
 

@@ -125,6 +125,6 @@ def test_gradhooks_trains_a_resnet_block_with_defaults(tmp_path):
         trainer.fit(model, data)
     events = read_events(trainer.logger.log_dir)
     for module in ("stem", "block.conv1", "block.bn1", "block.conv2", "block.bn2", "head"):
-        assert [e.step for e in events.Scalars(f"grad_output_norm/{module}")] == [0, 1, 2, 3]
-    assert [e.step for e in events.Scalars("grad_input_norm/block.conv2")] == [1, 2, 3]
+        assert [e.step for e in events.Scalars(f"∇2 grad_output_norm/{module}")] == [0, 1, 2, 3]
+    assert [e.step for e in events.Scalars("∇3 grad_input_norm/block.conv2")] == [1, 2, 3]
     assert hook_snapshot(model) == before

@@ -53,10 +53,10 @@ def run_loop(net: nn.Module, optimizer, loader, log_dir) -> dict:  # noqa: ANN00
 def check_events(log_dir, steps: list[int]) -> None:  # noqa: ANN001
     events = read_events(str(log_dir))
     tags = events.Tags()
-    assert [e.step for e in events.Scalars("grad_output_norm/2")] == steps
-    assert [e.step for e in events.Scalars("param_grad_norm/0.weight")] == steps
-    assert [e.step for e in events.Scalars("param_update_ratio/0.weight")] == steps
-    assert "grad_output_hist/0" in tags["histograms"] and "gradient_flow" in tags["images"]
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/2")] == steps
+    assert [e.step for e in events.Scalars("∇4 param_grad_norm/0.weight")] == steps
+    assert [e.step for e in events.Scalars("∇5 param_update_ratio/0.weight")] == steps
+    assert "∇6 histograms/grad_output/0" in tags["histograms"] and "∇1 overview/gradient_flow" in tags["images"]
     assert "gradhooks/health_report/text_summary" in tags["tensors"]
 
 

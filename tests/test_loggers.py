@@ -32,11 +32,11 @@ def test_wandb_logger_gets_scalars_histograms_and_the_report(tmp_path, monkeypat
         trainer.fit(MLP(), loader())
     run_dir = run.dir
     wandb.finish()
-    ours = [d for d in logged if any(k.startswith(("grad_output", "param_grad", "0_overview")) for k in d)]
-    assert [d["trainer/global_step"] for d in ours if "grad_output_norm/net.0" in d] == [0, 2]
+    ours = [d for d in logged if any(k.startswith(("grad_output", "param_grad", "∇1 overview")) for k in d)]
+    assert [d["trainer/global_step"] for d in ours if "∇2 grad_output_norm/net.0" in d] == [0, 2]
     histograms = {k for d in ours for k, v in d.items() if isinstance(v, wandb.Histogram)}
-    assert {"grad_output_hist/net.0", "param_grad_hist/net.0.weight"} <= histograms
-    first = next(d for d in ours if "grad_output_hist/net.4" in d)["grad_output_hist/net.4"]
+    assert {"∇6 histograms/grad_output/net.0", "∇6 histograms/param_grad/net.0.weight"} <= histograms
+    first = next(d for d in ours if "∇6 histograms/grad_output/net.4" in d)["∇6 histograms/grad_output/net.4"]
     assert len(first.bins) == len(first.histogram) + 1 and sum(first.histogram) > 0
     reports = [d["gradhooks/health_report"] for d in logged if "gradhooks/health_report" in d]
     assert len(reports) == 1 and isinstance(reports[0], wandb.Html)

@@ -45,8 +45,8 @@ def test_lightning_pytorch_trainer_logs_and_cleans_up(tmp_path):
     trainer = lightning_trainer(tmp_path, GradHooks(offload_threshold_bytes=256, offload_dir=str(tmp_path / "off")))
     trainer.fit(model, data())
     events = read_events(trainer.logger.log_dir)
-    assert [e.step for e in events.Scalars("grad_output_norm/net.2")] == [0, 2]
-    assert "param_grad_hist/net.0.weight" in events.Tags()["histograms"]
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/net.2")] == [0, 2]
+    assert "∇6 histograms/param_grad/net.0.weight" in events.Tags()["histograms"]
     assert all(not m._backward_hooks for m in model.modules())
     assert list((tmp_path / "off").iterdir()) == []
 

@@ -167,7 +167,7 @@ def test_update_ratio_equals_a_copy_of_the_weights_before_the_step(tmp_path, cas
     trainer = make_trainer(tmp_path, [callback, reference], max_steps=8, **kwargs)
     trainer.fit(model, loader(n=128))
     events = read_events(trainer.logger.log_dir)
-    tags = [t for t in events.Tags()["scalars"] if t.startswith("param_update_ratio/")]
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("∇5 param_update_ratio/")]
     assert len(tags) == (8 if case == "two_optimizers_manual" else 6)
     compared = 0
     for tag in tags:
@@ -175,7 +175,7 @@ def test_update_ratio_equals_a_copy_of_the_weights_before_the_step(tmp_path, cas
         for event in events.Scalars(tag):
             assert event.value == pytest.approx(reference.ratios[(event.step, name)], rel=1e-4)
             compared += 1
-        norms = events.Scalars(f"param_norm/{name}")
+        norms = events.Scalars(f"∇7 param_norm/{name}")
         assert [e.step for e in norms] == [e.step for e in events.Scalars(tag)]
     assert compared >= len(tags) * 2
     assert not any(o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks for o in trainer.optimizers)
@@ -185,7 +185,7 @@ def test_update_ratio_and_norm_are_chosen_through_statistics(tmp_path):
     trainer = make_trainer(tmp_path, [GradHooks(statistics=["norm"], histograms=False)], max_steps=2)
     trainer.fit(MLP(), loader())
     tags = read_events(trainer.logger.log_dir).Tags()["scalars"]
-    assert not [t for t in tags if t.startswith(("param_update_ratio/", "param_norm/"))]
+    assert not [t for t in tags if t.startswith(("∇5 param_update_ratio/", "∇7 param_norm/"))]
     with pytest.raises(ValueError, match="expected a list drawn from .*update_ratio"):
         GradHooks(statistics=["update_rate"])
 

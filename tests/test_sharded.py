@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_gradhooks.stats import reduce
 
-from conftest import read_events
+from conftest import pooled_calls, read_events, tag
 from test_ddp import run_script
 
 STATS = ("norm", "mean", "std", "absmax")
@@ -46,9 +46,9 @@ def check_parameters(events, grads: list[dict]) -> None:
     for name in grads[0]:
         for step, step_grads in enumerate(grads):
             (row, counts), = reduce([step_grads[name]], bins=64)
-            got = [events.Scalars(f"param_grad_{stat}/{name}")[step].value for stat in STATS]
+            got = [events.Scalars(tag("param_grad", stat, name))[step].value for stat in STATS]
             assert close(got, row), (name, step, got, row)
-            histogram = events.Histograms(f"param_grad_hist/{name}")[step].histogram_value
+            histogram = events.Histograms(f"∇6 histograms/param_grad/{name}")[step].histogram_value
             assert histogram.num == step_grads[name].numel()  # the total count is exact
             assert sum(histogram.bucket) == step_grads[name].numel()
 
@@ -69,7 +69,8 @@ def test_fsdp2_data_parallel(tmp_path):
     grads, _ = unsharded(batches)
     check_parameters(events, grads)
     # Module hooks as under DDP with sync_dist: both ranks' batches pooled.
-    assert [e.value for e in events.Scalars("grad_output_calls/net.2")] == [2.0, 2.0, 2.0]
+    log_dir = str(next((tmp_path / "logs").rglob("events.out.tfevents.*")).parent)
+    assert list(pooled_calls(log_dir, "net.2").values()) == [2, 2, 2]
     for f in facts:
         # GradHooks' logging makes one gather per step, after agreeing on the hook names at the
         # first step; at the second, grad_input appears (the first logged step after attach logs
@@ -94,7 +95,7 @@ def test_tensor_parallel(tmp_path):
     for step, full in enumerate(outputs):
         assert seen[0]["grads"][step].shape == (8, 8)
         want = reduce([seen[0]["grads"][step]])[0][0]
-        assert events.Scalars("grad_output_norm/net.0")[step].value == pytest.approx(want[0], rel=1e-5)
+        assert events.Scalars("∇2 grad_output_norm/net.0")[step].value == pytest.approx(want[0], rel=1e-5)
         assert torch.allclose(torch.cat([seen[0]["grads"][step], seen[1]["grads"][step]], 1), full, atol=1e-7)
     for f in facts:
         assert f["collectives"] == [1, 1, 1]  # the one gather of the sharded parameters, from the first step
