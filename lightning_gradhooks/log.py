@@ -83,8 +83,12 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
     return values
 
 
-def _is_overview_or_norm(tag: str) -> bool:
-    return tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS)
+def _columns(metrics: dict[str, float]) -> dict[str, float]:
+    """What a table of columns (CSV, MLflow, ...) gets: the overview and the norms, named without
+    the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
+    which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
+    return {tag.split(" ", 1)[1]: value for tag, value in metrics.items()
+            if tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS)}
 
 
 def _rank() -> int:
@@ -114,8 +118,9 @@ class GradientLog:
     Args:
         writer: where the log goes: a ``torch.utils.tensorboard.SummaryWriter`` (scalars,
             histograms, the flow picture and the report), any object with
-            ``log_metrics(metrics, step)`` (a Lightning logger: scalars; a ``WandbLogger`` also
-            gets the histograms, as W&B histograms, and the report, as text), a list of those,
+            ``log_metrics(metrics, step)`` (a ``WandbLogger`` gets the scalars, the histograms,
+            as W&B histograms, and the report, as text; any other Lightning logger the overview
+            and the norms, named without the ``∇<n> ``), a list of those,
             or None (nothing is written; the report is still kept).
         optimizers: the optimizers whose steps are measured for ``update_ratio`` and
             ``param_norm`` (through their own step hooks, removed by :meth:`close`).
@@ -267,7 +272,7 @@ class GradientLog:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
             else:  # a table of columns (CSV): the overview and the norms
-                other.log_metrics({k: v for k, v in metrics.items() if _is_overview_or_norm(k)}, step=step)
+                other.log_metrics(_columns(metrics), step=step)
         for writer in self._tensorboards:
             write_step(writer, metrics, record if self.histograms else None, step, stats)
             if not self._layout_written:
