@@ -267,8 +267,8 @@ class GradHooksLogic:
             rank_zero_warn(
                 "GradHooks found no TensorBoardLogger in `trainer.loggers`: the gradient-flow picture is not drawn"
                 + (" (W&B gets the scalars, histograms and the report)." if wandb else
-                   ", histograms and the report's Text tab are not written and the other loggers get the scalars "
-                   "only; add a TensorBoardLogger (or a WandbLogger) to get them.")
+                   ", histograms and the report's Text tab are not written, and the other loggers get the overview "
+                   "and the norms only; add a TensorBoardLogger (or a WandbLogger) to get them.")
             )
 
     @override
