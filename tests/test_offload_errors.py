@@ -83,6 +83,7 @@ def assert_caused_by(err: BaseException, kind: type[BaseException]) -> BaseExcep
     engine and its buffers)."""
     cause = err.__cause__
     assert isinstance(cause, kind) and cause.__traceback__ is None
+    assert err.__context__ is None  # nothing else (no queue.Empty) chained
     return cause
 
 
@@ -109,18 +110,18 @@ def test_read_ahead_failure_is_raised_at_the_unpack_that_needs_it(tmp_path: Path
     real_read, real_buffer = _offload_engine._pread_all, _offload_engine._host_buffer
     calls: list[set[str]] = []
 
-    def read(fd: int, data: memoryview, offset: int, *a: Any) -> None:  # the first read (on demand) works
+    def buffer(nbytes: int, *a: Any) -> Any:  # each read starts here; the first one (on demand) works
         calls.append(frames())
+        if len(calls) > 1 and fault == "no_memory":
+            raise MemoryError(f"cannot map {nbytes} bytes")
+        return real_buffer(nbytes, *a)
+
+    def read(fd: int, data: memoryview, offset: int, *a: Any) -> None:
         if len(calls) > 1 and fault == "eio":
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         if len(calls) > 1 and fault == "short":
             os.ftruncate(fd, offset + len(data) // 2)  # the file lost its tail: half of the record is there
         real_read(fd, data, offset, *a)
-
-    def buffer(nbytes: int, *a: Any) -> Any:
-        if calls and fault == "no_memory":
-            raise MemoryError(f"cannot map {nbytes} bytes")
-        return real_buffer(nbytes, *a)
 
     monkeypatch.setattr(_offload_engine, "_pread_all", read)
     monkeypatch.setattr(_offload_engine, "_host_buffer", buffer)
