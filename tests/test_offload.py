@@ -714,7 +714,9 @@ def test_read_error_in_backward_is_clear_and_frees_everything(engine: save_on_di
         loss.backward()
     err = info.value
     assert err.errno == errno.EIO and engine.directory in str(err) and f"{MiB} bytes" in str(err)
-    assert err.__cause__ is None and err.__context__ is None
+    cause = err.__cause__  # the original error, without its traceback (whose frames hold the engine)
+    assert isinstance(cause, OSError) and cause.errno == errno.EIO and cause.__traceback__ is None
+    assert err.__context__ is None
     del info, err, loss
     gc.collect()
     s = engine.stats()

@@ -95,8 +95,11 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             accepted and the value received).
         DiskOffloadError: at construction, the folder is missing or cannot hold an unnamed file
             (the message names the folder and the reason); later, a write or read fails (full
-            disk, I/O error, short read), naming the folder and the bytes: raised in the forward
-            pass, at the latest at the first unpack or when the context exits.
+            disk, I/O error, short read), naming the folder, the bytes and the record, raised from
+            the original error: in the forward pass, at the latest at the first unpack or when
+            the context exits (a read error: at the unpack that needs the tensor). Any other
+            error in the engine's threads closes the engine: every later use raises it, naming
+            the thread.
         RuntimeError: at unpack, a saved tensor was changed in place since it was saved (as
             autograd raises without hooks).
 

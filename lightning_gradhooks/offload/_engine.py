@@ -7,11 +7,17 @@ loop boundary. So the main thread never opens, closes or deletes a file and neve
 it takes the lock only through ``with``, hands work to the threads with a queue's C ``put`` and
 waits on a fresh queue's C ``get``. A handle runs no engine code when it dies (a weak reference
 whose callback is a C ``put`` tells the reader thread). Errors are kept as a class and its
-arguments, never as an exception object whose traceback would keep frames (and graphs) alive.
+arguments, and the exception that caused them without its traceback, whose frames would keep the
+engine, buffers (and graphs) alive.
+
+A failed read, write or file creation fails its record (and a write its step); the engine goes on.
+Anything else raised in a thread closes the engine, which then raises that error, naming the thread,
+wherever it is used: a thread never dies silently, and no wait outlives the threads.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import queue
@@ -42,7 +48,8 @@ from lightning_gradhooks.offload._files import (
 from lightning_gradhooks.offload._memory import _buffer, _fix_mmap_threshold, _host_buffer, _PinnedPool
 
 _STOP = object()  # tells a thread to finish
-_ENGINES: set[weakref.ref[_Engine]] = set()  # live engines, for fork handling and collection
+_WAIT_S = 1.0  # how often a wait for a thread checks that the threads still run (a slow disk is waited for)
+_ENGINES: set[weakref.ref[_Engine]] = set()  # engines whose threads run: for fork handling and exit
 
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter
@@ -106,22 +113,46 @@ def _view(storage: torch.UntypedStorage, h: _Handle, offset: int) -> torch.Tenso
     return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)
 
 
+def _failure(exc: BaseException, message: str) -> Failure:
+    """``exc``, caught in a thread, as the error the training thread raises: a DiskOffloadError whose
+    message ends with the reason, keeping ``errno``, raised from ``exc``. The tracebacks of ``exc`` and
+    of what it chains are dropped: their frames hold the engine and its buffers."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return DiskOffloadError, (exc.errno, f"{message}: {exc.strerror or exc}"), exc
+    return DiskOffloadError, (f"{message}: {type(exc).__name__}: {exc}",), exc
+
+
 def _raise(failure: Failure) -> None:
-    cls, args = failure
-    raise cls(*args)
+    cls, args, cause = failure
+    raise cls(*args) from cause
+
+
+def _where(rec: _Record) -> str:
+    """Which record: its file (they have no name: numbered from 0 per engine), offset and step."""
+    seg = rec.segment
+    return f"file #{seg.index}, offset {rec.offset}, step {rec.step}" if seg is not None else f"step {rec.step}"
 
 
 def _writer_main(engine_ref: weakref.ref[_Engine], writes: queue.SimpleQueue, events: queue.SimpleQueue) -> None:
-    while True:
-        item = writes.get()
-        if type(item) is not _Record:  # close(), or the engine was collected (its weak reference)
-            _ENGINES.discard(item)
-            events.put(_STOP)  # the reader closes the files once no write can run
-            return
-        engine = engine_ref()
-        if engine is not None:
-            engine._write(item)
-        del engine, item
+    try:
+        while True:
+            item = writes.get()
+            if type(item) is not _Record:  # close(), or the engine was collected (its weak reference)
+                return
+            engine = engine_ref()
+            if engine is not None:
+                try:
+                    engine._write(item)
+                except BaseException as exc:  # noqa: BLE001 - closes the engine, which tells the training thread
+                    engine._crash("writer", exc, item)
+            del engine, item
+    finally:
+        events.put(_STOP)  # however the writer ends, the reader then closes the files: no write can run
 
 
 def _reader_main(engine_ref: weakref.ref[_Engine], events: queue.SimpleQueue, files: _Files) -> None:
@@ -129,7 +160,10 @@ def _reader_main(engine_ref: weakref.ref[_Engine], events: queue.SimpleQueue, fi
     while True:
         item = None if more and events.empty() else events.get()
         if item is _STOP:
-            files.close_all()
+            try:
+                files.close_all()
+            finally:
+                _ENGINES.discard(engine_ref)  # both threads are done
             return
         if type(item) is queue.SimpleQueue:  # a caller waits until everything before is handled
             item.put(None)
@@ -138,14 +172,23 @@ def _reader_main(engine_ref: weakref.ref[_Engine], events: queue.SimpleQueue, fi
         if engine is None:
             more = False
             continue
-        if type(item) is _HandleRef:
-            engine._reap(item)
-        elif type(item) is _Record:  # unpack needs it
-            engine._demand(item, load=True)
-        elif item is not None:  # (record,): unpack was served; prefetch from there
-            engine._demand(item[0], load=False)
-        more = engine._prefetch_one()
-        del engine, item
+        rec = None
+        try:
+            if type(item) is _HandleRef:
+                rec = item.record
+                engine._reap(item)
+            elif type(item) is _Record:  # unpack needs it
+                rec = item
+                engine._demand(item, load=True)
+            elif item is not None:  # (record,): unpack was served; prefetch from there
+                rec = item[0]
+                engine._demand(rec, load=False)
+            rec = None  # what follows reads ahead
+            more = engine._prefetch_one()
+        except BaseException as exc:  # noqa: BLE001 - closes the engine, which tells the training thread
+            engine._crash("reader", exc, rec)
+            more = False
+        del engine, item, rec
 
 
 class _Engine:
@@ -175,6 +218,7 @@ class _Engine:
         self._resident_modules: list[weakref.ref[nn.Module]] = []
         self._resident_ptrs: set[int] = set()
         self._error: Failure | None = None
+        self._broken: Failure | None = None  # a thread failed: the engine closed itself, and raises this
         self._in_flight = self._prefetched = self._bytes_offloaded = self._bytes_written = self._bytes_read = 0
         # Offloadable tensors kept in memory, oldest first (an insertion-ordered set): under a budget
         # the newest stay, and the oldest are handed to the writer when the total would exceed it.
@@ -210,6 +254,8 @@ class _Engine:
         if os.getpid() != self._pid:
             raise RuntimeError(f"save_on_disk: this engine belongs to process {self._pid}; a forked child "
                                "cannot use it (its files were closed in the child)")
+        if self._broken is not None:
+            _raise(self._broken)
         if self.closed:
             raise RuntimeError("save_on_disk is closed: its offloaded tensors were deleted")
 
@@ -228,6 +274,31 @@ class _Engine:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.put(None)
+
+    def _wait(self, waiter: queue.SimpleQueue[None]) -> None:
+        """Wait (a C-level get, without the lock) until a thread answers: a slow disk is waited for however
+        long it takes, but threads that have ended cannot answer, so that raises why instead of hanging."""
+        while True:
+            try:
+                return waiter.get(timeout=_WAIT_S)
+            except queue.Empty:
+                if all(t.is_alive() for t in self._threads):
+                    continue
+            with self._lock:
+                self._check_usable()  # closed, failed or forked: the reason
+            raise DiskOffloadError(f"save_on_disk: the engine's threads ended (folder {self.folder!r})")
+
+    def _crash(self, thread: str, exc: BaseException, rec: _Record | None) -> None:
+        """An error other than a failed read, write or file creation escaped a thread's work: the engine's
+        state can no longer be trusted, so it closes itself, and every later use raises this error."""
+        doing = "while reading ahead" if rec is None else f"on a record of {rec.nbytes} bytes ({_where(rec)})"
+        failure = _failure(exc, f"save_on_disk: the {thread} thread failed {doing} in folder {self.folder!r}, "
+                                "so the engine closed itself: the tensors it saved are lost (create a new "
+                                "save_on_disk)")
+        with self._lock:
+            if self._broken is None:
+                self._broken = failure
+        self.close()
 
     def _release(self, seg: _Segment | None) -> tuple[int, int]:
         """Take out the descriptors of a segment no handle needs and no I/O uses (threads close them)."""
@@ -265,7 +336,7 @@ class _Engine:
         if self._threads[1].is_alive() and os.getpid() == self._pid:
             marker: queue.SimpleQueue[None] = queue.SimpleQueue()
             self._events.put(marker)
-            marker.get()
+            self._wait(marker)
 
     # -- steps
     def begin_step(self) -> None:
@@ -425,7 +496,7 @@ class _Engine:
                 if src is not None:
                     self._copy_to_host(rec, src.untyped_storage())
                 continue
-            waiter.get(timeout=1.0)
+            self._wait(waiter)
 
     def _queue(self, rec: _Record) -> None:
         """Hand a parked record to the writer (with the lock held). The queue's C ``put`` comes first
@@ -508,9 +579,9 @@ class _Engine:
             else:
                 try:
                     seg = self._segment_for(rec)  # opens a file: under the lock, so a fork sees it
-                except OSError as exc:
-                    failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not create a file for {n} "
-                                                             f"bytes in folder {self.folder!r}: {exc.strerror}"))
+                except Exception as exc:  # noqa: BLE001 - the step fails, the training thread is told
+                    failure = _failure(exc, f"save_on_disk: could not create a file for {n} bytes in folder "
+                                            f"{self.folder!r}")
             if seg is not None:
                 address = rec.src.untyped_storage().data_ptr() + rec.byte_start if rec.src is not None else 0
                 rec.direct = seg.direct_fd >= 0 and rec.device.type == "cpu" and address % 64 == 0
@@ -537,11 +608,9 @@ class _Engine:
                 if self.drop_page_cache and not rec.direct:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, rec.offset, n, os.POSIX_FADV_DONTNEED)
-            except OSError as exc:
-                failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not write {n} bytes to folder "
-                                                         f"{self.folder!r} (offset {rec.offset}): {exc.strerror}"))
-            except Exception as exc:  # noqa: BLE001 - surfaced to the training thread
-                failure = (RuntimeError, (f"save_on_disk: writing {n} bytes failed: {type(exc).__name__}: {exc}",))
+            except Exception as exc:  # noqa: BLE001 - the step fails, the training thread is told
+                failure = _failure(exc, f"save_on_disk: could not write {n} bytes to folder {self.folder!r} "
+                                        f"({_where(rec)})")
         del src
         with self._lock:
             rec.src = None
@@ -635,7 +704,7 @@ class _Engine:
                 self._events.put(rec)  # the reader loads it (and what was saved before it)
                 asked = True
             else:
-                waiter.get(timeout=1.0)
+                self._wait(waiter)
         if self.prefetch_bytes and not asked:
             self._events.put((rec,))  # prefetch from here
         if src is not None:
@@ -726,12 +795,9 @@ class _Engine:
         buf = event = failure = None
         try:
             buf, event = self._read_back(rec)
-        except OSError as exc:
-            failure = (DiskOffloadError, (exc.errno, f"save_on_disk: could not read {rec.nbytes} bytes from folder "
-                                                     f"{self.folder!r}: {exc.strerror}"))
-        except Exception as exc:  # noqa: BLE001 - surfaced to the training thread
-            failure = (RuntimeError, (f"save_on_disk: reading {rec.nbytes} bytes failed: {type(exc).__name__}: "
-                                      f"{exc}",))
+        except Exception as exc:  # noqa: BLE001 - the unpack that needs it is told
+            failure = _failure(exc, f"save_on_disk: could not read {rec.nbytes} bytes from folder {self.folder!r} "
+                                    f"({_where(rec)})")
         with self._lock:
             rec.segment.io -= 1
             if failure is None:
@@ -812,7 +878,7 @@ class _Engine:
                 if not self._in_flight or self.closed or os.getpid() != self._pid:
                     break
                 waiter = self._waiter()
-            waiter.get(timeout=1.0)
+            self._wait(waiter)
         self._sync()
         with self._lock:
             self._check_usable()
@@ -827,8 +893,8 @@ class _Engine:
             self._parked.clear()
             self._parked_bytes = 0
             self._notify()
-        _ENGINES.discard(self._me)
         if os.getpid() != self._pid:
+            _ENGINES.discard(self._me)
             return  # a forked child: its copies were closed after the fork
         self._writes.put(_STOP)  # the writer finishes, then the reader closes every file
         if threading.current_thread() not in self._threads:
@@ -850,4 +916,15 @@ def _after_fork_in_child() -> None:
             engine.after_fork_in_child()
 
 
+def _close_at_exit() -> None:
+    """Close the live engines while the interpreter is still whole: a daemon thread that frees a buffer
+    read back (an mmap, which releases the GIL) once Python finalizes is stopped mid-way, which aborts
+    the process ("terminate called without an active exception")."""
+    for ref in list(_ENGINES):
+        engine = ref()
+        if engine is not None:
+            engine.close()
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_at_exit)

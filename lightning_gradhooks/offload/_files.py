@@ -21,7 +21,9 @@ import torch
 
 from lightning_gradhooks.offload._common import _ALIGN, DiskOffloadError
 
-Failure = tuple[type[BaseException], tuple[Any, ...]]  # an error kept without traceback or frames
+# An error for the training thread, kept without traceback or frames: its class, its arguments and
+# the exception that caused it (its traceback dropped), which it is raised from.
+Failure = tuple[type[BaseException], tuple[Any, ...], BaseException]
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -128,10 +130,17 @@ def _in_thread(name: str, fn: Any, *args: Any) -> Any:
     return value
 
 
-def _close_all(fds: list[int]) -> None:
+def _close_all(fds: list[int] | tuple[int, ...]) -> None:
+    """Close every descriptor, also after one fails (Linux releases it anyway); then raise the first error."""
+    error = None
     for fd in fds:
         if fd >= 0:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:
+                error = error or exc
+    if error is not None:
+        raise error
 
 
 class _Segment:
