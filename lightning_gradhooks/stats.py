@@ -72,6 +72,9 @@ DEVICE_BATCH_ELEMENTS = 1 << 24
 #: The C kernels reduce a batch once it holds this many elements; a bigger gradient is reduced
 #: on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
+#: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows),
+#: and a bigger gradient in blocks of this many: a block and its temporaries fit a core's cache.
+CPU_BLOCK_ELEMENTS = 1 << 19
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
@@ -199,8 +202,9 @@ class Reducer:
                 self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
                 return
             key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
-        else:  # as on accelerators, wherever it runs: the op count measured on the CPU is the GPU's
-            key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
+        else:  # counted as laid out in rows
+            key, capacity = (False, True), CPU_BLOCK_ELEMENTS if x.is_cpu else DEVICE_BATCH_ELEMENTS
+            n = _rows(n) * ROW
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
@@ -287,19 +291,26 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int]]:
-    """Rows of a batch: the tensor each row belongs to, and each tensor's padding.
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], Tensor]:
+    """Rows of a batch: the tensor each row belongs to, each tensor's padding, each tensor's
+    element count with its padding (float64).
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
     :data:`ROW` elements. Built once per layout (a model gives the same layouts every logged
     step) and copied to the device once.
     """
-    rows = torch.tensor([max(1, -(-n // ROW)) for n in lengths])
+    rows = torch.tensor([_rows(n) for n in lengths])
     row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
+    laid_out = (rows * ROW).double()
     if device.type == "cuda":
-        row_of = row_of.pin_memory()
+        row_of, laid_out = row_of.pin_memory(), laid_out.pin_memory()
     pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
-    return row_of.to(device, non_blocking=True), pads
+    return row_of.to(device, non_blocking=True), pads, laid_out.to(device, non_blocking=True)
+
+
+def _rows(n: int) -> int:
+    """Rows of :data:`ROW` elements that a tensor of ``n`` elements fills in a batch."""
+    return max(1, -(-n // ROW))
 
 
 @functools.lru_cache(maxsize=8)
@@ -307,63 +318,133 @@ def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.full((ROW,), math.nan, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _columns(subs: int, bins: int, device: torch.device) -> Tensor:
+    """Offset of each column of a row into the ``subs`` histograms that count it (int32)."""
+    return (torch.arange(ROW, dtype=torch.int32) % subs * (bins + 1)).to(device)
+
+
+def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if scratch is not None and device.type == "cpu":
+        return scratch.get(name, numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _blocks(tensors: Sequence[Tensor], pads: list[int], dtype: torch.dtype, scratch: Scratch | None) -> list[Tensor]:
+    """The batch laid out in rows of :data:`ROW` elements, as blocks of consecutive rows.
+
+    Several tensors are copied into one buffer (``scratch`` on the CPU), each on rows of its own,
+    padded with NaN. A lone tensor is read in place, all but a padded last row; on the CPU in
+    blocks of :data:`CPU_BLOCK_ELEMENTS`, so that what the block's reductions write stays in a
+    core's cache (on accelerators the whole batch is one block: launches, not bytes, cost).
+    """
+    device = tensors[0].device
+    nan = _padding(device, dtype)
+    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else DEVICE_BATCH_ELEMENTS
+    if len(tensors) > 1:
+        pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
+        out = _buffer(scratch, "batch", sum(t.numel() for t in tensors) + sum(pads), dtype, device)
+        return list(torch.cat(pieces, out=out).view(-1, ROW).split(max(1, step // ROW)))
+    (t,), (pad,) = tensors, pads
+    blocks = []
+    for start in range(0, max(t.numel(), 1), step):
+        part = t[start : start + step]
+        if part.numel() % ROW or not part.numel():  # the last rows, padded
+            out = _buffer(scratch, "batch", part.numel() + pad, dtype, device)
+            part = torch.cat([part, nan[:pad]], out=out)
+        blocks.append(part.view(-1, ROW))
+    return blocks
+
+
 def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
-    One ``cat`` lays the tensors out in rows of :data:`ROW` elements, each tensor on rows of its
-    own, padded with NaN (a lone tensor that fills its rows is read in place). Every statistic is
-    a row reduction (summed in float64) followed by one ``index_add`` of the few rows of each
-    tensor; the spread is a second pass, centred on the mean. All histograms are one count over
-    ``tensor * (bins + 1) + bin``. No value is read to the host. On the CPU the batch is copied
-    into ``scratch`` where one is given (a reused buffer costs no page faults).
+    The tensors are laid out in rows of :data:`ROW` elements, each tensor on rows of its own,
+    padded with NaN (:func:`_blocks`). Every statistic is a row reduction (summed in float64)
+    followed by one ``index_add`` of the few rows of each tensor: a first sweep over the rows
+    for the finite count, sum, zero count, minimum and maximum; a second for the sums centred
+    on the mean and the histograms, one count over ``tensor * subs * (bins + 1) + column %
+    subs * (bins + 1) + bin`` (``subs`` histograms per tensor, so that neighbours in one bin do
+    not wait on one counter). Every temporary is written into one float buffer and one int32
+    buffer (``scratch`` on the CPU: a reused buffer costs no page faults). No value is read to
+    the host: the ops are the same on every device, a fixed number per block of rows.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    row_of, pads = _layout(tuple(t.numel() for t in tensors), device)
+    row_of, pads, laid_out = _layout(tuple(t.numel() for t in tensors), device)
     m = len(tensors)
-    if m == 1 and not pads[0]:
-        x = tensors[0].view(-1, ROW)
-    else:
-        nan = _padding(device, dtype)
-        pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
-        out = scratch.get("batch", len(row_of) * ROW, dtype) if scratch is not None and device.type == "cpu" else None
-        x = torch.cat(pieces, out=out).view(-1, ROW)
-    finite = x.abs() < math.inf  # False for NaN, padding included
-    zeroed = x.nan_to_num(0.0, 0.0, 0.0)
-    # exact over a row; the NaN padding is never zero
-    per_row = torch.stack([finite.sum(1), zeroed.sum(1), (x == 0).sum(1)], 1).to(torch.float64)
-    count, total, zeros = torch.zeros(m, 3, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
-    mean = total / count.clamp(min=1)
-    # Centred on the mean rounded to the data's precision; the offset this rounding leaves is
-    # summed too and taken out on the host (the corrected two-pass formula).
-    centred = (zeroed - mean.to(dtype)[row_of, None]).mul_(finite)
-    per_row = torch.stack([torch.linalg.vector_norm(centred, dim=1), centred.sum(1)], 1).to(torch.float64)
-    per_row[:, 0].square_()
-    squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
+    blocks = _blocks(tensors, pads, dtype, scratch)
+    work = _buffer(scratch, "work", blocks[0].numel(), dtype, device)
+    f64 = torch.float64
+    # Sweep 1: count of non-finite elements (the NaN padding included), sum, zeros, range.
+    sums = torch.zeros(m, 3, dtype=f64, device=device)
     low = torch.full((m,), math.inf, dtype=dtype, device=device)
-    low.scatter_reduce_(0, row_of, x.nan_to_num(math.inf, math.inf, math.inf).amin(1), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device)
-    high.scatter_reduce_(0, row_of, x.nan_to_num(-math.inf, -math.inf, -math.inf).amax(1), "amax")
+    first = 0
+    for x in blocks:
+        rows = row_of[first : first + len(x)]
+        first += len(x)
+        w = work[: x.numel()].view_as(x)
+        # Non-finite elements (the NaN padding too) read as inf for the minimum, then as -inf
+        # for the maximum, then as 0 for the sum; counts are exact over a row.
+        low.scatter_reduce_(0, rows, torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1), "amin")
+        high.scatter_reduce_(0, rows, w.nan_to_num_(posinf=-math.inf).amax(1), "amax")
+        total = w.nan_to_num_(neginf=0.0).sum(1)
+        zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
+        zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
+        sums.index_add_(0, rows, torch.stack([zeroed, total, zeros], 1).to(f64))
+    zeroed, total, zeros = sums.unbind(1)
+    count = laid_out - zeroed + zeros
+    mean = total / count.clamp(min=1)
+    # Sweep 2: centred on the mean rounded to the data's precision; the offset this rounding
+    # leaves is summed too and taken out on the host (the corrected two-pass formula).
+    centre = mean.to(dtype)
+    squares = torch.zeros(m, 2, dtype=f64, device=device)
+    if bins is not None:
+        # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+        # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones
+        # and the padding land in the extra bin `bins` of their tensor.
+        scale = _bin_scale(high.double() - low.double(), bins, dtype)
+        subs = max(1, min(8, (1 << 16) // (m * (bins + 1))))
+        size = m * subs * (bins + 1)
+        columns = _columns(subs, bins, device)
+        index_work = _buffer(scratch, "index", blocks[0].numel(), torch.int32, device)
+        counts = torch.zeros(size, dtype=torch.int64 if device.type == "cpu" else f64, device=device)
+    first = 0
+    for x in blocks:
+        rows = row_of[first : first + len(x)]
+        first += len(x)
+        w = work[: x.numel()].view_as(x)
+        centred = torch.sub(x, centre[rows, None], out=w).nan_to_num_(0.0, 0.0, 0.0)
+        per_row = torch.stack([torch.linalg.vector_norm(centred, dim=1), centred.sum(1)], 1).to(f64)
+        per_row[:, 0].square_()
+        squares.index_add_(0, rows, per_row)
+        if bins is None:
+            continue
+        position = torch.sub(x, low[rows, None], out=w).mul_(scale[0, rows, None]).mul_(scale[1, rows, None])
+        index = index_work[: x.numel()].view_as(x).copy_(position.nan_to_num_(bins, bins, bins))
+        if m > 1:
+            index.add_((rows * (subs * (bins + 1))).to(torch.int32)[:, None])
+        if subs > 1:
+            index.add_(columns)
+        _count(index.view(-1), counts)
     moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
     if bins is None:
         return moments, None
-    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-    # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones and
-    # the padding land in the extra bin `bins` of their tensor.
-    scale = _bin_scale(high.double() - low.double(), bins, dtype)
-    index = (x - low[row_of, None]).mul_(scale[0, row_of, None]).mul_(scale[1, row_of, None]).nan_to_num_(bins, bins, bins)
-    index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
-    if device.type == "cpu":
-        counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
+    return moments, counts.view(m, subs, bins + 1).sum(1)[:, :bins].to(f64)
+
+
+def _count(index: Tensor, counts: Tensor) -> None:
+    """Add the count of every value of ``index`` to ``counts``."""
+    if index.is_cpu:
+        counts += torch.bincount(index, minlength=counts.numel())
     else:  # bincount would read its maximum to the host
-        ones = torch.ones(1, dtype=torch.float64, device=device).expand(index.numel())
-        counts = torch.zeros(m * (bins + 1), dtype=torch.float64, device=device).index_add_(0, index, ones)
-    return moments, counts.view(m, bins + 1)[:, :bins]
+        counts.index_add_(0, index, torch.ones(1, dtype=counts.dtype, device=counts.device).expand(index.numel()))
 
 
 def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
