@@ -74,7 +74,7 @@ DEVICE_BATCH_ELEMENTS = 1 << 24
 CPU_BATCH_ELEMENTS = 1 << 20
 #: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows),
 #: and a bigger gradient in blocks of this many: a block and its temporaries fit a core's cache.
-CPU_BLOCK_ELEMENTS = 1 << 19
+CPU_BLOCK_ELEMENTS = 1 << 18
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
@@ -319,9 +319,9 @@ def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _columns(subs: int, bins: int, device: torch.device) -> Tensor:
-    """Offset of each column of a row into the ``subs`` histograms that count it (int32)."""
-    return (torch.arange(ROW, dtype=torch.int32) % subs * (bins + 1)).to(device)
+def _columns(subs: int, bins: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Offset of each column of a row into the ``subs`` histograms that count it."""
+    return (torch.arange(ROW) % subs * (bins + 1)).to(device, dtype)
 
 
 def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -330,110 +330,169 @@ def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, 
     return torch.empty(numel, dtype=dtype, device=device)
 
 
-def _blocks(tensors: Sequence[Tensor], pads: list[int], dtype: torch.dtype, scratch: Scratch | None) -> list[Tensor]:
+@dataclass(slots=True)
+class _Block:
+    """Consecutive rows of a batch: their values, the tensor of each row, whether one is padded,
+    whether every value is known to be finite (then no op has to mask)."""
+
+    x: Tensor
+    rows: Tensor
+    padded: bool
+    finite: bool = False
+
+
+def _blocks(tensors: Sequence[Tensor], pads: list[int], row_of: Tensor, dtype: torch.dtype,
+            scratch: Scratch | None) -> list[_Block]:
     """The batch laid out in rows of :data:`ROW` elements, as blocks of consecutive rows.
 
     Several tensors are copied into one buffer (``scratch`` on the CPU), each on rows of its own,
-    padded with NaN. A lone tensor is read in place, all but a padded last row; on the CPU in
-    blocks of :data:`CPU_BLOCK_ELEMENTS`, so that what the block's reductions write stays in a
-    core's cache (on accelerators the whole batch is one block: launches, not bytes, cost).
+    padded with NaN. A lone tensor is read in place, all but a padded last row. On the CPU a
+    block holds at most
+    :data:`CPU_BLOCK_ELEMENTS`, so that what its reductions write stays in a core's cache; on
+    accelerators the whole batch is one block (launches, not bytes, cost there).
     """
     device = tensors[0].device
     nan = _padding(device, dtype)
-    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else DEVICE_BATCH_ELEMENTS
+    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else max(DEVICE_BATCH_ELEMENTS, len(row_of) * ROW)
     if len(tensors) > 1:
         pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
-        out = _buffer(scratch, "batch", sum(t.numel() for t in tensors) + sum(pads), dtype, device)
-        return list(torch.cat(pieces, out=out).view(-1, ROW).split(max(1, step // ROW)))
+        out = _buffer(scratch, "batch", len(row_of) * ROW, dtype, device)
+        x = torch.cat(pieces, out=out).view(-1, ROW)
+        per_block = max(1, step // ROW)
+        return [_Block(x[r : r + per_block], row_of[r : r + per_block], any(pads)) for r in range(0, len(x), per_block)]
     (t,), (pad,) = tensors, pads
     blocks = []
     for start in range(0, max(t.numel(), 1), step):
         part = t[start : start + step]
-        if part.numel() % ROW or not part.numel():  # the last rows, padded
-            out = _buffer(scratch, "batch", part.numel() + pad, dtype, device)
-            part = torch.cat([part, nan[:pad]], out=out)
-        blocks.append(part.view(-1, ROW))
+        padded = not part.numel() or bool(part.numel() % ROW)  # the last rows
+        if padded:
+            part = torch.cat([part, nan[:pad]], out=_buffer(scratch, "batch", part.numel() + pad, dtype, device))
+        blocks.append(_Block(part.view(-1, ROW), row_of[start // ROW : (start + part.numel()) // ROW], padded))
     return blocks
 
 
 def reduce_batch(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, *, host_reads: bool | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
-    The tensors are laid out in rows of :data:`ROW` elements, each tensor on rows of its own,
-    padded with NaN (:func:`_blocks`). Every statistic is a row reduction (summed in float64)
-    followed by one ``index_add`` of the few rows of each tensor: a first sweep over the rows
-    for the finite count, sum, zero count, minimum and maximum; a second for the sums centred
-    on the mean and the histograms, one count over ``tensor * subs * (bins + 1) + column %
-    subs * (bins + 1) + bin`` (``subs`` histograms per tensor, so that neighbours in one bin do
-    not wait on one counter). Every temporary is written into one float buffer and one int32
-    buffer (``scratch`` on the CPU: a reused buffer costs no page faults). No value is read to
-    the host: the ops are the same on every device, a fixed number per block of rows.
+    The tensors are laid out in rows (:func:`_blocks`), each tensor on rows of its own, padded
+    with NaN. Every statistic is a row reduction (summed in float64) followed by one
+    ``index_add`` of the rows of each tensor: a first sweep over the blocks for the finite
+    count, sum, zero count, minimum and maximum; a second for the sums centred on the mean and
+    the histograms, one count over ``(tensor * subs + column % subs) * (bins + 1) + bin``
+    (``subs`` histograms per tensor, so that runs of one bin do not wait on one counter). Every
+    temporary is written into one float buffer and one integer buffer (``scratch`` on the CPU:
+    a reused buffer costs no page faults).
+
+    With ``host_reads`` (by default on the CPU, where reading a value costs nothing; never on
+    accelerators, where it would wait for the device) the same ops skip what the values make
+    useless: the masking of a block whose minimum and maximum show no NaN or Inf, the centred
+    sweep where the sums about 0 are exact enough (the mean is not far from 0 against the
+    spread: as for most gradients), a multiplication by a scale factor of 1. Without, the ops
+    are a fixed number per block, and no value is read to the host.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+    host_reads = device.type == "cpu" if host_reads is None else host_reads
     row_of, pads, laid_out = _layout(tuple(t.numel() for t in tensors), device)
     m = len(tensors)
-    blocks = _blocks(tensors, pads, dtype, scratch)
-    work = _buffer(scratch, "work", blocks[0].numel(), dtype, device)
+    blocks = _blocks(tensors, pads, row_of, dtype, scratch)
+    work = _buffer(scratch, "work", blocks[0].x.numel(), dtype, device)
     f64 = torch.float64
-    # Sweep 1: count of non-finite elements (the NaN padding included), sum, zeros, range.
-    sums = torch.zeros(m, 3, dtype=f64, device=device)
+    # Sweep 1: per tensor the count of zeros and non-finite elements (the NaN padding
+    # included), the sum, the count of zeros, the range; with host reads the sum of squares.
+    sums = torch.zeros(m, 4 if host_reads else 3, dtype=f64, device=device)
     low = torch.full((m,), math.inf, dtype=dtype, device=device)
     high = torch.full((m,), -math.inf, dtype=dtype, device=device)
-    first = 0
-    for x in blocks:
-        rows = row_of[first : first + len(x)]
-        first += len(x)
+    for block in blocks:
+        x, rows = block.x, block.rows
         w = work[: x.numel()].view_as(x)
-        # Non-finite elements (the NaN padding too) read as inf for the minimum, then as -inf
-        # for the maximum, then as 0 for the sum; counts are exact over a row.
-        low.scatter_reduce_(0, rows, torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1), "amin")
-        high.scatter_reduce_(0, rows, w.nan_to_num_(posinf=-math.inf).amax(1), "amax")
-        total = w.nan_to_num_(neginf=0.0).sum(1)
-        zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
-        zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
-        sums.index_add_(0, rows, torch.stack([zeroed, total, zeros], 1).to(f64))
-    zeroed, total, zeros = sums.unbind(1)
+        if host_reads and not block.padded:
+            lo, hi = x.amin(1), x.amax(1)
+            block.finite = math.isfinite((hi - lo).sum().item())  # NaN and Inf show in the range
+        if block.finite:
+            per_row = [x.sum(1), torch.eq(x, 0, out=w).sum(1)]
+            per_row = [per_row[1], *per_row]
+            if host_reads:
+                per_row.append(torch.linalg.vector_norm(x, dim=1))
+        else:
+            # Non-finite elements read as inf for the minimum, then as -inf for the maximum,
+            # then as 0 for the sums; counts are exact over a row.
+            lo = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
+            hi = w.nan_to_num_(posinf=-math.inf).amax(1)
+            total = w.nan_to_num_(neginf=0.0).sum(1)
+            squares = torch.linalg.vector_norm(w, dim=1) if host_reads else None
+            zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
+            per_row = [zeroed, total, torch.eq(x, 0, out=w).sum(1)]  # the NaN padding is never zero
+            if squares is not None:
+                per_row.append(squares)
+        per_row = torch.stack(per_row, 1).to(f64)
+        if host_reads:
+            per_row[:, 3].square_()
+        sums.index_add_(0, rows, per_row)
+        low.scatter_reduce_(0, rows, lo, "amin")
+        high.scatter_reduce_(0, rows, hi, "amax")
+    zeroed, total, zeros, *about_zero = sums.unbind(1)
     count = laid_out - zeroed + zeros
     mean = total / count.clamp(min=1)
-    # Sweep 2: centred on the mean rounded to the data's precision; the offset this rounding
-    # leaves is summed too and taken out on the host (the corrected two-pass formula).
-    centre = mean.to(dtype)
-    squares = torch.zeros(m, 2, dtype=f64, device=device)
+    # Sweep 2. The sums of squares and of the values are centred on a point near the mean: the
+    # mean rounded to the data's precision (the offset this rounding leaves is summed too and
+    # taken out on the host: the corrected two-pass formula); with host reads, 0 for a tensor
+    # whose sums about 0 lose at most a tenth of their digits to its mean (most gradients),
+    # so that the sweep is left out where every tensor of the batch is such.
+    centred = True
+    if about_zero:
+        squares = about_zero[0]
+        spread = squares - total * total / count.clamp(min=1)
+        near = ((spread >= 0.1 * squares) | (squares == 0))[:, None]
+        centred = not bool(near.all())
+        moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
+    if centred:
+        centre = mean.to(dtype)
+        squares = torch.zeros(m, 2, dtype=f64, device=device)
     if bins is not None:
         # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
         # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones
         # and the padding land in the extra bin `bins` of their tensor.
         scale = _bin_scale(high.double() - low.double(), bins, dtype)
+        one_step = host_reads and bool((scale[0] == 1).all())
         subs = max(1, min(8, (1 << 16) // (m * (bins + 1))))
         size = m * subs * (bins + 1)
-        columns = _columns(subs, bins, device)
-        index_work = _buffer(scratch, "index", blocks[0].numel(), torch.int32, device)
+        kind = torch.int16 if device.type == "cpu" and size <= 1 << 15 else torch.int32  # bincount counts int16
+        columns = _columns(subs, bins, kind, device)
+        index_work = _buffer(scratch, "index", blocks[0].x.numel(), kind, device)
         counts = torch.zeros(size, dtype=torch.int64 if device.type == "cpu" else f64, device=device)
-    first = 0
-    for x in blocks:
-        rows = row_of[first : first + len(x)]
-        first += len(x)
+    for block in blocks if centred or bins is not None else ():
+        x, rows = block.x, block.rows
         w = work[: x.numel()].view_as(x)
-        centred = torch.sub(x, centre[rows, None], out=w).nan_to_num_(0.0, 0.0, 0.0)
-        per_row = torch.stack([torch.linalg.vector_norm(centred, dim=1), centred.sum(1)], 1).to(f64)
-        per_row[:, 0].square_()
-        squares.index_add_(0, rows, per_row)
+        if centred:
+            values = torch.sub(x, centre[rows, None], out=w)
+            if not block.finite:
+                values.nan_to_num_(0.0, 0.0, 0.0)
+            per_row = torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1).to(f64)
+            per_row[:, 0].square_()
+            squares.index_add_(0, rows, per_row)
         if bins is None:
             continue
-        position = torch.sub(x, low[rows, None], out=w).mul_(scale[0, rows, None]).mul_(scale[1, rows, None])
-        index = index_work[: x.numel()].view_as(x).copy_(position.nan_to_num_(bins, bins, bins))
+        position = torch.sub(x, low[rows, None], out=w)
+        if not one_step:
+            position.mul_(scale[0, rows, None])
+        position.mul_(scale[1, rows, None])
+        if not block.finite:
+            position.nan_to_num_(bins, bins, bins)
+        index = index_work[: x.numel()].view_as(x).copy_(position)
         if m > 1:
-            index.add_((rows * (subs * (bins + 1))).to(torch.int32)[:, None])
+            index.add_((rows * (subs * (bins + 1))).to(kind)[:, None])
         if subs > 1:
-            index.add_(columns)
+            index.view(-1, ROW).add_(columns)
         _count(index.view(-1), counts)
-    moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
+    if centred:
+        centred_moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
+        moments = torch.where(near, moments, centred_moments) if about_zero else centred_moments
     if bins is None:
         return moments, None
     return moments, counts.view(m, subs, bins + 1).sum(1)[:, :bins].to(f64)

@@ -294,8 +294,9 @@ def test_channels_last_expanded_and_sparse_gradients_give_what_their_contiguous_
 
 
 def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_host():
-    """The accelerator path: the same ops whatever the number of tensors in a batch, and no value
-    read to the host before finish (``.item()`` would wait for the device)."""
+    """The accelerator path (``host_reads=False``, what accelerators run): the same ops whatever
+    the number of tensors in a batch, and no value read to the host before finish (``.item()``
+    would wait for the device)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -315,7 +316,7 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
         stats._layout(tuple(t.numel() for t in tensors), torch.device("cpu"))  # cached per model
         ops = []
         with Ops():
-            stats.reduce_batch(tensors, 16)
+            stats.reduce_batch(tensors, 16, host_reads=False)
         counted.append(ops)
         (row, counts), *_ = reducer.finish()
         assert row[0] == pytest.approx(tensors[0].norm().item(), rel=1e-5) and sum(counts) == tensors[0].numel()
