@@ -28,6 +28,7 @@ one NaN does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -66,14 +67,14 @@ STATS_WIDTH = len(STATISTICS) + 3
 #: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
 MOMENTS = 7
 
-#: Torch ops reduce a batch once it holds this many elements (64 MiB of float32: fewer, bigger
-#: batches launch fewer kernels); a bigger gradient is a batch of its own.
+#: On accelerators, torch ops reduce a batch once it holds this many elements (64 MiB of float32:
+#: fewer, bigger batches launch fewer kernels); a bigger gradient is a batch of its own.
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: The C kernels reduce a batch once it holds this many elements; a bigger gradient is reduced
-#: on its own.
+#: On the CPU, a batch is reduced once it holds this many elements (torch ops count them as laid
+#: out in rows); a bigger gradient is reduced on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
-#: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows),
-#: and a bigger gradient in blocks of this many: a block and its temporaries fit a core's cache.
+#: On the CPU, torch ops reduce a batch in blocks of at most this many elements, so that a block
+#: and what its reductions write stay in a core's cache.
 CPU_BLOCK_ELEMENTS = 1 << 18
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
@@ -179,9 +180,9 @@ class Reducer:
         self.bins = bins
         self.kernels = C_KERNELS if kernels is None else kernels
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches, by (C kernels, histogram): the kernels
-        # batch tensors without a histogram apart (it costs more than the statistics); torch ops
-        # have one batch (launches cost more); what was added.
+        # tensors in the order added); the open batches, by (C kernels, histogram): on the CPU
+        # tensors without a histogram are batched apart (it costs more than the statistics), on
+        # accelerators torch ops have one batch (launches cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
         self._open: dict[tuple[bool, bool], _Batch] = {}
         self._numels: list[int] = []
@@ -195,15 +196,19 @@ class Reducer:
         position = len(self._numels)
         self._numels.append(n)
         self._histogram.append(histogram)
-        if self.kernels and x.dtype == torch.float32 and x.is_cpu:
-            if not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
-                x = x.contiguous()
+        kernels = self.kernels and x.dtype == torch.float32 and x.is_cpu
+        if kernels and not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
+            x = x.contiguous()
+        if x.is_cpu:
             if n > CPU_BATCH_ELEMENTS:
-                self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
+                bins = self.bins if histogram else None
+                reduced = _reduce_with_kernels([x], bins) if kernels else reduce_batch(_flat([x]), bins, self._scratch)
+                self._blocks.append((*reduced, [position]))
                 return
-            key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
-        else:  # counted as laid out in rows
-            key, capacity = (False, True), CPU_BLOCK_ELEMENTS if x.is_cpu else DEVICE_BATCH_ELEMENTS
+            key, capacity = (kernels, histogram), CPU_BATCH_ELEMENTS
+        else:
+            key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
+        if not kernels:  # torch ops count the elements as laid out in rows
             n = _rows(n) * ROW
         batch = self._open.get(key)
         if batch is None:
@@ -332,42 +337,47 @@ def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, 
 
 @dataclass(slots=True)
 class _Block:
-    """Consecutive rows of a batch: their values, the tensor of each row, whether one is padded,
-    whether every value is known to be finite (then no op has to mask)."""
+    """Consecutive rows of a batch: their values, their first row, whether one is padded, whether
+    every value is known to be finite (then no op has to mask)."""
 
     x: Tensor
-    rows: Tensor
+    first: int
     padded: bool
     finite: bool = False
 
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + len(self.x))
 
-def _blocks(tensors: Sequence[Tensor], pads: list[int], row_of: Tensor, dtype: torch.dtype,
-            scratch: Scratch | None) -> list[_Block]:
+
+def _blocks(tensors: Sequence[Tensor], pads: list[int], dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
     """The batch laid out in rows of :data:`ROW` elements, as blocks of consecutive rows.
 
     Several tensors are copied into one buffer (``scratch`` on the CPU), each on rows of its own,
     padded with NaN. A lone tensor is read in place, all but a padded last row. On the CPU a
-    block holds at most
-    :data:`CPU_BLOCK_ELEMENTS`, so that what its reductions write stays in a core's cache; on
-    accelerators the whole batch is one block (launches, not bytes, cost there).
+    block holds at most :data:`CPU_BLOCK_ELEMENTS`; on accelerators the whole batch is one
+    block (launches, not bytes, cost there).
     """
     device = tensors[0].device
     nan = _padding(device, dtype)
-    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else max(DEVICE_BATCH_ELEMENTS, len(row_of) * ROW)
     if len(tensors) > 1:
         pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
-        out = _buffer(scratch, "batch", len(row_of) * ROW, dtype, device)
+        out = _buffer(scratch, "batch", sum(t.numel() for t in tensors) + sum(pads), dtype, device)
         x = torch.cat(pieces, out=out).view(-1, ROW)
-        per_block = max(1, step // ROW)
-        return [_Block(x[r : r + per_block], row_of[r : r + per_block], any(pads)) for r in range(0, len(x), per_block)]
+        step = CPU_BLOCK_ELEMENTS // ROW if device.type == "cpu" else len(x)
+        ends = list(itertools.accumulate(_rows(t.numel()) for t in tensors))
+        padded = [end - 1 for end, pad in zip(ends, pads) if pad]  # the rows that hold padding
+        return [_Block(x[r : r + step], r, bisect.bisect_left(padded, r) < bisect.bisect_left(padded, r + step))
+                for r in range(0, len(x), step)]
     (t,), (pad,) = tensors, pads
+    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else max(t.numel(), 1)
     blocks = []
     for start in range(0, max(t.numel(), 1), step):
         part = t[start : start + step]
-        padded = not part.numel() or bool(part.numel() % ROW)  # the last rows
+        padded = part.numel() % ROW or not part.numel()  # the last rows
         if padded:
             part = torch.cat([part, nan[:pad]], out=_buffer(scratch, "batch", part.numel() + pad, dtype, device))
-        blocks.append(_Block(part.view(-1, ROW), row_of[start // ROW : (start + part.numel()) // ROW], padded))
+        blocks.append(_Block(part.view(-1, ROW), start // ROW, bool(padded)))
     return blocks
 
 
@@ -378,18 +388,18 @@ def reduce_batch(
 
     The tensors are laid out in rows (:func:`_blocks`), each tensor on rows of its own, padded
     with NaN. Every statistic is a row reduction (summed in float64) followed by one
-    ``index_add`` of the rows of each tensor: a first sweep over the blocks for the finite
-    count, sum, zero count, minimum and maximum; a second for the sums centred on the mean and
-    the histograms, one count over ``(tensor * subs + column % subs) * (bins + 1) + bin``
-    (``subs`` histograms per tensor, so that runs of one bin do not wait on one counter). Every
-    temporary is written into one float buffer and one integer buffer (``scratch`` on the CPU:
-    a reused buffer costs no page faults).
+    ``index_add`` of the rows of each tensor: a first sweep over the blocks of rows for the
+    finite count, sum, zero count, minimum and maximum; a second for the sums centred on the
+    mean and the histograms, one count over ``(tensor * subs + column % subs) * (bins + 1) +
+    bin`` (``subs`` histograms per tensor, so that runs of one bin do not wait on one counter).
+    Every temporary is written into one float buffer and one integer buffer (``scratch`` on the
+    CPU: a reused buffer costs no page faults).
 
     With ``host_reads`` (by default on the CPU, where reading a value costs nothing; never on
     accelerators, where it would wait for the device) the same ops skip what the values make
     useless: the masking of a block whose minimum and maximum show no NaN or Inf, the centred
     sweep where the sums about 0 are exact enough (the mean is not far from 0 against the
-    spread: as for most gradients), a multiplication by a scale factor of 1. Without, the ops
+    spread, as for most gradients), a multiplication by a scale factor of 1. Without, the ops
     are a fixed number per block, and no value is read to the host.
 
     Returns:
@@ -400,102 +410,103 @@ def reduce_batch(
     host_reads = device.type == "cpu" if host_reads is None else host_reads
     row_of, pads, laid_out = _layout(tuple(t.numel() for t in tensors), device)
     m = len(tensors)
-    blocks = _blocks(tensors, pads, row_of, dtype, scratch)
+    blocks = _blocks(tensors, pads, dtype, scratch)
     work = _buffer(scratch, "work", blocks[0].x.numel(), dtype, device)
-    f64 = torch.float64
-    # Sweep 1: per tensor the count of zeros and non-finite elements (the NaN padding
-    # included), the sum, the count of zeros, the range; with host reads the sum of squares.
-    sums = torch.zeros(m, 4 if host_reads else 3, dtype=f64, device=device)
-    low = torch.full((m,), math.inf, dtype=dtype, device=device)
-    high = torch.full((m,), -math.inf, dtype=dtype, device=device)
+    # Sweep 1, per row: the count of zeros and non-finite elements (the NaN padding included),
+    # the sum, the count of zeros; with host reads the norm; the range.
+    stats, lows, highs = [], [], []
     for block in blocks:
-        x, rows = block.x, block.rows
+        x = block.x
         w = work[: x.numel()].view_as(x)
         if host_reads and not block.padded:
             lo, hi = x.amin(1), x.amax(1)
             block.finite = math.isfinite((hi - lo).sum().item())  # NaN and Inf show in the range
         if block.finite:
-            per_row = [x.sum(1), torch.eq(x, 0, out=w).sum(1)]
-            per_row = [per_row[1], *per_row]
-            if host_reads:
-                per_row.append(torch.linalg.vector_norm(x, dim=1))
+            zeros = torch.eq(x, 0, out=w).sum(1)
+            per_row = [zeros, x.sum(1), zeros, torch.linalg.vector_norm(x, dim=1)]
         else:
             # Non-finite elements read as inf for the minimum, then as -inf for the maximum,
             # then as 0 for the sums; counts are exact over a row.
             lo = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
             hi = w.nan_to_num_(posinf=-math.inf).amax(1)
             total = w.nan_to_num_(neginf=0.0).sum(1)
-            squares = torch.linalg.vector_norm(w, dim=1) if host_reads else None
+            norm = [torch.linalg.vector_norm(w, dim=1)] if host_reads else []
             zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
-            per_row = [zeroed, total, torch.eq(x, 0, out=w).sum(1)]  # the NaN padding is never zero
-            if squares is not None:
-                per_row.append(squares)
-        per_row = torch.stack(per_row, 1).to(f64)
-        if host_reads:
-            per_row[:, 3].square_()
-        sums.index_add_(0, rows, per_row)
-        low.scatter_reduce_(0, rows, lo, "amin")
-        high.scatter_reduce_(0, rows, hi, "amax")
-    zeroed, total, zeros, *about_zero = sums.unbind(1)
+            per_row = [zeroed, total, torch.eq(x, 0, out=w).sum(1), *norm]  # the NaN padding is never zero
+        stats.append(torch.stack(per_row, 1))
+        lows.append(lo)
+        highs.append(hi)
+    per_row = _joined(stats).to(torch.float64)
+    if host_reads:
+        per_row[:, 3].square_()
+    zeroed, total, zeros, *about_zero = torch.zeros(m, per_row.shape[1], dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
+    high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
     count = laid_out - zeroed + zeros
     mean = total / count.clamp(min=1)
     # Sweep 2. The sums of squares and of the values are centred on a point near the mean: the
     # mean rounded to the data's precision (the offset this rounding leaves is summed too and
     # taken out on the host: the corrected two-pass formula); with host reads, 0 for a tensor
     # whose sums about 0 lose at most a tenth of their digits to its mean (most gradients),
-    # so that the sweep is left out where every tensor of the batch is such.
-    centred = True
+    # and the sweep leaves the centred sums out where every tensor of the batch is such.
+    centred, moments = True, None
     if about_zero:
         squares = about_zero[0]
-        spread = squares - total * total / count.clamp(min=1)
-        near = ((spread >= 0.1 * squares) | (squares == 0))[:, None]
-        centred = not bool(near.all())
+        near = (squares - total * mean >= 0.1 * squares)[:, None]
+        centred = not near.all().item()
         moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
     if centred:
-        centre = mean.to(dtype)
-        squares = torch.zeros(m, 2, dtype=f64, device=device)
+        centres = mean.to(dtype)[row_of, None]
+        stats = []
     if bins is not None:
         # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
         # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones
         # and the padding land in the extra bin `bins` of their tensor.
         scale = _bin_scale(high.double() - low.double(), bins, dtype)
-        one_step = host_reads and bool((scale[0] == 1).all())
+        one_step = host_reads and not (scale[0] != 1).any().item()
+        lows, factors = low[row_of, None], scale[:, row_of, None]
         subs = max(1, min(8, (1 << 16) // (m * (bins + 1))))
         size = m * subs * (bins + 1)
         kind = torch.int16 if device.type == "cpu" and size <= 1 << 15 else torch.int32  # bincount counts int16
+        offsets = (row_of * (subs * (bins + 1))).to(kind)[:, None] if m > 1 else None
         columns = _columns(subs, bins, kind, device)
         index_work = _buffer(scratch, "index", blocks[0].x.numel(), kind, device)
-        counts = torch.zeros(size, dtype=torch.int64 if device.type == "cpu" else f64, device=device)
+        counts = torch.zeros(size, dtype=torch.int64 if device.type == "cpu" else torch.float64, device=device)
     for block in blocks if centred or bins is not None else ():
         x, rows = block.x, block.rows
         w = work[: x.numel()].view_as(x)
         if centred:
-            values = torch.sub(x, centre[rows, None], out=w)
+            values = torch.sub(x, centres[rows], out=w)
             if not block.finite:
                 values.nan_to_num_(0.0, 0.0, 0.0)
-            per_row = torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1).to(f64)
-            per_row[:, 0].square_()
-            squares.index_add_(0, rows, per_row)
+            stats.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
         if bins is None:
             continue
-        position = torch.sub(x, low[rows, None], out=w)
+        position = torch.sub(x, lows[rows], out=w)
         if not one_step:
-            position.mul_(scale[0, rows, None])
-        position.mul_(scale[1, rows, None])
+            position.mul_(factors[0, rows])
+        position.mul_(factors[1, rows])
         if not block.finite:
             position.nan_to_num_(bins, bins, bins)
         index = index_work[: x.numel()].view_as(x).copy_(position)
-        if m > 1:
-            index.add_((rows * (subs * (bins + 1))).to(kind)[:, None])
+        if offsets is not None:
+            index.add_(offsets[rows])
         if subs > 1:
-            index.view(-1, ROW).add_(columns)
+            index.add_(columns)
         _count(index.view(-1), counts)
     if centred:
+        per_row = _joined(stats).to(torch.float64)
+        per_row[:, 0].square_()
+        squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
         centred_moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
-        moments = torch.where(near, moments, centred_moments) if about_zero else centred_moments
+        moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
     if bins is None:
         return moments, None
-    return moments, counts.view(m, subs, bins + 1).sum(1)[:, :bins].to(f64)
+    return moments, counts.view(m, subs, bins + 1).sum(1)[:, :bins].to(torch.float64)
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _count(index: Tensor, counts: Tensor) -> None:
