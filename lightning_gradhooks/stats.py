@@ -199,8 +199,8 @@ class Reducer:
         kernels = self.kernels and x.dtype == torch.float32 and x.is_cpu
         if kernels and not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
             x = x.contiguous()
-        if x.is_cpu:
-            if n > CPU_BATCH_ELEMENTS:
+        if x.is_cpu:  # torch ops read a tensor of a block or more in place, the kernels any
+            if n > (CPU_BATCH_ELEMENTS if kernels else CPU_BLOCK_ELEMENTS):
                 bins = self.bins if histogram else None
                 reduced = _reduce_with_kernels([x], bins) if kernels else reduce_batch(_flat([x]), bins, self._scratch)
                 self._blocks.append((*reduced, [position]))
