@@ -70,11 +70,15 @@ MOMENTS = 7
 #: On accelerators, torch ops reduce a batch once it holds this many elements (64 MiB of float32:
 #: fewer, bigger batches launch fewer kernels); a bigger gradient is a batch of its own.
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: On the CPU, a batch is reduced once it holds this many elements (torch ops count them as laid
-#: out in rows); a bigger gradient is reduced on its own.
+#: On the CPU, the C kernels reduce a batch once it holds this many elements; a bigger gradient
+#: is reduced on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
-#: On the CPU, torch ops reduce a batch in blocks of at most this many elements, so that a block
-#: and what its reductions write stay in a core's cache.
+#: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows);
+#: a bigger gradient is a batch of its own.
+CPU_OPS_BATCH_ELEMENTS = 1 << 22
+#: On the CPU, torch ops read a gradient of at least this many elements in place, and reduce a
+#: batch in blocks of at most this many, so that a block and what its reductions write stay in
+#: a core's cache.
 CPU_BLOCK_ELEMENTS = 1 << 18
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
@@ -196,19 +200,15 @@ class Reducer:
         position = len(self._numels)
         self._numels.append(n)
         self._histogram.append(histogram)
-        kernels = self.kernels and x.dtype == torch.float32 and x.is_cpu
-        if kernels and not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
-            x = x.contiguous()
-        if x.is_cpu:  # torch ops read a tensor of a block or more in place, the kernels any
-            if n > (CPU_BATCH_ELEMENTS if kernels else CPU_BLOCK_ELEMENTS):
-                bins = self.bins if histogram else None
-                reduced = _reduce_with_kernels([x], bins) if kernels else reduce_batch(_flat([x]), bins, self._scratch)
-                self._blocks.append((*reduced, [position]))
+        if self.kernels and x.dtype == torch.float32 and x.is_cpu:
+            if not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
+                x = x.contiguous()
+            if n > CPU_BATCH_ELEMENTS:
+                self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
                 return
-            key, capacity = (kernels, histogram), CPU_BATCH_ELEMENTS
-        else:
-            key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
-        if not kernels:  # torch ops count the elements as laid out in rows
+            key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
+        else:  # counted as laid out in rows; a bigger tensor is a batch of its own
+            key, capacity = (False, histogram or not x.is_cpu), CPU_OPS_BATCH_ELEMENTS if x.is_cpu else DEVICE_BATCH_ELEMENTS
             n = _rows(n) * ROW
         batch = self._open.get(key)
         if batch is None:
@@ -295,22 +295,67 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where the rows of a batch come from (:func:`_layout`).
+
+    Attributes:
+        row_of: the tensor of each row, the rows in the order the blocks hold them.
+        owners: ``row_of`` on the host.
+        pads: each tensor's padding.
+        laid_out: each tensor's element count with its padding (float64).
+        in_place: the blocks read in place, each ``(tensor, first element, end element, first
+            row)``: whole rows of a big tensor (on the CPU, a block's worth each), or a lone
+            tensor that fills its rows.
+        copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
+            each to the tensor's end, then its padding.
+        padded: the rows that hold padding, in order.
+    """
+
+    row_of: Tensor
+    owners: list[int]
+    pads: list[int]
+    laid_out: Tensor
+    in_place: list[tuple[int, int, int, int]]
+    copied: list[tuple[int, int]]
+    padded: list[int]
+
+
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], Tensor]:
-    """Rows of a batch: the tensor each row belongs to, each tensor's padding, each tensor's
-    element count with its padding (float64).
+def _layout(lengths: tuple[int, ...], device: torch.device) -> _Layout:
+    """The rows of a batch, built once per layout (a model gives the same layouts every logged
+    step) and copied to the device once.
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
-    :data:`ROW` elements. Built once per layout (a model gives the same layouts every logged
-    step) and copied to the device once.
+    :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or,
+    on the CPU, if it holds a block or more (:data:`CPU_BLOCK_ELEMENTS`): in blocks of that
+    many on the CPU, in one on accelerators. Everything else is copied into one buffer.
     """
-    rows = torch.tensor([_rows(n) for n in lengths])
-    row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
-    laid_out = (rows * ROW).double()
+    cpu = device.type == "cpu"
+    block = CPU_BLOCK_ELEMENTS // ROW
+    rows, pads = [_rows(n) for n in lengths], [-n % ROW if n else ROW for n in lengths]
+    row_of: list[int] = []
+    in_place, copied, padded = [], [], []
+    for k, n in enumerate(lengths):
+        if (len(lengths) == 1 and n and not pads[k]) or (cpu and n >= CPU_BLOCK_ELEMENTS):
+            whole = n // ROW
+            for first in range(0, whole, block if cpu else whole):
+                end = min(first + block, whole) if cpu else whole
+                in_place.append((k, first * ROW, end * ROW, len(row_of)))
+                row_of += [k] * (end - first)
+    for k, n in enumerate(lengths):
+        done = sum(end - first for j, first, end, _ in in_place if j == k)
+        if done < n or not n:
+            copied.append((k, done))
+            row_of += [k] * (rows[k] - done // ROW)
+            if pads[k]:
+                padded.append(len(row_of) - 1)
+    row_of_t = torch.tensor(row_of)
+    laid_out = torch.tensor(rows, dtype=torch.float64) * ROW
     if device.type == "cuda":
-        row_of, laid_out = row_of.pin_memory(), laid_out.pin_memory()
-    pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
-    return row_of.to(device, non_blocking=True), pads, laid_out.to(device, non_blocking=True)
+        row_of_t, laid_out = row_of_t.pin_memory(), laid_out.pin_memory()
+    return _Layout(row_of_t.to(device, non_blocking=True), row_of, pads, laid_out.to(device, non_blocking=True),
+                   in_place, copied, padded)
 
 
 def _rows(n: int) -> int:
@@ -337,11 +382,13 @@ def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, 
 
 @dataclass(slots=True)
 class _Block:
-    """Consecutive rows of a batch: their values, their first row, whether one is padded, whether
-    every value is known to be finite (then no op has to mask)."""
+    """Consecutive rows of a batch: their values, their first row, the tensors they hold (first,
+    end), whether one is padded, whether every value is known to be finite (then no op has to
+    mask)."""
 
     x: Tensor
     first: int
+    tensors: tuple[int, int]
     padded: bool
     finite: bool = False
 
@@ -350,34 +397,29 @@ class _Block:
         return slice(self.first, self.first + len(self.x))
 
 
-def _blocks(tensors: Sequence[Tensor], pads: list[int], dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
-    """The batch laid out in rows of :data:`ROW` elements, as blocks of consecutive rows.
-
-    Several tensors are copied into one buffer (``scratch`` on the CPU), each on rows of its own,
-    padded with NaN. A lone tensor is read in place, all but a padded last row. On the CPU a
-    block holds at most :data:`CPU_BLOCK_ELEMENTS`; on accelerators the whole batch is one
-    block (launches, not bytes, cost there).
-    """
+def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
+    """The batch as blocks of consecutive rows (:func:`_layout`): those read in place, then what
+    is copied into one buffer (``scratch`` on the CPU), each tensor on rows of its own, padded
+    with NaN; on the CPU in blocks of at most :data:`CPU_BLOCK_ELEMENTS`, so that a block and
+    what its reductions write stay in a core's cache."""
+    blocks = [_Block(tensors[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place]
+    if not layout.copied:
+        return blocks
     device = tensors[0].device
     nan = _padding(device, dtype)
-    if len(tensors) > 1:
-        pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
-        out = _buffer(scratch, "batch", sum(t.numel() for t in tensors) + sum(pads), dtype, device)
-        x = torch.cat(pieces, out=out).view(-1, ROW)
-        step = CPU_BLOCK_ELEMENTS // ROW if device.type == "cpu" else len(x)
-        ends = list(itertools.accumulate(_rows(t.numel()) for t in tensors))
-        padded = [end - 1 for end, pad in zip(ends, pads) if pad]  # the rows that hold padding
-        return [_Block(x[r : r + step], r, bisect.bisect_left(padded, r) < bisect.bisect_left(padded, r + step))
-                for r in range(0, len(x), step)]
-    (t,), (pad,) = tensors, pads
-    step = CPU_BLOCK_ELEMENTS if device.type == "cpu" else max(t.numel(), 1)
-    blocks = []
-    for start in range(0, max(t.numel(), 1), step):
-        part = t[start : start + step]
-        padded = part.numel() % ROW or not part.numel()  # the last rows
-        if padded:
-            part = torch.cat([part, nan[:pad]], out=_buffer(scratch, "batch", part.numel() + pad, dtype, device))
-        blocks.append(_Block(part.view(-1, ROW), start // ROW, bool(padded)))
+    pieces = []
+    for k, start in layout.copied:
+        pieces.append(tensors[k][start:] if start else tensors[k])
+        if layout.pads[k]:
+            pieces.append(nan[: layout.pads[k]])
+    first = len(layout.row_of) - sum(p.numel() for p in pieces) // ROW
+    out = _buffer(scratch, "batch", (len(layout.row_of) - first) * ROW, dtype, device)
+    x = torch.cat(pieces, out=out).view(-1, ROW) if len(pieces) > 1 else pieces[0].view(-1, ROW)
+    step = CPU_BLOCK_ELEMENTS // ROW if device.type == "cpu" else len(x)
+    for r in range(0, len(x), step):
+        start, end = first + r, first + min(r + step, len(x))
+        padded = bisect.bisect_left(layout.padded, start) < bisect.bisect_left(layout.padded, end)
+        blocks.append(_Block(x[r : r + step], start, (layout.owners[start], layout.owners[end - 1] + 1), padded))
     return blocks
 
 
@@ -390,8 +432,9 @@ def reduce_batch(
     with NaN. Every statistic is a row reduction (summed in float64) followed by one
     ``index_add`` of the rows of each tensor: a first sweep over the blocks of rows for the
     finite count, sum, zero count, minimum and maximum; a second for the sums centred on the
-    mean and the histograms, one count over ``(tensor * subs + column % subs) * (bins + 1) +
-    bin`` (``subs`` histograms per tensor, so that runs of one bin do not wait on one counter).
+    mean and the histograms, one count per block over ``(tensor * subs + column % subs) * (bins
+    + 1) + bin`` (``subs`` histograms per tensor, so that runs of one bin do not wait on one
+    counter).
     Every temporary is written into one float buffer and one integer buffer (``scratch`` on the
     CPU: a reused buffer costs no page faults).
 
@@ -408,10 +451,12 @@ def reduce_batch(
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
     host_reads = device.type == "cpu" if host_reads is None else host_reads
-    row_of, pads, laid_out = _layout(tuple(t.numel() for t in tensors), device)
+    layout = _layout(tuple(t.numel() for t in tensors), device)
+    row_of, laid_out = layout.row_of, layout.laid_out
     m = len(tensors)
-    blocks = _blocks(tensors, pads, dtype, scratch)
-    work = _buffer(scratch, "work", blocks[0].x.numel(), dtype, device)
+    blocks = _blocks(tensors, layout, dtype, scratch)
+    largest = max(block.x.numel() for block in blocks)
+    work = _buffer(scratch, "work", largest, dtype, device)
     # Sweep 1, per row: the count of zeros and non-finite elements (the NaN padding included),
     # the sum, the count of zeros; with host reads the norm; the range.
     stats, lows, highs = [], [], []
@@ -465,13 +510,14 @@ def reduce_batch(
         scale = _bin_scale(high.double() - low.double(), bins, dtype)
         one_step = host_reads and not (scale[0] != 1).any().item()
         lows, factors = low[row_of, None], scale[:, row_of, None]
-        subs = max(1, min(8, (1 << 16) // (m * (bins + 1))))
-        size = m * subs * (bins + 1)
-        kind = torch.int16 if device.type == "cpu" and size <= 1 << 15 else torch.int32  # bincount counts int16
-        offsets = (row_of * (subs * (bins + 1))).to(kind)[:, None] if m > 1 else None
+        # Each block counts into the histograms of the tensors it holds, numbered from its first.
+        local = max(end - first for first, end in (block.tensors for block in blocks))
+        subs = max(1, min(8, (1 << 15) // (local * (bins + 1))))
+        stride = subs * (bins + 1)
+        kind = torch.int16 if device.type == "cpu" and local * stride <= 1 << 15 else torch.int32  # bincount counts int16
         columns = _columns(subs, bins, kind, device)
-        index_work = _buffer(scratch, "index", blocks[0].x.numel(), kind, device)
-        counts = torch.zeros(size, dtype=torch.int64 if device.type == "cpu" else torch.float64, device=device)
+        index_work = _buffer(scratch, "index", largest, kind, device)
+        counts = torch.zeros(m * stride, dtype=torch.int64 if device.type == "cpu" else torch.float64, device=device)
     for block in blocks if centred or bins is not None else ():
         x, rows = block.x, block.rows
         w = work[: x.numel()].view_as(x)
@@ -489,11 +535,12 @@ def reduce_batch(
         if not block.finite:
             position.nan_to_num_(bins, bins, bins)
         index = index_work[: x.numel()].view_as(x).copy_(position)
-        if offsets is not None:
-            index.add_(offsets[rows])
+        first, end = block.tensors
+        if end - first > 1:
+            index.add_(((row_of[rows] - first) * stride).to(kind)[:, None])
         if subs > 1:
             index.add_(columns)
-        _count(index.view(-1), counts)
+        _count(index.view(-1), counts[first * stride : end * stride])
     if centred:
         per_row = _joined(stats).to(torch.float64)
         per_row[:, 0].square_()
