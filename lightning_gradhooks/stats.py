@@ -208,7 +208,8 @@ class Reducer:
                 return
             key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
         else:  # counted as laid out in rows; a bigger tensor is a batch of its own
-            key, capacity = (False, histogram or not x.is_cpu), CPU_OPS_BATCH_ELEMENTS if x.is_cpu else DEVICE_BATCH_ELEMENTS
+            cpu = _on_cpu(x.device)
+            key, capacity = (False, histogram or not cpu), CPU_OPS_BATCH_ELEMENTS if cpu else DEVICE_BATCH_ELEMENTS
             n = _rows(n) * ROW
         batch = self._open.get(key)
         if batch is None:
@@ -295,6 +296,14 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
 
 
+def _on_cpu(device: torch.device) -> bool:
+    """Whether torch ops reduce on ``device`` as on a CPU: batches in cache-sized blocks, big
+    tensors read in place, and values read to the host to skip work (a read costs nothing
+    there); elsewhere they run the same ops whatever the values, and read nothing. Tests and
+    benchmarks patch this to run an accelerator's ops on the CPU."""
+    return device.type == "cpu"
+
+
 @dataclass(frozen=True)
 class _Layout:
     """Where the rows of a batch come from (:func:`_layout`).
@@ -305,11 +314,11 @@ class _Layout:
         pads: each tensor's padding.
         laid_out: each tensor's element count with its padding (float64).
         in_place: the blocks read in place, each ``(tensor, first element, end element, first
-            row)``: whole rows of a big tensor (on the CPU, a block's worth each), or a lone
-            tensor that fills its rows.
+            row)``: whole rows of a big tensor, or a lone tensor that fills its rows.
         copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
             each to the tensor's end, then its padding.
         padded: the rows that hold padding, in order.
+        block: rows per block.
     """
 
     row_of: Tensor
@@ -319,43 +328,43 @@ class _Layout:
     in_place: list[tuple[int, int, int, int]]
     copied: list[tuple[int, int]]
     padded: list[int]
+    block: int
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> _Layout:
+def _layout(lengths: tuple[int, ...], device: torch.device, cpu: bool) -> _Layout:
     """The rows of a batch, built once per layout (a model gives the same layouts every logged
     step) and copied to the device once.
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
     :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or,
-    on the CPU, if it holds a block or more (:data:`CPU_BLOCK_ELEMENTS`): in blocks of that
-    many on the CPU, in one on accelerators. Everything else is copied into one buffer.
+    on the CPU, if it holds a block or more (:data:`CPU_BLOCK_ELEMENTS`); everything else is
+    copied into one buffer. A block holds :data:`CPU_BLOCK_ELEMENTS` on the CPU (then it and
+    what its reductions write stay in a core's cache), the whole batch elsewhere (launches, not
+    bytes, cost there).
     """
-    cpu = device.type == "cpu"
-    block = CPU_BLOCK_ELEMENTS // ROW
     rows, pads = [_rows(n) for n in lengths], [-n % ROW if n else ROW for n in lengths]
+    block = CPU_BLOCK_ELEMENTS // ROW if cpu else sum(rows)
     row_of: list[int] = []
     in_place, copied, padded = [], [], []
     for k, n in enumerate(lengths):
         if (len(lengths) == 1 and n and not pads[k]) or (cpu and n >= CPU_BLOCK_ELEMENTS):
-            whole = n // ROW
-            for first in range(0, whole, block if cpu else whole):
-                end = min(first + block, whole) if cpu else whole
+            for first in range(0, n // ROW, block):
+                end = min(first + block, n // ROW)
                 in_place.append((k, first * ROW, end * ROW, len(row_of)))
                 row_of += [k] * (end - first)
+    read = {k: end for k, _, end, _ in in_place}
     for k, n in enumerate(lengths):
-        done = sum(end - first for j, first, end, _ in in_place if j == k)
-        if done < n or not n:
-            copied.append((k, done))
-            row_of += [k] * (rows[k] - done // ROW)
+        if read.get(k, 0) < n or not n:
+            copied.append((k, read.get(k, 0)))
+            row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
             if pads[k]:
                 padded.append(len(row_of) - 1)
-    row_of_t = torch.tensor(row_of)
-    laid_out = torch.tensor(rows, dtype=torch.float64) * ROW
+    on_host, laid_out = torch.tensor(row_of), torch.tensor(rows, dtype=torch.float64) * ROW
     if device.type == "cuda":
-        row_of_t, laid_out = row_of_t.pin_memory(), laid_out.pin_memory()
-    return _Layout(row_of_t.to(device, non_blocking=True), row_of, pads, laid_out.to(device, non_blocking=True),
-                   in_place, copied, padded)
+        on_host, laid_out = on_host.pin_memory(), laid_out.pin_memory()
+    return _Layout(on_host.to(device, non_blocking=True), row_of, pads, laid_out.to(device, non_blocking=True),
+                   in_place, copied, padded, block)
 
 
 def _rows(n: int) -> int:
@@ -382,14 +391,15 @@ def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, 
 
 @dataclass(slots=True)
 class _Block:
-    """Consecutive rows of a batch: their values, their first row, the tensors they hold (first,
-    end), whether one is padded, whether every value is known to be finite (then no op has to
-    mask)."""
+    """Consecutive rows of a batch: their values, the first row, the tensors they hold (first,
+    end), whether one is padded; where temporaries go (a float view of the rows' shape), and
+    whether every value is known to be finite (then no op has to mask)."""
 
     x: Tensor
     first: int
     tensors: tuple[int, int]
     padded: bool
+    work: Tensor | None = None
     finite: bool = False
 
     @property
@@ -400,9 +410,10 @@ class _Block:
 def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
     """The batch as blocks of consecutive rows (:func:`_layout`): those read in place, then what
     is copied into one buffer (``scratch`` on the CPU), each tensor on rows of its own, padded
-    with NaN; on the CPU in blocks of at most :data:`CPU_BLOCK_ELEMENTS`, so that a block and
-    what its reductions write stay in a core's cache."""
-    blocks = [_Block(tensors[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place]
+    with NaN. A tensor read in place is first converted to the batch's dtype if it has another
+    (float32 beside float64)."""
+    read = {k: tensors[k].to(dtype) for k, *_ in layout.in_place}
+    blocks = [_Block(read[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place]
     if not layout.copied:
         return blocks
     device = tensors[0].device
@@ -412,156 +423,169 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
         pieces.append(tensors[k][start:] if start else tensors[k])
         if layout.pads[k]:
             pieces.append(nan[: layout.pads[k]])
-    first = len(layout.row_of) - sum(p.numel() for p in pieces) // ROW
-    out = _buffer(scratch, "batch", (len(layout.row_of) - first) * ROW, dtype, device)
-    x = torch.cat(pieces, out=out).view(-1, ROW) if len(pieces) > 1 else pieces[0].view(-1, ROW)
-    step = CPU_BLOCK_ELEMENTS // ROW if device.type == "cpu" else len(x)
-    for r in range(0, len(x), step):
-        start, end = first + r, first + min(r + step, len(x))
+    first = len(layout.owners) - sum(p.numel() for p in pieces) // ROW
+    if len(pieces) > 1:
+        x = torch.cat(pieces, out=_buffer(scratch, "batch", (len(layout.owners) - first) * ROW, dtype, device)).view(-1, ROW)
+    else:
+        x = pieces[0].view(-1, ROW)
+    for r in range(0, len(x), layout.block):
+        start, end = first + r, first + min(r + layout.block, len(x))
         padded = bisect.bisect_left(layout.padded, start) < bisect.bisect_left(layout.padded, end)
-        blocks.append(_Block(x[r : r + step], start, (layout.owners[start], layout.owners[end - 1] + 1), padded))
+        blocks.append(_Block(x[r : r + layout.block], start, (layout.owners[start], layout.owners[end - 1] + 1), padded))
     return blocks
 
 
 def reduce_batch(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, *, host_reads: bool | None = None
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
-    The tensors are laid out in rows (:func:`_blocks`), each tensor on rows of its own, padded
-    with NaN. Every statistic is a row reduction (summed in float64) followed by one
-    ``index_add`` of the rows of each tensor: a first sweep over the blocks of rows for the
-    finite count, sum, zero count, minimum and maximum; a second for the sums centred on the
-    mean and the histograms, one count per block over ``(tensor * subs + column % subs) * (bins
-    + 1) + bin`` (``subs`` histograms per tensor, so that runs of one bin do not wait on one
-    counter).
-    Every temporary is written into one float buffer and one integer buffer (``scratch`` on the
-    CPU: a reused buffer costs no page faults).
-
-    With ``host_reads`` (by default on the CPU, where reading a value costs nothing; never on
-    accelerators, where it would wait for the device) the same ops skip what the values make
-    useless: the masking of a block whose minimum and maximum show no NaN or Inf, the centred
-    sweep where the sums about 0 are exact enough (the mean is not far from 0 against the
-    spread, as for most gradients), a multiplication by a scale factor of 1. Without, the ops
-    are a fixed number per block, and no value is read to the host.
+    The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
+    with NaN, and reduced a block of rows at a time. Every statistic is a row reduction (summed
+    in float64) followed by one ``index_add`` of the rows of each tensor: a first sweep over the
+    blocks for the finite count, sum, zero count, minimum and maximum (:func:`_row_sums`); a
+    second for the sums centred on the mean and the histograms (:class:`_Histograms`). Every
+    temporary is written into one float buffer and one integer buffer (``scratch`` on the CPU:
+    a reused buffer costs no page faults). No value is read to the host, except on the CPU
+    (:func:`_on_cpu`), where the same ops skip what the values make useless: the masking of a
+    block whose minimum and maximum show no NaN or Inf, the centred sums where those about 0
+    are exact enough (the mean is not far from 0 against the spread, as for most gradients),
+    a multiplication by a scale factor of 1.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    host_reads = device.type == "cpu" if host_reads is None else host_reads
-    layout = _layout(tuple(t.numel() for t in tensors), device)
-    row_of, laid_out = layout.row_of, layout.laid_out
-    m = len(tensors)
+    cpu = _on_cpu(device)
+    layout = _layout(tuple(t.numel() for t in tensors), device, cpu)
+    row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
     largest = max(block.x.numel() for block in blocks)
     work = _buffer(scratch, "work", largest, dtype, device)
-    # Sweep 1, per row: the count of zeros and non-finite elements (the NaN padding included),
-    # the sum, the count of zeros; with host reads the norm; the range.
-    stats, lows, highs = [], [], []
+    sums, lows, highs = [], [], []
     for block in blocks:
-        x = block.x
-        w = work[: x.numel()].view_as(x)
-        if host_reads and not block.padded:
-            lo, hi = x.amin(1), x.amax(1)
-            block.finite = math.isfinite((hi - lo).sum().item())  # NaN and Inf show in the range
-        if block.finite:
-            zeros = torch.eq(x, 0, out=w).sum(1)
-            per_row = [zeros, x.sum(1), zeros, torch.linalg.vector_norm(x, dim=1)]
-        else:
-            # Non-finite elements read as inf for the minimum, then as -inf for the maximum,
-            # then as 0 for the sums; counts are exact over a row.
-            lo = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
-            hi = w.nan_to_num_(posinf=-math.inf).amax(1)
-            total = w.nan_to_num_(neginf=0.0).sum(1)
-            norm = [torch.linalg.vector_norm(w, dim=1)] if host_reads else []
-            zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
-            per_row = [zeroed, total, torch.eq(x, 0, out=w).sum(1), *norm]  # the NaN padding is never zero
-        stats.append(torch.stack(per_row, 1))
+        block.work = work[: block.x.numel()].view_as(block.x)
+        per_row, lo, hi = _row_sums(block, cpu)
+        sums.append(per_row)
         lows.append(lo)
         highs.append(hi)
-    per_row = _joined(stats).to(torch.float64)
-    if host_reads:
+    per_row = _joined(sums).to(f64)
+    if cpu:
         per_row[:, 3].square_()
-    zeroed, total, zeros, *about_zero = torch.zeros(m, per_row.shape[1], dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    zeroed, total, zeros, *about_zero = torch.zeros(m, per_row.shape[1], dtype=f64, device=device).index_add_(0, row_of, per_row).unbind(1)
     low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
-    count = laid_out - zeroed + zeros
+    count = layout.laid_out - zeroed + zeros
     mean = total / count.clamp(min=1)
-    # Sweep 2. The sums of squares and of the values are centred on a point near the mean: the
-    # mean rounded to the data's precision (the offset this rounding leaves is summed too and
-    # taken out on the host: the corrected two-pass formula); with host reads, 0 for a tensor
-    # whose sums about 0 lose at most a tenth of their digits to its mean (most gradients),
-    # and the sweep leaves the centred sums out where every tensor of the batch is such.
+    # The sums of squares and of the values are centred on a point near the mean: the mean
+    # rounded to the data's precision (the offset this rounding leaves is summed too and taken
+    # out on the host: the corrected two-pass formula); on the CPU, 0 for a tensor whose sums
+    # about 0 lose at most a tenth of their digits to its mean (most gradients): then the
+    # second sweep leaves the centred sums out where every tensor of the batch is such.
     centred, moments = True, None
     if about_zero:
         squares = about_zero[0]
         near = (squares - total * mean >= 0.1 * squares)[:, None]
         centred = not near.all().item()
         moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
+    histograms = None if bins is None else _Histograms(blocks, layout, low, high, bins, scratch, cpu)
     if centred:
-        centres = mean.to(dtype)[row_of, None]
-        stats = []
-    if bins is not None:
-        # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-        # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones
-        # and the padding land in the extra bin `bins` of their tensor.
-        scale = _bin_scale(high.double() - low.double(), bins, dtype)
-        one_step = host_reads and not (scale[0] != 1).any().item()
-        lows, factors = low[row_of, None], scale[:, row_of, None]
-        # Each block counts into the histograms of the tensors it holds, numbered from its first.
-        local = max(end - first for first, end in (block.tensors for block in blocks))
-        subs = max(1, min(8, (1 << 15) // (local * (bins + 1))))
-        stride = subs * (bins + 1)
-        kind = torch.int16 if device.type == "cpu" and local * stride <= 1 << 15 else torch.int32  # bincount counts int16
-        columns = _columns(subs, bins, kind, device)
-        index_work = _buffer(scratch, "index", largest, kind, device)
-        counts = torch.zeros(m * stride, dtype=torch.int64 if device.type == "cpu" else torch.float64, device=device)
-    for block in blocks if centred or bins is not None else ():
-        x, rows = block.x, block.rows
-        w = work[: x.numel()].view_as(x)
+        centres, sums = mean.to(dtype)[row_of, None], []
+    for block in blocks if centred or histograms else ():  # the second sweep
         if centred:
-            values = torch.sub(x, centres[rows], out=w)
+            values = torch.sub(block.x, centres[block.rows], out=block.work)
             if not block.finite:
                 values.nan_to_num_(0.0, 0.0, 0.0)
-            stats.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
-        if bins is None:
-            continue
-        position = torch.sub(x, lows[rows], out=w)
-        if not one_step:
-            position.mul_(factors[0, rows])
-        position.mul_(factors[1, rows])
+            sums.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
+        if histograms:
+            histograms.count(block)
+    if centred:
+        per_row = _joined(sums).to(f64)
+        per_row[:, 0].square_()
+        centred_sums = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, row_of, per_row)
+        centred_moments = torch.stack([count, mean, *centred_sums.unbind(1), low, high, zeros], 1)
+        moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
+    return moments, None if histograms is None else histograms.counts()
+
+
+def _row_sums(block: _Block, cpu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of a block: the count of zeros and non-finite elements (the NaN padding
+    included), the sum and the count of zeros (on the CPU also the norm) of the finite
+    elements, as one tensor of shape ``(rows, 3 or 4)``; the minimum; the maximum. On the CPU,
+    an unpadded block whose range shows no NaN or Inf is read as it is, and marked finite."""
+    x, w = block.x, block.work
+    norm = []
+    if cpu and not block.padded:
+        low, high = x.amin(1), x.amax(1)
+        block.finite = math.isfinite((high - low).sum().item())
+    if block.finite:
+        zeros = torch.eq(x, 0, out=w).sum(1)
+        if cpu:
+            norm.append(torch.linalg.vector_norm(x, dim=1))
+        return torch.stack([zeros, x.sum(1), zeros, *norm], 1), low, high
+    # Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
+    # for the sums; counts are exact over a row.
+    low = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
+    high = w.nan_to_num_(posinf=-math.inf).amax(1)
+    total = w.nan_to_num_(neginf=0.0).sum(1)
+    if cpu:
+        norm.append(torch.linalg.vector_norm(w, dim=1))
+    zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
+    zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
+    return torch.stack([zeroed, total, zeros, *norm], 1), low, high
+
+
+class _Histograms:
+    """The histograms of a batch, counted a block at a time over ``(tensor * subs + column %
+    subs) * (bins + 1) + bin``, the tensors numbered from the block's first (``subs``
+    histograms per tensor, so that runs of one bin do not wait on one counter; non-finite
+    elements and the padding in the extra bin ``bins``)."""
+
+    def __init__(self, blocks: list[_Block], layout: _Layout, low: Tensor, high: Tensor, bins: int,
+                 scratch: Scratch | None, cpu: bool) -> None:
+        m, device = len(low), low.device
+        # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+        # stack), so the shrunk scale keeps every finite element below `bins`.
+        scale = _bin_scale(high.double() - low.double(), bins, low.dtype)
+        self.one_step = cpu and not (scale[0] != 1).any().item()
+        self.lows, self.factors, self.row_of = low[layout.row_of, None], scale[:, layout.row_of, None], layout.row_of
+        local = max(end - first for first, end in (block.tensors for block in blocks))
+        self.bins, self.subs = bins, max(1, min(8, (1 << 15) // (local * (bins + 1))))
+        self.stride = self.subs * (bins + 1)
+        self.kind = torch.int16 if cpu and local * self.stride <= 1 << 15 else torch.int32  # bincount counts int16
+        self.columns = _columns(self.subs, bins, self.kind, device)
+        self.index = _buffer(scratch, "index", max(block.x.numel() for block in blocks), self.kind, device)
+        self.cpu, self.m = cpu, m
+        self.table = torch.zeros(m * self.stride, dtype=torch.int64 if cpu else torch.float64, device=device)
+
+    def count(self, block: _Block) -> None:
+        x, rows, bins = block.x, block.rows, self.bins
+        position = torch.sub(x, self.lows[rows], out=block.work)
+        if not self.one_step:
+            position.mul_(self.factors[0, rows])
+        position.mul_(self.factors[1, rows])
         if not block.finite:
             position.nan_to_num_(bins, bins, bins)
-        index = index_work[: x.numel()].view_as(x).copy_(position)
+        index = self.index[: x.numel()].view_as(x).copy_(position)
         first, end = block.tensors
         if end - first > 1:
-            index.add_(((row_of[rows] - first) * stride).to(kind)[:, None])
-        if subs > 1:
-            index.add_(columns)
-        _count(index.view(-1), counts[first * stride : end * stride])
-    if centred:
-        per_row = _joined(stats).to(torch.float64)
-        per_row[:, 0].square_()
-        squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
-        centred_moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
-        moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
-    if bins is None:
-        return moments, None
-    return moments, counts.view(m, subs, bins + 1).sum(1)[:, :bins].to(torch.float64)
+            index.add_(((self.row_of[rows] - first) * self.stride).to(self.kind)[:, None])
+        if self.subs > 1:
+            index.add_(self.columns)
+        window = self.table[first * self.stride : end * self.stride]
+        if self.cpu:
+            window += torch.bincount(index.view(-1), minlength=window.numel())
+        else:  # bincount would read its maximum to the host
+            window.index_add_(0, index.view(-1), torch.ones(1, dtype=window.dtype, device=window.device).expand(index.numel()))
+
+    def counts(self) -> Tensor:
+        """float64, ``(tensors, bins)``."""
+        return self.table.view(self.m, self.subs, self.bins + 1).sum(1)[:, : self.bins].to(torch.float64)
 
 
 def _joined(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _count(index: Tensor, counts: Tensor) -> None:
-    """Add the count of every value of ``index`` to ``counts``."""
-    if index.is_cpu:
-        counts += torch.bincount(index, minlength=counts.numel())
-    else:  # bincount would read its maximum to the host
-        counts.index_add_(0, index, torch.ones(1, dtype=counts.dtype, device=counts.device).expand(index.numel()))
 
 
 def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
