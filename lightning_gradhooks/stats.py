@@ -8,8 +8,10 @@ which give the same values (the tests compare them, and both against plain torch
   are gathered into batches of up to :data:`DEVICE_BATCH_ELEMENTS` elements (a bigger tensor is
   a batch of its own), because on accelerators the launch count, not the bytes, is what costs,
   and each batch is reduced with a fixed number of ops, without a host read: segment
-  reductions over rows, one count for all their histograms. The CPU batches the same way, so
-  that the ops counted there are those of a GPU;
+  reductions over rows, one count for all their histograms. On the CPU (:func:`_on_cpu`) the
+  same ops run on batches of :data:`CPU_OPS_BATCH_ELEMENTS`, in blocks that fit a core's
+  cache, big tensors read in place, and skip what a value read on the host shows useless (the
+  masking of finite blocks, most centring);
 - **the C kernels** of ``_kernels.c``, the CPU fast path for float32 gradients, where setup.py
   could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
   bigger one on its own) and reduced in one call, without a copy, in one pass a tensor for the
@@ -46,7 +48,7 @@ except ImportError:
 
 #: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
 #: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: several times slower (docs/benchmarks.md, "Many modules").
+#: slower (docs/benchmarks.md, "Without the C extension").
 C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
@@ -116,7 +118,7 @@ SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that torch ops copy CPU batches into (:func:`reduce_batch`).
+    """Buffers that torch ops copy CPU batches and write their temporaries into (:func:`reduce_batch`).
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
     than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
@@ -570,7 +572,8 @@ class _Histograms:
         index = self.index[: x.numel()].view_as(x).copy_(position)
         first, end = block.tensors
         if end - first > 1:
-            index.add_(((self.row_of[rows] - first) * self.stride).to(self.kind)[:, None])
+            owners = self.row_of[rows] - first if first else self.row_of[rows]
+            index.add_((owners * self.stride).to(self.kind)[:, None])
         if self.subs > 1:
             index.add_(self.columns)
         window = self.table[first * self.stride : end * self.stride]
