@@ -484,28 +484,28 @@ def reduce_batch(
     # rounded to the data's precision (the offset this rounding leaves is summed too and taken
     # out on the host: the corrected two-pass formula); on the CPU, 0 for a tensor whose sums
     # about 0 lose at most a tenth of their digits to its mean (most gradients): then the
-    # second sweep leaves the centred sums out where every tensor of the batch is such.
-    centred, moments = True, None
+    # second sweep centres only the blocks that hold another tensor.
+    far, moments = [True] * m, None
     if about_zero:
         squares = about_zero[0]
         near = (squares - total * mean >= 0.1 * squares)[:, None]
-        centred = not near.all().item()
+        far = (~near).view(-1).tolist()
         moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
     histograms = None if bins is None else _Histograms(blocks, layout, low, high, bins, scratch, cpu)
-    if centred:
-        centres, sums = mean.to(dtype)[row_of, None], []
-    for block in blocks if centred or histograms else ():  # the second sweep
-        if centred:
+    centres, sums, rows = mean.to(dtype)[row_of, None] if any(far) else None, [], []
+    for block in blocks if centres is not None or histograms else ():  # the second sweep
+        if centres is not None and any(far[slice(*block.tensors)]):
             values = torch.sub(block.x, centres[block.rows], out=block.work)
             if not block.finite:
                 values.nan_to_num_(0.0, 0.0, 0.0)
             sums.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
+            rows.append(row_of[block.rows])
         if histograms:
             histograms.count(block)
-    if centred:
+    if sums:
         per_row = _joined(sums).to(f64)
         per_row[:, 0].square_()
-        centred_sums = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, row_of, per_row)
+        centred_sums = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, _joined(rows), per_row)
         centred_moments = torch.stack([count, mean, *centred_sums.unbind(1), low, high, zeros], 1)
         moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
     return moments, None if histograms is None else histograms.counts()
