@@ -368,8 +368,8 @@ def op_counts(case: Case) -> list[str]:
     for path, monitor in monitors.items():
         # On the CPU torch ops lay batches out for its caches and skip work by reading values;
         # the accelerator's ops are counted with those CPU choices off.
-        on_cpu = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "_on_cpu", lambda device: False)
-        with on_cpu, monitor.attach():
+        cpu = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "_on_cpu", lambda device: False)
+        with cpu, monitor.attach():
             step(True)  # in-place probe
             if path == "CPU":
                 not_armed = count_ops(lambda: step(False))[0] - bare

@@ -415,7 +415,9 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
     with NaN. A tensor read in place is first converted to the batch's dtype if it has another
     (float32 beside float64)."""
     read = {k: tensors[k].to(dtype) for k, *_ in layout.in_place}
-    blocks = [_Block(read[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place]
+    blocks = [
+        _Block(read[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place
+    ]
     if not layout.copied:
         return blocks
     device = tensors[0].device
@@ -425,15 +427,15 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
         pieces.append(tensors[k][start:] if start else tensors[k])
         if layout.pads[k]:
             pieces.append(nan[: layout.pads[k]])
-    first = len(layout.owners) - sum(p.numel() for p in pieces) // ROW
-    if len(pieces) > 1:
-        x = torch.cat(pieces, out=_buffer(scratch, "batch", (len(layout.owners) - first) * ROW, dtype, device)).view(-1, ROW)
-    else:
-        x = pieces[0].view(-1, ROW)
+    copied = sum(p.numel() for p in pieces)
+    first = len(layout.owners) - copied // ROW
+    x = torch.cat(pieces, out=_buffer(scratch, "batch", copied, dtype, device)) if len(pieces) > 1 else pieces[0]
+    x = x.view(-1, ROW)
     for r in range(0, len(x), layout.block):
         start, end = first + r, first + min(r + layout.block, len(x))
         padded = bisect.bisect_left(layout.padded, start) < bisect.bisect_left(layout.padded, end)
-        blocks.append(_Block(x[r : r + layout.block], start, (layout.owners[start], layout.owners[end - 1] + 1), padded))
+        owners = (layout.owners[start], layout.owners[end - 1] + 1)
+        blocks.append(_Block(x[r : r + layout.block], start, owners, padded))
     return blocks
 
 
@@ -475,7 +477,8 @@ def reduce_batch(
     per_row = _joined(sums).to(f64)
     if cpu:
         per_row[:, 3].square_()
-    zeroed, total, zeros, *about_zero = torch.zeros(m, per_row.shape[1], dtype=f64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    per_tensor = torch.zeros(m, per_row.shape[1], dtype=f64, device=device).index_add_(0, row_of, per_row)
+    zeroed, total, zeros, *about_zero = per_tensor.unbind(1)
     low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
     count = layout.laid_out - zeroed + zeros
@@ -580,7 +583,8 @@ class _Histograms:
         if self.cpu:
             window += torch.bincount(index.view(-1), minlength=window.numel())
         else:  # bincount would read its maximum to the host
-            window.index_add_(0, index.view(-1), torch.ones(1, dtype=window.dtype, device=window.device).expand(index.numel()))
+            ones = torch.ones(1, dtype=window.dtype, device=window.device).expand(index.numel())
+            window.index_add_(0, index.view(-1), ones)
 
     def counts(self) -> Tensor:
         """float64, ``(tensors, bins)``."""
