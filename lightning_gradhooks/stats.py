@@ -8,8 +8,10 @@ which give the same values (the tests compare them, and both against plain torch
   are gathered into batches of up to :data:`DEVICE_BATCH_ELEMENTS` elements (a bigger tensor is
   a batch of its own), because on accelerators the launch count, not the bytes, is what costs,
   and each batch is reduced with a fixed number of ops, without a host read: segment
-  reductions over rows, one count for all their histograms. The CPU batches the same way, so
-  that the ops counted there are those of a GPU;
+  reductions over rows, one count for all their histograms. On the CPU (:func:`_on_cpu`) the
+  same ops run on batches of :data:`CPU_OPS_BATCH_ELEMENTS`, in blocks that fit a core's
+  cache, big tensors read in place, and skip what a value read on the host shows useless (the
+  masking of finite blocks, most centring);
 - **the C kernels** of ``_kernels.c``, the CPU fast path for float32 gradients, where setup.py
   could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
   bigger one on its own) and reduced in one call, without a copy, in one pass a tensor for the
@@ -28,6 +30,7 @@ one NaN does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -45,7 +48,7 @@ except ImportError:
 
 #: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
 #: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: several times slower (docs/benchmarks.md, "Many modules").
+#: slower (docs/benchmarks.md, "Without the C extension").
 C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
@@ -66,12 +69,19 @@ STATS_WIDTH = len(STATISTICS) + 3
 #: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
 MOMENTS = 7
 
-#: Torch ops reduce a batch once it holds this many elements (64 MiB of float32: fewer, bigger
-#: batches launch fewer kernels); a bigger gradient is a batch of its own.
+#: On accelerators, torch ops reduce a batch once it holds this many elements (64 MiB of float32:
+#: fewer, bigger batches launch fewer kernels); a bigger gradient is a batch of its own.
 DEVICE_BATCH_ELEMENTS = 1 << 24
-#: The C kernels reduce a batch once it holds this many elements; a bigger gradient is reduced
-#: on its own.
+#: On the CPU, the C kernels reduce a batch once it holds this many elements; a bigger gradient
+#: is reduced on its own.
 CPU_BATCH_ELEMENTS = 1 << 20
+#: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows);
+#: a bigger gradient is a batch of its own.
+CPU_OPS_BATCH_ELEMENTS = 1 << 22
+#: On the CPU, torch ops read a gradient of at least this many elements in place, and reduce a
+#: batch in blocks of at most this many, so that a block and what its reductions write stay in
+#: a core's cache.
+CPU_BLOCK_ELEMENTS = 1 << 18
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
@@ -108,7 +118,7 @@ SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that torch ops copy CPU batches into (:func:`reduce_batch`).
+    """Buffers that torch ops copy CPU batches and write their temporaries into (:func:`reduce_batch`).
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
     than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
@@ -176,9 +186,9 @@ class Reducer:
         self.bins = bins
         self.kernels = C_KERNELS if kernels is None else kernels
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches, by (C kernels, histogram): the kernels
-        # batch tensors without a histogram apart (it costs more than the statistics); torch ops
-        # have one batch (launches cost more); what was added.
+        # tensors in the order added); the open batches, by (C kernels, histogram): on the CPU
+        # tensors without a histogram are batched apart (it costs more than the statistics), on
+        # accelerators torch ops have one batch (launches cost more); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
         self._open: dict[tuple[bool, bool], _Batch] = {}
         self._numels: list[int] = []
@@ -199,8 +209,10 @@ class Reducer:
                 self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
                 return
             key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
-        else:  # as on accelerators, wherever it runs: the op count measured on the CPU is the GPU's
-            key, capacity = (False, True), DEVICE_BATCH_ELEMENTS
+        else:  # counted as laid out in rows; a bigger tensor is a batch of its own
+            cpu = _on_cpu(x.device)
+            key, capacity = (False, histogram or not cpu), CPU_OPS_BATCH_ELEMENTS if cpu else DEVICE_BATCH_ELEMENTS
+            n = _rows(n) * ROW
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch()
@@ -286,20 +298,80 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
 
 
+def _on_cpu(device: torch.device) -> bool:
+    """Whether torch ops reduce on ``device`` as on a CPU: batches in cache-sized blocks, big
+    tensors read in place, and values read to the host to skip work (a read costs nothing
+    there); elsewhere they run the same ops whatever the values, and read nothing. Tests and
+    benchmarks patch this to run an accelerator's ops on the CPU."""
+    return device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the rows of a batch come from (:func:`_layout`).
+
+    Attributes:
+        row_of: the tensor of each row, the rows in the order the blocks hold them.
+        owners: ``row_of`` on the host.
+        pads: each tensor's padding.
+        laid_out: each tensor's element count with its padding (float64).
+        in_place: the blocks read in place, each ``(tensor, first element, end element, first
+            row)``: whole rows of a big tensor, or a lone tensor that fills its rows.
+        copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
+            each to the tensor's end, then its padding.
+        padded: the rows that hold padding, in order.
+        block: rows per block.
+    """
+
+    row_of: Tensor
+    owners: list[int]
+    pads: list[int]
+    laid_out: Tensor
+    in_place: list[tuple[int, int, int, int]]
+    copied: list[tuple[int, int]]
+    padded: list[int]
+    block: int
+
+
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int]]:
-    """Rows of a batch: the tensor each row belongs to, and each tensor's padding.
+def _layout(lengths: tuple[int, ...], device: torch.device, cpu: bool) -> _Layout:
+    """The rows of a batch, built once per layout (a model gives the same layouts every logged
+    step) and copied to the device once.
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
-    :data:`ROW` elements. Built once per layout (a model gives the same layouts every logged
-    step) and copied to the device once.
+    :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or,
+    on the CPU, if it holds a block or more (:data:`CPU_BLOCK_ELEMENTS`); everything else is
+    copied into one buffer. A block holds :data:`CPU_BLOCK_ELEMENTS` on the CPU (then it and
+    what its reductions write stay in a core's cache), the whole batch elsewhere (launches, not
+    bytes, cost there).
     """
-    rows = torch.tensor([max(1, -(-n // ROW)) for n in lengths])
-    row_of = torch.repeat_interleave(torch.arange(len(lengths)), rows)
+    rows, pads = [_rows(n) for n in lengths], [-n % ROW if n else ROW for n in lengths]
+    block = CPU_BLOCK_ELEMENTS // ROW if cpu else sum(rows)
+    row_of: list[int] = []
+    in_place, copied, padded = [], [], []
+    for k, n in enumerate(lengths):
+        if (len(lengths) == 1 and n and not pads[k]) or (cpu and n >= CPU_BLOCK_ELEMENTS):
+            for first in range(0, n // ROW, block):
+                end = min(first + block, n // ROW)
+                in_place.append((k, first * ROW, end * ROW, len(row_of)))
+                row_of += [k] * (end - first)
+    read = {k: end for k, _, end, _ in in_place}
+    for k, n in enumerate(lengths):
+        if read.get(k, 0) < n or not n:
+            copied.append((k, read.get(k, 0)))
+            row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
+            if pads[k]:
+                padded.append(len(row_of) - 1)
+    on_host, laid_out = torch.tensor(row_of), torch.tensor(rows, dtype=torch.float64) * ROW
     if device.type == "cuda":
-        row_of = row_of.pin_memory()
-    pads = [r * ROW - n for r, n in zip(rows.tolist(), lengths)]
-    return row_of.to(device, non_blocking=True), pads
+        on_host, laid_out = on_host.pin_memory(), laid_out.pin_memory()
+    return _Layout(on_host.to(device, non_blocking=True), row_of, pads, laid_out.to(device, non_blocking=True),
+                   in_place, copied, padded, block)
+
+
+def _rows(n: int) -> int:
+    """Rows of :data:`ROW` elements that a tensor of ``n`` elements fills in a batch."""
+    return max(1, -(-n // ROW))
 
 
 @functools.lru_cache(maxsize=8)
@@ -307,63 +379,220 @@ def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.full((ROW,), math.nan, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _columns(subs: int, bins: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Offset of each column of a row into the ``subs`` histograms that count it."""
+    return (torch.arange(ROW) % subs * (bins + 1)).to(device, dtype)
+
+
+def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if scratch is not None and device.type == "cpu":
+        return scratch.get(name, numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+@dataclass(slots=True)
+class _Block:
+    """Consecutive rows of a batch: their values, the first row, the tensors they hold (first,
+    end), whether one is padded; where temporaries go (a float view of the rows' shape), and
+    whether every value is known to be finite (then no op has to mask)."""
+
+    x: Tensor
+    first: int
+    tensors: tuple[int, int]
+    padded: bool
+    work: Tensor | None = None
+    finite: bool = False
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + len(self.x))
+
+
+def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
+    """The batch as blocks of consecutive rows (:func:`_layout`): those read in place, then what
+    is copied into one buffer (``scratch`` on the CPU), each tensor on rows of its own, padded
+    with NaN. A tensor read in place is first converted to the batch's dtype if it has another
+    (float32 beside float64)."""
+    read = {k: tensors[k].to(dtype) for k, *_ in layout.in_place}
+    blocks = [
+        _Block(read[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place
+    ]
+    if not layout.copied:
+        return blocks
+    device = tensors[0].device
+    nan = _padding(device, dtype)
+    pieces = []
+    for k, start in layout.copied:
+        pieces.append(tensors[k][start:] if start else tensors[k])
+        if layout.pads[k]:
+            pieces.append(nan[: layout.pads[k]])
+    copied = sum(p.numel() for p in pieces)
+    first = len(layout.owners) - copied // ROW
+    x = torch.cat(pieces, out=_buffer(scratch, "batch", copied, dtype, device)) if len(pieces) > 1 else pieces[0]
+    x = x.view(-1, ROW)
+    for r in range(0, len(x), layout.block):
+        start, end = first + r, first + min(r + layout.block, len(x))
+        padded = bisect.bisect_left(layout.padded, start) < bisect.bisect_left(layout.padded, end)
+        owners = (layout.owners[start], layout.owners[end - 1] + 1)
+        blocks.append(_Block(x[r : r + layout.block], start, owners, padded))
+    return blocks
+
+
 def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
 
-    One ``cat`` lays the tensors out in rows of :data:`ROW` elements, each tensor on rows of its
-    own, padded with NaN (a lone tensor that fills its rows is read in place). Every statistic is
-    a row reduction (summed in float64) followed by one ``index_add`` of the few rows of each
-    tensor; the spread is a second pass, centred on the mean. All histograms are one count over
-    ``tensor * (bins + 1) + bin``. No value is read to the host. On the CPU the batch is copied
-    into ``scratch`` where one is given (a reused buffer costs no page faults).
+    The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
+    with NaN, and reduced a block of rows at a time. Every statistic is a row reduction (summed
+    in float64) followed by one ``index_add`` of the rows of each tensor: a first sweep over the
+    blocks for the finite count, sum, zero count, minimum and maximum (:func:`_row_sums`); a
+    second for the sums centred on the mean and the histograms (:class:`_Histograms`). Every
+    temporary is written into one float buffer and one integer buffer (``scratch`` on the CPU:
+    a reused buffer costs no page faults). No value is read to the host, except on the CPU
+    (:func:`_on_cpu`), where the same ops skip what the values make useless: the masking of a
+    block whose minimum and maximum show no NaN or Inf, the centred sums where those about 0
+    are exact enough (the mean is not far from 0 against the spread, as for most gradients),
+    a multiplication by a scale factor of 1.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    row_of, pads = _layout(tuple(t.numel() for t in tensors), device)
-    m = len(tensors)
-    if m == 1 and not pads[0]:
-        x = tensors[0].view(-1, ROW)
-    else:
-        nan = _padding(device, dtype)
-        pieces = [piece for t, pad in zip(tensors, pads) for piece in ((t, nan[:pad]) if pad else (t,))]
-        out = scratch.get("batch", len(row_of) * ROW, dtype) if scratch is not None and device.type == "cpu" else None
-        x = torch.cat(pieces, out=out).view(-1, ROW)
-    finite = x.abs() < math.inf  # False for NaN, padding included
-    zeroed = x.nan_to_num(0.0, 0.0, 0.0)
-    # exact over a row; the NaN padding is never zero
-    per_row = torch.stack([finite.sum(1), zeroed.sum(1), (x == 0).sum(1)], 1).to(torch.float64)
-    count, total, zeros = torch.zeros(m, 3, dtype=torch.float64, device=device).index_add_(0, row_of, per_row).unbind(1)
+    cpu = _on_cpu(device)
+    layout = _layout(tuple(t.numel() for t in tensors), device, cpu)
+    row_of, m, f64 = layout.row_of, len(tensors), torch.float64
+    blocks = _blocks(tensors, layout, dtype, scratch)
+    largest = max(block.x.numel() for block in blocks)
+    work = _buffer(scratch, "work", largest, dtype, device)
+    sums, lows, highs = [], [], []
+    for block in blocks:
+        block.work = work[: block.x.numel()].view_as(block.x)
+        per_row, lo, hi = _row_sums(block, cpu)
+        sums.append(per_row)
+        lows.append(lo)
+        highs.append(hi)
+    per_row = _joined(sums).to(f64)
+    if cpu:
+        per_row[:, 3].square_()
+    per_tensor = torch.zeros(m, per_row.shape[1], dtype=f64, device=device).index_add_(0, row_of, per_row)
+    zeroed, total, zeros, *about_zero = per_tensor.unbind(1)
+    low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
+    high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
+    count = layout.laid_out - zeroed + zeros
     mean = total / count.clamp(min=1)
-    # Centred on the mean rounded to the data's precision; the offset this rounding leaves is
-    # summed too and taken out on the host (the corrected two-pass formula).
-    centred = (zeroed - mean.to(dtype)[row_of, None]).mul_(finite)
-    per_row = torch.stack([torch.linalg.vector_norm(centred, dim=1), centred.sum(1)], 1).to(torch.float64)
-    per_row[:, 0].square_()
-    squares = torch.zeros(m, 2, dtype=torch.float64, device=device).index_add_(0, row_of, per_row)
-    low = torch.full((m,), math.inf, dtype=dtype, device=device)
-    low.scatter_reduce_(0, row_of, x.nan_to_num(math.inf, math.inf, math.inf).amin(1), "amin")
-    high = torch.full((m,), -math.inf, dtype=dtype, device=device)
-    high.scatter_reduce_(0, row_of, x.nan_to_num(-math.inf, -math.inf, -math.inf).amax(1), "amax")
-    moments = torch.stack([count, mean, *squares.unbind(1), low, high, zeros], 1)
-    if bins is None:
-        return moments, None
-    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-    # stack), so the shrunk scale keeps every finite element below `bins`; non-finite ones and
-    # the padding land in the extra bin `bins` of their tensor.
-    scale = _bin_scale(high.double() - low.double(), bins, dtype)
-    index = (x - low[row_of, None]).mul_(scale[0, row_of, None]).mul_(scale[1, row_of, None]).nan_to_num_(bins, bins, bins)
-    index = index.to(torch.int32).add_((row_of[:, None] * (bins + 1)).to(torch.int32)).view(-1)
-    if device.type == "cpu":
-        counts = torch.bincount(index, minlength=m * (bins + 1)).to(torch.float64)
-    else:  # bincount would read its maximum to the host
-        ones = torch.ones(1, dtype=torch.float64, device=device).expand(index.numel())
-        counts = torch.zeros(m * (bins + 1), dtype=torch.float64, device=device).index_add_(0, index, ones)
-    return moments, counts.view(m, bins + 1)[:, :bins]
+    # The sums of squares and of the values are centred on a point near the mean: the mean
+    # rounded to the data's precision (the offset this rounding leaves is summed too and taken
+    # out on the host: the corrected two-pass formula); on the CPU, 0 for a tensor whose sums
+    # about 0 lose at most a tenth of their digits to its mean (most gradients): then the
+    # second sweep centres only the blocks that hold another tensor.
+    far, moments = [True] * m, None
+    if about_zero:
+        squares = about_zero[0]
+        near = (squares - total * mean >= 0.1 * squares)[:, None]
+        far = (~near).view(-1).tolist()
+        moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
+    histograms = None if bins is None else _Histograms(blocks, layout, low, high, bins, scratch, cpu)
+    centres, sums, rows = mean.to(dtype)[row_of, None] if any(far) else None, [], []
+    for block in blocks if centres is not None or histograms else ():  # the second sweep
+        if centres is not None and any(far[slice(*block.tensors)]):
+            values = torch.sub(block.x, centres[block.rows], out=block.work)
+            if not block.finite:
+                values.nan_to_num_(0.0, 0.0, 0.0)
+            sums.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
+            rows.append(row_of[block.rows])
+        if histograms:
+            histograms.count(block)
+    if sums:
+        per_row = _joined(sums).to(f64)
+        per_row[:, 0].square_()
+        centred_sums = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, _joined(rows), per_row)
+        centred_moments = torch.stack([count, mean, *centred_sums.unbind(1), low, high, zeros], 1)
+        moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
+    return moments, None if histograms is None else histograms.counts()
+
+
+def _row_sums(block: _Block, cpu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of a block: the count of zeros and non-finite elements (the NaN padding
+    included), the sum and the count of zeros (on the CPU also the norm) of the finite
+    elements, as one tensor of shape ``(rows, 3 or 4)``; the minimum; the maximum. On the CPU,
+    an unpadded block whose range shows no NaN or Inf is read as it is, and marked finite."""
+    x, w = block.x, block.work
+    norm = []
+    if cpu and not block.padded:
+        low, high = x.amin(1), x.amax(1)
+        block.finite = math.isfinite((high - low).sum().item())
+    if block.finite:
+        zeros = torch.eq(x, 0, out=w).sum(1)
+        if cpu:
+            norm.append(torch.linalg.vector_norm(x, dim=1))
+        return torch.stack([zeros, x.sum(1), zeros, *norm], 1), low, high
+    # Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
+    # for the sums; counts are exact over a row.
+    low = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
+    high = w.nan_to_num_(posinf=-math.inf).amax(1)
+    total = w.nan_to_num_(neginf=0.0).sum(1)
+    if cpu:
+        norm.append(torch.linalg.vector_norm(w, dim=1))
+    zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
+    zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
+    return torch.stack([zeroed, total, zeros, *norm], 1), low, high
+
+
+class _Histograms:
+    """The histograms of a batch, counted a block at a time over ``(tensor * subs + column %
+    subs) * (bins + 1) + bin``, the tensors numbered from the block's first (``subs``
+    histograms per tensor, so that runs of one bin do not wait on one counter; non-finite
+    elements and the padding in the extra bin ``bins``)."""
+
+    def __init__(self, blocks: list[_Block], layout: _Layout, low: Tensor, high: Tensor, bins: int,
+                 scratch: Scratch | None, cpu: bool) -> None:
+        m, device = len(low), low.device
+        # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+        # stack), so the shrunk scale keeps every finite element below `bins`.
+        scale = _bin_scale(high.double() - low.double(), bins, low.dtype)
+        self.one_step = cpu and not (scale[0] != 1).any().item()
+        self.lows, self.factors, self.row_of = low[layout.row_of, None], scale[:, layout.row_of, None], layout.row_of
+        local = max(end - first for first, end in (block.tensors for block in blocks))
+        self.bins, self.subs = bins, max(1, min(8, (1 << 15) // (local * (bins + 1))))
+        self.stride = self.subs * (bins + 1)
+        self.kind = torch.int16 if cpu and local * self.stride <= 1 << 15 else torch.int32  # bincount counts int16
+        self.columns = _columns(self.subs, bins, self.kind, device)
+        self.index = _buffer(scratch, "index", max(block.x.numel() for block in blocks), self.kind, device)
+        self.cpu, self.m = cpu, m
+        self.table = torch.zeros(m * self.stride, dtype=torch.int64 if cpu else torch.float64, device=device)
+
+    def count(self, block: _Block) -> None:
+        x, rows, bins = block.x, block.rows, self.bins
+        position = torch.sub(x, self.lows[rows], out=block.work)
+        if not self.one_step:
+            position.mul_(self.factors[0, rows])
+        position.mul_(self.factors[1, rows])
+        if not block.finite:
+            position.nan_to_num_(bins, bins, bins)
+        index = self.index[: x.numel()].view_as(x).copy_(position)
+        first, end = block.tensors
+        if end - first > 1:
+            owners = self.row_of[rows] - first if first else self.row_of[rows]
+            index.add_((owners * self.stride).to(self.kind)[:, None])
+        if self.subs > 1:
+            index.add_(self.columns)
+        window = self.table[first * self.stride : end * self.stride]
+        if self.cpu:
+            window += torch.bincount(index.view(-1), minlength=window.numel())
+        else:  # bincount would read its maximum to the host
+            ones = torch.ones(1, dtype=window.dtype, device=window.device).expand(index.numel())
+            window.index_add_(0, index.view(-1), ones)
+
+    def counts(self) -> Tensor:
+        """float64, ``(tensors, bins)``."""
+        return self.table.view(self.m, self.subs, self.bins + 1).sum(1)[:, : self.bins].to(torch.float64)
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:

@@ -293,9 +293,10 @@ def test_channels_last_expanded_and_sparse_gradients_give_what_their_contiguous_
         assert row[:3] == pytest.approx(ref_row[:3], rel=1e-5)
 
 
-def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_host():
-    """The accelerator path: the same ops whatever the number of tensors in a batch, and no value
-    read to the host before finish (``.item()`` would wait for the device)."""
+def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_host(monkeypatch):
+    """The accelerator path (what torch ops run off the CPU): the same ops whatever the number of
+    tensors in a batch, and no value read to the host before finish (``.item()`` would wait for
+    the device)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -304,6 +305,7 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
                 ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
+    monkeypatch.setattr(stats, "_on_cpu", lambda device: False)
     g = torch.Generator().manual_seed(11)
     counted = []
     for count in (10, 100):
@@ -312,7 +314,7 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
         reducer = Reducer(16, kernels=False)
         for k, t in enumerate(tensors):
             reducer.add(t, histogram=k % 2 == 0)
-        stats._layout(tuple(t.numel() for t in tensors), torch.device("cpu"))  # cached per model
+        stats.reduce_batch(tensors, 16)  # layouts are cached per model
         ops = []
         with Ops():
             stats.reduce_batch(tensors, 16)
@@ -321,6 +323,42 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
         assert row[0] == pytest.approx(tensors[0].norm().item(), rel=1e-5) and sum(counts) == tensors[0].numel()
     assert counted[0] == counted[1]
     assert not [op for op in counted[0] if "local_scalar" in op or op.startswith("item")], counted[0]
+
+
+@pytest.mark.parametrize("bins", [None, 8, 64])
+def test_torch_ops_give_on_the_cpu_what_they_give_on_accelerators(monkeypatch, bins):
+    """On the CPU torch ops read big tensors in place, in blocks, and skip the masking of finite
+    blocks, the centred sums where the mean is near 0 and a scale factor of 1; the accelerator's
+    sequence (no host read, run here on the CPU) gives the same statistics and histograms."""
+    from lightning_gradhooks.stats import CPU_BLOCK_ELEMENTS
+
+    g = torch.Generator().manual_seed(12)
+    big = CPU_BLOCK_ELEMENTS * 2 + 5  # blocks in place, a padded tail copied
+    tensors = [
+        torch.randn(big, generator=g) * (torch.rand(big, generator=g) > 0.5),
+        torch.randn(4 * CPU_BLOCK_ELEMENTS, generator=g) * 1e-3 + 1000.0,  # far from 0: centred
+        torch.randn(big, generator=g),
+        torch.randn(1023, generator=g),
+        torch.randn(1024, generator=g).double(),
+        torch.randn(1025, generator=g),
+        torch.linspace(0, 1, 3000) * 1e-42,  # a denormal span: the exact 2**64 step
+        torch.full((70,), -2.5),
+        torch.zeros(0),
+        torch.randn(5, generator=g),
+    ]
+    tensors[2][CPU_BLOCK_ELEMENTS + 7] = float("nan")  # one block in place must mask
+    tensors[2][-1] = float("inf")  # and the copied tail
+    tensors[5][::100] = float("-inf")
+    on_cpu = reduce(tensors, bins, kernels=False)
+    monkeypatch.setattr(stats, "_on_cpu", lambda device: False)
+    accelerator = reduce(tensors, bins, kernels=False)
+    for t, (row, counts), (expected_row, expected_counts) in zip(tensors, on_cpu, accelerator):
+        assert counts == expected_counts
+        assert row[3:] == expected_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
+        assert row[:3] == pytest.approx(expected_row[:3], rel=1e-6, abs=1e-30)
+        finite = t[torch.isfinite(t)].double()
+        if finite.numel():
+            assert dict(zip(STATISTICS, row))["norm"] == pytest.approx(finite.norm().item(), rel=1e-5)
 
 
 def _zero_heavy(n: int, share: float, first_zero: bool, seed: int) -> torch.Tensor:
