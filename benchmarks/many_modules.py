@@ -35,7 +35,7 @@ replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of 
 hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
 interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
-C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps; ``--lightning-rounds``
+C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 Two tables: the mean step of each fit (the headline), and its median step (without the rare slow
 steps where the allocator returned freed memory to the kernel). With ``--breakdown`` also every
@@ -78,6 +78,7 @@ from overhead import StepTimer, machine  # noqa: E402
 from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
 from lightning_gradhooks import stats  # noqa: E402
+from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
 from lightning_gradhooks.stats import C_KERNELS  # noqa: E402
 
 Batch = tuple[Tensor, ...]
@@ -468,6 +469,8 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
         "plain": lambda: [],
         "GradHooks every step": lambda: [GradHooks(every_n_steps=1)],
         "GradHooks every 50 steps": lambda: [GradHooks(every_n_steps=50)],
+        # What the defaults chart (norm, update_ratio) against charting every statistic.
+        "every step, every statistic": lambda: [GradHooks(every_n_steps=1, statistics=list(LOGGED_STATISTICS))],
     }
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
