@@ -262,7 +262,8 @@ class _Engine:
     def _raise_pending(self) -> None:
         if self._error is not None:
             failure, self._error = self._error, None
-            self._failed_step = -1  # later saves belong to a new attempt
+            # The failed step's records still queued fail with it, without a second error: the
+            # next step (a new step number) is a new attempt.
             _raise(failure)
 
     def _waiter(self) -> queue.SimpleQueue[None]:
