@@ -51,7 +51,7 @@ import math
 import re
 import statistics as _statistics
 from array import array
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from lightning_gradhooks.records import GradientRecord
@@ -309,25 +309,18 @@ class HealthReport:
         self._sizes: dict[str, float] = {}  # parameter -> element count, from its gradient
         self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
 
-    def add(self, step: int, record: GradientRecord, statistics: Collection[str] | None = None) -> None:
-        """Take in the record of one logged step; with ``statistics``, only those (what was
-        logged: the report of the log is then this one)."""
-        if statistics is None:
-            self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
-        else:
-            chosen = set(statistics)
-            self.add_stats(step, {(e.kind, e.name): {k: v for k, v in e.stats.items() if k in chosen} for e in record.entries})
+    def add(self, step: int, record: GradientRecord) -> None:
+        """Take in the record of one logged step."""
+        self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
 
     def add_stats(
         self,
         step: int,
         stats: Mapping[tuple[str, str], Mapping[str, float]],
-        counts: Mapping[tuple[str, str], float] | None = None,
         new_step: bool = True,
     ) -> None:
         """Take in one logged step as ``{(kind, name): {statistic: value}}``, in record order;
-        ``new_step=False`` for more statistics of a step already counted (update ratios).
-        ``counts`` is accepted for compatibility and not used: the report reads what a log holds."""
+        ``new_step=False`` for more statistics of a step already counted (update ratios)."""
         t = self.thresholds
         if new_step:
             self.steps += 1
