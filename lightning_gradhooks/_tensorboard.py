@@ -60,6 +60,8 @@ def section(kind: str, stat: str) -> str:
 
 #: The sections of the per-module gradient norms (what a table of columns, CSV, gets).
 NORM_SECTIONS = tuple(section(kind, "norm") for kind in ("grad_output", "grad_input", "param_grad"))
+#: The sections of the optimizer step's per-parameter statistics, by their ``statistics`` name.
+UPDATE_SECTIONS = {"update_ratio": section("param", "update_ratio"), "param_norm": section("param", "norm")}
 
 
 def _masked_crc32c(data: bytes) -> int:

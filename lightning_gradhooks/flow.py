@@ -45,7 +45,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from lightning_gradhooks._tensorboard import OVERVIEW, section
+from lightning_gradhooks._tensorboard import OVERVIEW, UPDATE_SECTIONS, section
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.stats import STATISTICS
 
@@ -62,8 +62,6 @@ MAX_STEPS = 400
 DRAW_BUDGET = 0.02
 #: Lines per Custom Scalars chart at most.
 MAX_LINES = 12
-#: The optimizer step's per-parameter statistics, and their statistic name in a section (kind ``param``).
-UPDATE_STATS = (("update_ratio", "update_ratio"), ("param_norm", "norm"))
 
 
 def have_matplotlib() -> bool:
@@ -354,7 +352,7 @@ def custom_scalars_layout(
     ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
     # Hook entries come in backward order: reversed, the charts follow the forward order.
     tags = [(section(kind, stat), kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
-    tags += [(section("param", stat), "param_grad") for option, stat in UPDATE_STATS if option in statistics]
+    tags += [(tag, "param_grad") for option, tag in UPDATE_SECTIONS.items() if option in statistics]
     for tag, kind in sorted(tags):  # in the order of the Time Series sections (one-digit numbers)
         if ordered.get(kind):
             layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}

@@ -39,7 +39,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks._tensorboard import FLOW_TAG, HISTOGRAMS, NORM_SECTIONS, OVERVIEW, scalar_metrics, section, write_step
+from lightning_gradhooks._tensorboard import (
+    FLOW_TAG, HISTOGRAMS, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, scalar_metrics, write_step,
+)
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.monitor import listed
@@ -49,7 +51,7 @@ from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
-UPDATE_STATISTICS = ("update_ratio", "param_norm")
+UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
 LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 #: Every statistic a log can chart, in the order of the docs.
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
@@ -311,9 +313,9 @@ class GradientLog:
             metrics = {}
             for name, (ratio, norm) in values.items():
                 if "update_ratio" in self.statistics:
-                    metrics[f"{section('param', 'update_ratio')}/{name}"] = ratio
+                    metrics[f"{UPDATE_SECTIONS['update_ratio']}/{name}"] = ratio
                 if "param_norm" in self.statistics:
-                    metrics[f"{section('param', 'norm')}/{name}"] = norm
+                    metrics[f"{UPDATE_SECTIONS['param_norm']}/{name}"] = norm
             for other in filter(_is_wandb, self._others):
                 other.log_metrics(metrics, step=step)
             stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
