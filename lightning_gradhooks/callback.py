@@ -170,7 +170,6 @@ class GradHooksLogic:
         #: The offload engine's counters (:class:`~lightning_gradhooks.offload.OffloadStats`)
         #: when the last fit ended; None without offload.
         self.offload_stats: Any = None
-        self._offload_active = False
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
         self._in_nonfinite_episode = False  # restored from a checkpoint, handed to the log
@@ -324,10 +323,9 @@ class GradHooksLogic:
             self._offload = None
 
     def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
-        if self._offload_active:
-            self._offload_active = False
-            if self._offload.active:  # __enter__ may have been interrupted before its hooks were on
-                self._offload.__exit__(exc_type, None, None)
+        # Not active after an __enter__ that was interrupted: it left no hooks behind.
+        if self._offload is not None and self._offload.active:
+            self._offload.__exit__(exc_type, None, None)
 
     # -- steps -----------------------------------------------------------------------------
     @override
@@ -348,8 +346,7 @@ class GradHooksLogic:
             monitor.arm()
         elif monitor is not None and monitor.armed:  # a later micro-batch of a logged step
             self._collector.pause()
-        if self._offload is not None and not self._offload_active:
-            self._offload_active = True  # first: an interrupt inside __enter__ still gets an exit
+        if self._offload is not None and not self._offload.active:
             self._offload.__enter__()
 
     @override
