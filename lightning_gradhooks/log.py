@@ -321,7 +321,7 @@ class GradientLog:
             stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
             for writer in self._tensorboards:
                 write_step(writer, metrics, None, step, stats)
-            self.report.add_stats(step, stats, new_step=False)
+            self.report.add_stats(step, stats)
 
     def _draw_flow(self, final: bool = False) -> None:
         """Write the flow picture of the latest logged step (at the end: if not drawn yet)."""

@@ -47,12 +47,14 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import statistics as _statistics
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from lightning_gradhooks.records import GradientRecord
 
@@ -62,6 +64,9 @@ GRADIENT_KINDS = ("grad_output", "grad_input", "param_grad")
 #: A norm whose square is beyond float32: what float32 norms (``clip_grad_norm_``) see as Inf.
 OVERFLOW_NORM = math.sqrt(3.4028234663852886e38)
 _PREFIX = re.compile(r"^(optimizer_\d+/)")
+#: Why a parameter that gets gradients is ``stalled`` at once: no optimizer holds it.
+_STATE_VERSION = 1
+UNOWNED = "in no optimizer: it gets gradients, but nothing steps it"
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,15 @@ class Thresholds:
 
     Attributes:
         vanishing_ratio: RMS below this share of the median RMS (same kind, same step) ...
-        vanishing_steps: ... for this many logged steps in a row.
+        vanishing_steps: ... for this many logged steps in a row, while the parameters it
+            reaches move by less than ...
+        vanishing_update_ratio: ... this share of the model's median update ratio (a small
+            gradient that an Adam-family optimizer still turns into normal steps is not a
+            problem); where no update was measured, the gradient alone decides.
+        no_gradient_ratio: a parameter gradient whose norm is below this share of the norm of
+            the gradient its module receives (``grad_output``), ``vanishing_steps`` logged
+            steps in a row, is zero by construction (float round-off: a bias followed by a
+            normalisation layer): a note, never a flag.
         exploding_factor: RMS this many times the median of its own last values ...
         exploding_window: ... over this many logged steps (the baseline) ...
         exploding_steps: ... for this many logged steps in a row (also for update ratios).
@@ -89,6 +102,8 @@ class Thresholds:
 
     vanishing_ratio: float = 1e-3
     vanishing_steps: int = 3
+    vanishing_update_ratio: float = 1e-2
+    no_gradient_ratio: float = 1e-3
     exploding_factor: float = 100.0
     exploding_window: int = 5
     exploding_steps: int = 2
@@ -123,6 +138,8 @@ class Thresholds:
 _RANGES = {
     "vanishing_ratio": (0.0, 1.0, (False, False)),
     "vanishing_steps": (1, None, (True, True)),
+    "vanishing_update_ratio": (0.0, 1.0, (True, True)),
+    "no_gradient_ratio": (0.0, 1.0, (True, False)),
     "exploding_factor": (1.0, None, (False, True)),
     "exploding_window": (1, None, (True, True)),
     "exploding_steps": (1, None, (True, True)),
@@ -158,6 +175,7 @@ class Flag:
     last: float
     module: str = ""
     score: float = 0.0  # how bad, within the flag: higher is worse
+    reason: str = ""  # a reason other than the flag's own definition (``UNOWNED``)
 
 
 @dataclass
@@ -182,6 +200,8 @@ class _Track:
     start: int | None = None
     length: int = 0
     values: list[float] = field(default_factory=list)
+    last: float = 0.0  # the value and score at the latest bad step
+    score: float = 0.0
 
 
 def module_of(kind: str, name: str) -> str:
@@ -294,13 +314,17 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
 class HealthReport:
     """Accumulates logged steps and flags gradient problems (see the module docstring).
 
+    A step is judged once all its statistics are in: the statistics given for one step (one
+    call, or several: the update ratios after the gradients, one record per optimizer) are
+    merged, and the step is judged when a later step arrives or the report is read. Its state
+    survives a resume through :meth:`state_dict` / :meth:`load_state_dict`.
+
     Args:
         thresholds: when to flag; default :class:`Thresholds`.
     """
 
     def __init__(self, thresholds: Thresholds | None = None) -> None:
         self.thresholds = thresholds or Thresholds()
-        self.steps = 0
         self._seen: list[int] = []
         self._flags: dict[tuple[str, str], Flag] = {}
         self._tracks: dict[tuple[str, str], _Track] = {}
@@ -308,25 +332,49 @@ class HealthReport:
         self._order: dict[str, int] = {}  # module -> first position in backward order
         self._sizes: dict[str, float] = {}  # parameter -> element count, from its gradient
         self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
+        self._notes: dict[str, Flag] = {}  # parameter -> its no-gradient note (while it holds)
+        self._pending: dict[int, dict[tuple[str, str], dict[str, float]]] = {}  # steps not judged yet
+
+    @property
+    def steps(self) -> int:
+        """The number of logged steps taken in."""
+        return len(self._seen)
 
     def add(self, step: int, record: GradientRecord) -> None:
         """Take in the record of one logged step."""
         self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
 
-    def add_stats(
-        self,
-        step: int,
-        stats: Mapping[tuple[str, str], Mapping[str, float]],
-        new_step: bool = True,
-    ) -> None:
-        """Take in one logged step as ``{(kind, name): {statistic: value}}``, in record order;
-        ``new_step=False`` for more statistics of a step already counted (update ratios)."""
-        t = self.thresholds
-        if new_step:
-            self.steps += 1
+    def add_stats(self, step: int, stats: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
+        """Take in statistics of logged step ``step`` as ``{(kind, name): {statistic: value}}``,
+        in record order. Several calls for one step are merged (one step, counted once); a call
+        for a later step judges the earlier ones. Statistics of a step already judged are
+        ignored (a resume replays no step the report has seen)."""
+        if step not in self._pending:
+            if self._seen and step <= self._seen[-1]:
+                return
+            self._judge_pending()
+            self._pending[step] = {}
             self._seen.append(step)
-        stats = {key: _f32(s) for key, s in stats.items()}
+        merged = self._pending[step]
+        for key, s in stats.items():
+            merged.setdefault(key, {}).update(_f32(s))
+
+    def _judge_pending(self) -> None:
+        for step in sorted(self._pending):
+            self._judge(step, self._pending.pop(step))
+
+    def _settled(self) -> HealthReport:
+        """The report with every step judged, leaving this one open to more of its last step."""
+        if not self._pending:
+            return self
+        settled = copy.deepcopy(self)
+        settled._judge_pending()
+        return settled
+
+    def _judge(self, step: int, stats: dict[tuple[str, str], dict[str, float]]) -> None:
+        t = self.thresholds
         entries = [(k, n, s) for (k, n), s in stats.items()]
+        first_bad = self._nonfinite is None
         self._check_nonfinite(step, entries)
         for k, n, s in entries:
             if k in GRADIENT_KINDS:
@@ -335,11 +383,17 @@ class HealthReport:
                 self._sizes[n] = size
             if k == "param_grad" and s.get("zero_fraction") is not None:
                 (self._zero_grads.add if s["zero_fraction"] >= t.dead_zero_fraction else self._zero_grads.discard)(n)
+        unowned = self._check_unowned(step, entries)
+        quiet = self._check_no_gradient(step, entries) | unowned
+        moving = self._moving(entries)
         values = {(k, n): rms(s) for k, n, s in entries if k in GRADIENT_KINDS and not _bad(k, s)}
         medians = {kind: _median([v for (k, _), v in values.items() if k == kind]) for kind in GRADIENT_KINDS}
         for (kind, name), value in values.items():
+            if kind == "param_grad" and name in quiet:
+                continue
             label, median = f"{kind} {name}", medians[kind]
-            low = value is not None and median is not None and value < t.vanishing_ratio * median
+            # Small, and learning stops with it: the update is small too (or not measured).
+            low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(kind, name)
             self._run("vanishing", label, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
             if value is None:
                 continue
@@ -351,7 +405,87 @@ class HealthReport:
             history.append(value)
             del history[: -t.exploding_window]
         self._check_dead(step, entries)
-        self._check_updates(step, [(n, s) for k, n, s in entries if k == "param"])
+        self._check_updates(step, [(n, s) for k, n, s in entries if k == "param" and n not in quiet])
+        if first_bad and self._nonfinite is not None:
+            self._promote_explosions()
+
+    def _check_unowned(self, step: int, entries: list) -> set[str]:
+        """Parameters that get a gradient but that no optimizer steps (``in_optimizer`` 0):
+        ``stalled`` at once, with that reason. Returns their names."""
+        grads = {n: s for k, n, s in entries if k == "param_grad"}
+        unowned = set()
+        for kind, name, s in entries:
+            if kind != "param" or s.get("in_optimizer", 1.0) != 0.0:
+                continue
+            unowned.add(name)
+            gradient = grads.get(name, {})
+            gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0
+            self._run("stalled", f"param {name}", step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
+        return unowned
+
+    def _check_no_gradient(self, step: int, entries: list) -> set[str]:
+        """Parameters whose gradient is float round-off next to the gradient their module
+        receives: zero by construction (a bias followed by a normalisation layer). A note while
+        it holds, never a flag; returns the parameters that are that way at this step."""
+        t = self.thresholds
+        outputs: dict[str, float] = {}
+        for kind, name, s in entries:
+            if kind == "grad_output" and not _bad(kind, s) and s.get("norm") is not None:
+                module = module_of(kind, name)
+                outputs[module] = math.hypot(outputs.get(module, 0.0), s["norm"])
+        quiet = set()
+        for kind, name, s in entries:
+            if kind != "param_grad" or _bad(kind, s) or s.get("norm") is None:
+                continue
+            arriving = outputs.get(module_of(kind, name), 0.0)
+            ratio = s["norm"] / arriving if arriving > 0 else math.nan
+            # Round-off, not exact zeros: a gradient that is exactly zero where its module's is
+            # not has an input that is zero (downstream of a dead layer): ``stalled`` says so.
+            none = ratio < t.no_gradient_ratio and s.get("zero_fraction", 0.0) < t.dead_zero_fraction
+            track = self._track("no_gradient", name)
+            if not none:
+                track.start, track.length = None, 0
+                self._notes.pop(name, None)
+                continue
+            track.start = step if track.start is None else track.start
+            track.length += 1
+            if track.length >= t.vanishing_steps:
+                self._notes[name] = Flag("note", f"param_grad {name}", track.start, ratio, module_of(kind, name))
+            quiet.add(name)
+        return quiet
+
+    def _moving(self, entries: list):  # noqa: ANN202
+        """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
+        least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
+        with the gradient). False where no update ratio was measured."""
+        t = self.thresholds
+        ratios = {n: s["update_ratio"] for k, n, s in entries
+                  if k == "param" and math.isfinite(s.get("update_ratio", math.nan)) and s.get("in_optimizer", 1.0) != 0.0}
+        median = _median(list(ratios.values()))
+        if not median:
+            return lambda kind, name: False
+        fast = {n for n, r in ratios.items() if r >= t.vanishing_update_ratio * median}
+        by_module: dict[str, list[bool]] = {}
+        for n in ratios:
+            by_module.setdefault(module_of("param", n), []).append(n in fast)
+
+        def moving(kind: str, name: str) -> bool:
+            if kind == "param_grad":
+                return name in fast
+            module = by_module.get(module_of(kind, name))
+            return bool(module) and all(module)
+
+        return moving
+
+    def _promote_explosions(self) -> None:
+        """At the first non-finite logged step, an explosion seen on the logged step before it
+        (or on this one) is named even though it had no time to last: the next logged step was
+        already NaN."""
+        for (check, label), track in self._tracks.items():
+            if check != "exploding" or track.start is None or (check, label) in self._flags:
+                continue
+            kind, _, name = label.partition(" ")
+            self._flags[(check, label)] = Flag(check, label, track.start, track.last, module_of(kind, name), track.score)
 
     def _check_dead(self, step: int, entries: list) -> None:
         t = self.thresholds
@@ -394,19 +528,60 @@ class HealthReport:
         if origin is not None:
             module, detail, value = origin
             before = [s for s in self._seen if s < step]
-            detail += f"; last clean logged step {before[-1]}" if before else "; no clean logged step before it"
+            exploding = any(c == "exploding" and t.start is not None for (c, _), t in self._tracks.items())
+            if before and exploding:
+                detail += f"; last finite logged step {before[-1]}, already exploding there"
+            else:
+                detail += f"; last clean logged step {before[-1]}" if before else "; no clean logged step before it"
             self._nonfinite = Row("nonfinite", module, step, value, detail, score=math.inf)
 
     @property
     def first_nonfinite(self) -> Row | None:
         """The ``nonfinite`` row: the first logged step with NaN/Inf and where they were born."""
-        return self._nonfinite
+        return self._settled()._nonfinite
+
+    # -- resume --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the report has learnt, in plain Python values (for a checkpoint)."""
+        return {
+            "version": _STATE_VERSION,
+            "seen": list(self._seen),
+            "flags": [asdict(f) for f in self._flags.values()],
+            "tracks": [[c, label, t.start, t.length, list(t.values), t.last, t.score] for (c, label), t in self._tracks.items()],
+            "nonfinite": asdict(self._nonfinite) if self._nonfinite is not None else None,
+            "order": dict(self._order),
+            "sizes": dict(self._sizes),
+            "zero_grads": sorted(self._zero_grads),
+            "notes": [asdict(f) for f in self._notes.values()],
+            "pending": [[step, [[k, n, dict(s)] for (k, n), s in stats.items()]] for step, stats in self._pending.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (the thresholds stay this report's own).
+
+        Raises:
+            ValueError: ``state`` is not a state of this version of the report.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"HealthReport.load_state_dict expected a state of version {_STATE_VERSION}, got {got!r}")
+        self._seen = [int(s) for s in state["seen"]]
+        self._flags = {(f["flag"], f["name"]): Flag(**f) for f in state["flags"]}
+        self._tracks = {(c, label): _Track(start, length, list(values), last, score)
+                        for c, label, start, length, values, last, score in state["tracks"]}
+        row = state["nonfinite"]
+        self._nonfinite = None if row is None else Row(**{**row, "consequences": [Flag(**f) for f in row["consequences"]]})
+        self._order = dict(state["order"])
+        self._sizes = dict(state["sizes"])
+        self._zero_grads = set(state["zero_grads"])
+        self._notes = {f["name"].partition(" ")[2]: Flag(**f) for f in state["notes"]}
+        self._pending = {int(step): {(k, n): dict(s) for k, n, s in stats} for step, stats in state["pending"]}
 
     def _track(self, check: str, label: str) -> _Track:
         return self._tracks.setdefault((check, label), _Track())
 
     def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float,
-             module: str | None = None, score: float = 0.0) -> None:
+             module: str | None = None, score: float = 0.0, reason: str = "") -> None:
         track = self._track(flag, label)
         if not bad:
             track.start, track.length = None, 0
@@ -414,6 +589,7 @@ class HealthReport:
         if track.start is None:
             track.start = step
         track.length += 1
+        track.last, track.score = value, score
         if track.length >= needed:
             previous = self._flags.get((flag, label))
             if module is None:
@@ -421,11 +597,13 @@ class HealthReport:
                 module = module_of(kind, name)
             since = previous.since if previous else track.start
             worst = max(score, previous.score) if previous else score
-            self._flags[(flag, label)] = Flag(flag, label, since, value, module, worst)
+            self._flags[(flag, label)] = Flag(flag, label, since, value, module, worst, reason)
 
     # -- reading the report ----------------------------------------------------------------
     def flags(self) -> list[Flag]:
         """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
+        if self._pending:
+            return self._settled().flags()
         found = sorted(self._flags.values(), key=lambda f: (FLAGS.index(f.flag), f.since, -f.score))
         first = self._nonfinite
         head = [Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf)] if first else []
@@ -434,7 +612,9 @@ class HealthReport:
     def rows(self) -> list[Row]:
         """The grouped report: one row per flag per module (its entries folded in), worst first;
         upstream modules with the same flag, and stalled parameters of dead modules, under
-        their cause."""
+        their cause; non-finite weights under the explosion that made them."""
+        if self._pending:
+            return self._settled().rows()
         groups: dict[tuple[str, str], list[Flag]] = {}
         for f in self._flags.values():
             groups.setdefault((f.flag, f.module), []).append(f)
@@ -447,39 +627,71 @@ class HealthReport:
         dead = sorted((r for r in rows.values() if r.flag == "dead"), key=lambda r: r.since)
         for (flag, module), row in list(rows.items()):
             stalled = groups[(flag, module)]
-            if flag == "stalled" and dead and (
+            if flag == "stalled" and dead and not any(f.reason for f in stalled) and (
                 ("dead", module) in groups or all(f.name.partition(" ")[2] in self._zero_grads for f in stalled)
             ):
                 cause = next((r for r in dead if r.module == module or any(c.module == module for c in r.consequences)), dead[0])
                 cause.consequences += stalled
                 del rows[(flag, module)]
         _fold_upstream(rows, groups, "stalled", order)
-        if self._nonfinite is not None:
-            first = self._nonfinite
-            earlier = [f for f in self._flags.values() if f.flag == "exploding" and f.since < first.since]
-            detail = first.detail
-            if earlier:
-                modules = len({f.module for f in earlier})
-                detail += f"; preceded by exploding since step {min(f.since for f in earlier)} on {counted(modules, 'module')}"
-            rows[("nonfinite", first.module)] = Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)
-        return sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
+        ranked = sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
+        if self._nonfinite is None:
+            return ranked
+        first = self._nonfinite
+        earlier = [r for r in ranked if r.flag == "exploding" and r.since <= first.since]
+        made_by_updates = first.detail.startswith(("weights already non-finite", "the optimizer step"))
+        if earlier and made_by_updates:
+            # The weights went non-finite through the updates of an explosion: name the
+            # explosion, where it was seen, with the non-finite weights as its consequence.
+            cause = min(earlier, key=lambda r: (r.since, -r.score))
+            cause.consequences.append(Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf,
+                                           first.detail))
+            return [cause] + [r for r in ranked if r is not cause]
+        detail = first.detail
+        if earlier:
+            modules = len({r.module for r in earlier})
+            detail += f"; preceded by exploding since step {min(r.since for r in earlier)} on {counted(modules, 'module')}"
+        return [Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)] + ranked
+
+    def notes(self) -> list[Flag]:
+        """What is worth knowing and is no problem: parameters that get no gradient by
+        construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
+        if self._pending:
+            return self._settled().notes()
+        return sorted(self._notes.values(), key=lambda f: (self._order.get(f.module, 0), f.name))
+
+    def _note_line(self) -> str | None:
+        notes = self.notes()
+        if not notes:
+            return None
+        names = [f.name.partition(" ")[2] for f in notes]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        verb = "gets" if len(notes) == 1 else "get"
+        return (f"note: {counted(len(notes), 'parameter')} {verb} no gradient by construction (below "
+                f"{self.thresholds.no_gradient_ratio:g} of the gradient its module receives: a bias followed by a "
+                f"normalisation layer, a shift or scale that a later operation removes); never trained, removable: {shown}")
 
     def table(self, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
         """The report as plain text: the grouped rows, worst first, at most ``limit`` per flag
         and ``max_lines`` lines in all (the rest counted), or every flagged entry with ``full``;
         one line when nothing was seen."""
+        if self._pending:
+            return self._settled().table(full, limit, max_lines)
         rows = self.rows()
+        note = self._note_line()
         if not rows:
-            return f"GradHooks: no gradient problems seen in {counted(self.steps, 'logged step')}."
+            clean = f"GradHooks: no gradient problems seen in {counted(self.steps, 'logged step')}."
+            return clean + (f"\n{note}" if note else "")
         if full:
             return self._full_table()
-        counts = {flag: sum(r.flag == flag for r in rows) for flag in FLAGS}
+        counts = {flag: sum(r.flag == flag for r in rows) + sum(c.flag == flag and c.score == math.inf
+                                                                 for r in rows for c in r.consequences) for flag in FLAGS}
         summary = ", ".join(f"{flag} on {counted(n, 'module')}" for flag, n in counts.items() if n)
         header = f"GradHooks: {summary} in {counted(self.steps, 'logged step')} (worst first; every entry: --all, or the Text tab):"
         cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
-        budget = max_lines - len(lines)
+        budget = max_lines - len(lines) - bool(note)
         blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
         # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
         reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
@@ -499,9 +711,12 @@ class HealthReport:
             if shown < len(block) and budget > 0:
                 lines.append(f"    ... and {counted(len(block) - shown, 'more module')} flagged {flag} (--all)")
                 budget -= 1
+        lines += [note] if note else []
         return "\n".join(line.rstrip() for line in lines)
 
     def _full_table(self) -> str:
+        if self._pending:
+            return self._settled()._full_table()
         flags = self.flags()
         rows = [("entry", "flag", "since step", "last value")] + [
             (f.name, f.flag, str(f.since), f"{f.last:.3g}") for f in flags
@@ -510,19 +725,24 @@ class HealthReport:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         header = f"GradHooks: {counted(len(flags), 'flagged entry', 'flagged entries')} in {counted(self.steps, 'logged step')}:"
         extra = [f"nonfinite: {self._nonfinite.detail}"] if self._nonfinite else []
-        return "\n".join([header, *lines, *extra])
+        note = self._note_line()
+        return "\n".join([header, *lines, *extra, *([note] if note else [])])
 
     def markdown(self) -> str:
         """The report as Markdown (TensorBoard's Text tab): the grouped rows, then every entry."""
+        if self._pending:
+            return self._settled().markdown()
         rows = self.rows()
+        note = self._note_line()
         if not rows:
-            return f"No gradient problems seen in {counted(self.steps, 'logged step')}."
+            return f"No gradient problems seen in {counted(self.steps, 'logged step')}." + (f"\n\n{note}" if note else "")
         lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
         for r in rows:
             what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")
             lines.append(f"| {r.flag} | `{r.module}` | {r.since} | {r.value:.3g} | {what} |")
         lines += ["", "Every flagged entry:", "", "| entry | flag | since step | last value |", "|---|---|---|---|"]
         lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in self.flags()]
+        lines += ["", note] if note else []
         return "\n".join(lines)
 
     def names(self, flags: set[str] | None = None) -> set[str]:
@@ -542,7 +762,9 @@ def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str
     nearest the loss): a module upstream of it flagged since the same step or later is one of
     its consequences (no gradient flows up through a dead layer; a vanishing one keeps
     shrinking; nothing moves where nothing arrives)."""
-    flagged = sorted((r for (fl, _), r in rows.items() if fl == flag), key=lambda r: order.get(r.module, 0))
+    # A row with a reason of its own (a parameter in no optimizer) is its own cause.
+    flagged = sorted((r for (fl, m), r in rows.items() if fl == flag and not any(f.reason for f in groups[(fl, m)])),
+                     key=lambda r: order.get(r.module, 0))
     causes: list[Row] = []
     for row in flagged:
         cause = next((c for c in causes if c.since <= row.since), None)
@@ -561,7 +783,10 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
     if flag == "dead":
         detail = "output and parameter gradients all zero"
     elif flag == "stalled":
-        detail = "update ratio 0 or far below the model's: " + ", ".join(e.partition(" ")[2] for e in entries)
+        reasons: dict[str, list[str]] = {}
+        for f in flags:
+            reasons.setdefault(f.reason or "update ratio 0 or far below the model's", []).append(f.name.partition(" ")[2])
+        detail = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items())
     else:
         detail = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
         if flag == "exploding":
@@ -570,8 +795,14 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
 
 
 def _consequences(row: Row) -> str:
+    then = [f"then nonfinite at logged step {f.since}: {f.reason}" for f in row.consequences if f.flag == "nonfinite"]
+    upstream = [f for f in row.consequences if f.flag != "nonfinite"]
+    return "; ".join(([_upstream(upstream)] if upstream else []) + then)
+
+
+def _upstream(consequences: list[Flag]) -> str:
     kinds: dict[str, list[str]] = {}
-    for f in row.consequences:
+    for f in consequences:
         kinds.setdefault(f.flag, []).append(f.module if f.flag != "stalled" else f.name.partition(" ")[2])
     parts = []
     for flag, names in kinds.items():

@@ -276,9 +276,9 @@ def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_we
     grads = {("param_grad", "w"): {"norm": 2.0, "mean": 0.0, "std": 1.0}, ("param_grad", "b"): {"norm": 1.0, "mean": 0.5, "std": 0.5}}
     report.add_stats(0, grads)
     # b was all zero before the step: an infinite ratio with finite weights after it is no overflow.
-    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}}, new_step=False)
+    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}})
     assert report.flags() == []
-    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}}, new_step=False)
+    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}})
     (row,) = report.rows()
     assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
     assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
