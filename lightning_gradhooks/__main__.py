@@ -92,7 +92,12 @@ class Run:
 
 
 def read_folder(folder: Path) -> Run:
-    """Read the event files directly in ``folder``, in name (= creation) order."""
+    """Read the event files directly in ``folder``, in name (= creation) order.
+
+    A run resumed from a checkpoint writes a new file into the same folder; where it logs a step
+    that an earlier file holds already (a checkpoint older than the last logged step), the
+    earlier file's steps from there on are dropped, as TensorBoard drops them: what the resumed
+    run logged replaces them, and the report is the resumed run's own."""
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.util import tensor_util
 
@@ -100,6 +105,7 @@ def read_folder(folder: Path) -> Run:
     damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
         events, logged = 0, set()
+        restart: int | None = None  # the first GradHooks step of this file
         for record in read_records(path):
             if isinstance(record, _Damage):
                 record.events, record.steps = events, len(logged)
@@ -114,6 +120,10 @@ def read_folder(folder: Path) -> Run:
             for value in event.summary.value:
                 gradhooks = gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's overview, an older log's
                 summary = read_stats_value(value)
+                if restart is None and (summary is not None or _parse_tag(value.tag) is not None):
+                    restart = event.step
+                    for stale in [s for s in steps if s >= restart]:
+                        del steps[stale]
                 if summary is not None:  # every statistic of the step, compact
                     gradhooks = True
                     logged.add(event.step)
@@ -163,6 +173,10 @@ _THRESHOLD_HELP = {
     "vanishing_ratio": "Flag vanishing when a gradient's RMS is below this share of the median RMS of its kind "
     "at the same step.",
     "vanishing_steps": "Flag vanishing only after this many logged steps in a row.",
+    "vanishing_update_ratio": "Do not flag vanishing while the parameters it reaches still move by at least this "
+    "share of the model's median update ratio.",
+    "no_gradient_ratio": "Note, not flag, a parameter whose gradient is below this share of the gradient its module "
+    "receives: zero by construction.",
     "exploding_factor": "Flag exploding when a gradient's RMS is this many times the median of its own last values.",
     "exploding_window": "Take that median over this many of its last logged values.",
     "exploding_steps": "Flag exploding only after this many logged steps in a row (update ratios too).",

@@ -172,7 +172,8 @@ class GradHooksLogic:
         self.offload_stats: Any = None
         self._interval = 1
         self._step = 0  # the global step the armed record will be logged at
-        self._in_nonfinite_episode = False  # restored from a checkpoint, handed to the log
+        self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
+        self._unowned: list[Any] = []  # trainable parameters that no optimizer holds
         # Python's cyclic collector is off from the start of a logged batch to its end: the
         # record, events and report rows of a logged step would otherwise set off full
         # collections of the whole process (~250 ms each with Lightning imported). A collector
@@ -216,15 +217,29 @@ class GradHooksLogic:
 
     def state_dict(self) -> dict[str, Any]:
         # The logging schedule follows `trainer.global_step`, which Lightning restores; what is
-        # ours is whether the last logged step already warned about non-finite gradients.
-        episode = self.gradient_log.in_nonfinite_episode if self.gradient_log is not None else self._in_nonfinite_episode
-        return {"in_nonfinite_episode": episode}
+        # ours is the log's: the health report, the flow picture's history, the NaN episode. A
+        # resumed run reports on the whole run, as `python -m lightning_gradhooks report` does.
+        return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callback states after `setup`, so this survives `_cleanup`.
-        self._in_nonfinite_episode = bool(state_dict.get("in_nonfinite_episode", False))
-        if self.gradient_log is not None:
-            self.gradient_log.in_nonfinite_episode = self._in_nonfinite_episode
+        # Lightning restores callback states after `setup` and, with most strategies, before
+        # `on_fit_start`, where the log is made and takes it; a checkpoint of an older version
+        # holds only the episode.
+        state = state_dict.get("log")
+        if state is None and "in_nonfinite_episode" in state_dict:
+            state = {"report": None, "in_nonfinite_episode": bool(state_dict["in_nonfinite_episode"])}
+        self._restored = state
+        if self.gradient_log is not None and state is not None:
+            self._restore(self.gradient_log)
+
+    def _restore(self, log: GradientLog) -> None:
+        state = self._restored
+        if state is None:
+            return
+        if state.get("report") is None:  # an older checkpoint: the episode only
+            log.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
+        else:
+            log.load_state_dict(state)
 
     # -- lifecycle -------------------------------------------------------------------------
     @override
@@ -233,7 +248,7 @@ class GradHooksLogic:
             return
         self._cleanup()
         self.gradient_log = None  # made at fit start, when the optimizers exist
-        self._in_nonfinite_episode = False
+        self._restored = None
         self._monitor = GradientMonitor(
             pl_module,
             include=self.include,
@@ -291,7 +306,11 @@ class GradHooksLogic:
             sync_dist=self.sync_dist,
             echo=self._echo(trainer),
         )
-        self.gradient_log.in_nonfinite_episode = self._in_nonfinite_episode
+        self._restore(self.gradient_log)
+        # A head left out of `configure_optimizers` gets gradients and never moves: its
+        # gradients are collected with the first optimizer's, and the log says it is in none.
+        held = {id(p) for o in trainer.optimizers for group in o.param_groups for p in group["params"]}
+        self._unowned = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in held]
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -311,7 +330,6 @@ class GradHooksLogic:
         self._in_batch = False
         self._collector.resume()
         if self.gradient_log is not None and not self.gradient_log.closed:
-            self._in_nonfinite_episode = self.gradient_log.in_nonfinite_episode
             self.gradient_log.close()
         if self._monitor is not None:
             self._monitor.remove()
@@ -357,6 +375,8 @@ class GradHooksLogic:
         if monitor is None or not (monitor.armed or self._pieces_due):
             return  # steps that are not logged end here
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._unowned and optimizer is trainer.optimizers[0]:
+            params += self._unowned
         if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.
             if pl_module.automatic_optimization:

@@ -148,6 +148,15 @@ class GradientFlow:
         self.rms.append(values)
         del self.steps[:-MAX_STEPS], self.rms[:-MAX_STEPS]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The history the picture is drawn from (plain Python values, for a checkpoint)."""
+        return {"modules": list(self.modules), "steps": list(self.steps), "rms": [dict(v) for v in self.rms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`: later steps are drawn after the history it holds."""
+        self.modules, self.steps = list(state["modules"]), [int(s) for s in state["steps"]]
+        self.rms = [dict(v) for v in state["rms"]]
+
     def image(self) -> Any:
         """The picture of the latest step as a ``(HEIGHT, WIDTH, 3)`` uint8 numpy array (needs
         matplotlib); the time it takes counts against :data:`DRAW_BUDGET`."""

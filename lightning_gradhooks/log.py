@@ -233,11 +233,13 @@ class GradientLog:
         suffix = ""
         if index is not None and len(self.optimizers) > 1:
             record, suffix = record.prefixed(f"optimizer_{index}"), f"_optimizer_{index}"
-        self._write_updates(wait=False)  # of earlier steps: first, as it drops a snapshot not taken yet
+        # The update ratios of earlier steps, first (it drops a snapshot not taken yet), so the
+        # report judges each step with all its statistics. They landed long ago: no wait.
+        self._write_updates(wait=True)
         if record.entries:
             self._last_step = step
             self._measure_update(record, step, index, suffix, stepping)
-            self._write_record(record, step, suffix, scalars or {})
+            self._write_record(record, step, suffix, scalars or {}, self._unowned(record, "" if not suffix else f"optimizer_{index}/"))
 
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
         if optimizer is None:
@@ -247,6 +249,15 @@ class GradientLog:
             if o is optimizer:
                 return i
         raise ValueError(f"`optimizer` expected one of the log's {len(self.optimizers)} optimizers, got another")
+
+    def _unowned(self, record: GradientRecord, prefix: str) -> dict[tuple[str, str], dict[str, float]]:
+        """Chosen parameters with a gradient that no optimizer of the log holds: their
+        ``("param", name)`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
+        if not self.optimizers or not record.parameters:
+            return {}
+        held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
+        return {("param", prefix + name): {"in_optimizer": 0.0} for name, p in record.parameters.items()
+                if id(p) not in held and getattr(p, "grad", None) is not None}
 
     def _measure_update(self, record: GradientRecord, step: int, index: int | None, suffix: str,
                         stepping: bool) -> None:
@@ -265,11 +276,13 @@ class GradientLog:
             if index is None or i == index:
                 self._updates.expect(o, step, prefix, now=stepping)
 
-    def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float]) -> None:
+    def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float],
+                      unowned: dict[tuple[str, str], dict[str, float]]) -> None:
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
         # The summary also says how many gradients an entry pools, when more than one.
         stats = {(e.kind, e.name): {**e.stats, "calls": e.calls} if e.calls > 1 else e.stats for e in record.entries}
+        stats.update(unowned)
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
@@ -284,7 +297,7 @@ class GradientLog:
             self._flow.add(step, record)
             if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
                 self._draw_flow()
-        self.report.add(step, record)
+        self.report.add_stats(step, stats)
         # Named as the report and the `report` command name it (the same function).
         origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
         if origin is not None and not self.in_nonfinite_episode:
@@ -331,6 +344,26 @@ class GradientLog:
         image = flow.image()
         for writer in self._tensorboards:
             writer.add_image(FLOW_TAG, image, flow.steps[-1], dataformats="HWC")
+
+    # -- resume --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on where this one stopped: the health report's state,
+        the flow picture's history and whether a non-finite episode is under way (plain Python
+        values, for a checkpoint). Writes the update ratios measured so far first."""
+        if not self.closed:
+            self._write_updates(wait=True)
+        return {
+            "report": self.report.state_dict(),
+            "flow": self._flow.state_dict() if self._flow is not None else None,
+            "in_nonfinite_episode": self.in_nonfinite_episode,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` of an earlier log (of the run being resumed)."""
+        self.report.load_state_dict(state["report"])
+        if self._flow is not None and state.get("flow") is not None:
+            self._flow.load_state_dict(state["flow"])
+        self.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> HealthReport | None:

@@ -287,7 +287,8 @@ def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
     trainer.save_checkpoint(path)
     states = torch.load(path, weights_only=False)["callbacks"]
     assert len([k for k in states if k.startswith("GradHooks")]) == 2
-    assert states[first.state_key] == {"in_nonfinite_episode": True}
+    state = states[first.state_key]["log"]
+    assert state["in_nonfinite_episode"] is True and state["report"]["seen"] == [0, 2]
 
     resumed = GradHooks(every_n_steps=2, include=["net.4"])
     trainer = make_trainer(tmp_path / "b", [resumed], max_steps=6)
@@ -297,6 +298,9 @@ def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
     assert not [w for w in rec if "non-finite" in str(w.message)]  # still the same episode
     events = read_events(trainer.logger.log_dir)
     assert [e.step for e in events.Scalars("∇2 grad_output_norm/net.4")] == [4]
+    # The report goes on from the checkpoint's: the NaN of step 2, and three logged steps.
+    report = resumed.gradient_log.report
+    assert report.steps == 3 and report.first_nonfinite.since == 2
 
 
 def test_event_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):

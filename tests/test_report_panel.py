@@ -57,15 +57,20 @@ def test_deep_sigmoid_stack_is_vanishing_on_its_first_layers_and_never_exploding
     agree(text, log_dir)
 
 
-def test_divergence_is_flagged_nonfinite_at_its_first_logged_step_in_a_short_report(tmp_path):
+def test_divergence_is_named_at_its_explosion_with_the_nonfinite_weights_under_it(tmp_path):
     report, text, log_dir, model = panel.fit(tmp_path, lambda seed: panel.resnet(seed, lr=2.0, task="mse"), steps=30)
     first_bad = next(i for i, loss in enumerate(model.losses) if not math.isfinite(loss))
-    row = report.rows()[0]
-    assert row.flag == "nonfinite"
+    nonfinite = report.first_nonfinite
     # The first logged step (every 3) at or after the first step whose loss was not finite, or
     # earlier when the gradients or the update of a logged step already were.
-    assert row.since <= 3 * math.ceil(first_bad / 3)
-    assert "preceded by exploding since step" in row.detail  # the update ratios, before the NaN
+    assert nonfinite.since <= 3 * math.ceil(first_bad / 3)
+    # The weights went NaN through exploding updates: the explosion is the row, where it was
+    # seen, and the non-finite weights follow from it.
+    row = report.rows()[0]
+    assert row.flag == "exploding" and row.since < nonfinite.since
+    assert [(c.flag, c.since) for c in row.consequences] == [("nonfinite", nonfinite.since)]
+    assert f"then nonfinite at logged step {nonfinite.since}: weights already non-finite" in text
+    assert "nonfinite" in report.names() and text.startswith("GradHooks: nonfinite on 1 module, exploding on")
     assert len(text.splitlines()) <= 40
     agree(text, log_dir)
 
