@@ -28,6 +28,7 @@ from lightning_gradhooks.monitor import (
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.report import Thresholds
+from lightning_gradhooks.sentinel import NonfiniteSentinel
 
 
 if TYPE_CHECKING:
@@ -97,6 +98,12 @@ class GradHooksLogic:
             tensors in memory (plus one tensor), the newest, and write the oldest to disk
             (``save_on_disk(budget_bytes=...)``); None (default): every tensor of at least
             ``offload_threshold_bytes`` is written. Needs ``offload_threshold_bytes``.
+        catch_nonfinite: on every optimizer step, logged or not, check that the gradients are
+            finite (one fused norm and one host read per step,
+            :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel`); when they are not, skip
+            the step (its gradients are dropped, so the weights stay finite), name the step and
+            the parameters in the report, and log the next step in full. Off by default; under
+            a gradient scaler (AMP fp16) the scaler already skips such steps, and it is not run.
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -131,6 +138,7 @@ class GradHooksLogic:
         sync_dist: bool = False,
         report_thresholds: dict[str, float] | None = None,
         offload_budget_bytes: int | None = None,
+        catch_nonfinite: bool = False,
     ) -> None:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -147,6 +155,7 @@ class GradHooksLogic:
             "statistics", statistics, list(LOGGED_STATISTICS))
         check_bool("histograms", histograms)
         check_bool("sync_dist", sync_dist)
+        check_bool("catch_nonfinite", catch_nonfinite)
         self.every_n_steps = every_n_steps
         self.include = include
         self.exclude = exclude
@@ -157,6 +166,9 @@ class GradHooksLogic:
         self.offload_dir = offload_dir
         self.offload_budget_bytes = offload_budget_bytes
         self.sync_dist = sync_dist
+        self.catch_nonfinite = catch_nonfinite
+        self._sentinel: NonfiniteSentinel | None = None
+        self._log_next = False  # the sentinel caught a NaN: log the next step in full
         self.report_thresholds = dict(report_thresholds or {})
         self._thresholds = _thresholds(self.report_thresholds)
         self._monitor: GradientMonitor | None = None
@@ -311,6 +323,8 @@ class GradHooksLogic:
         # gradients are collected with the first optimizer's, and the log says it is in none.
         held = {id(p) for o in trainer.optimizers for group in o.param_groups for p in group["params"]}
         self._unowned = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in held]
+        self._log_next = False
+        self._sentinel = NonfiniteSentinel(pl_module.named_parameters()) if self.catch_nonfinite else None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -354,7 +368,8 @@ class GradHooksLogic:
             self._end_batch(trainer)
         self._in_batch = True
         monitor = self._monitor
-        logged = trainer.global_step % self._interval == 0
+        logged = trainer.global_step % self._interval == 0 or self._log_next
+        self._log_next = False
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
         observed = trainer.is_global_zero or self._pooled
         self._pieces_due = (self._pooled or self._pieces) and logged
@@ -372,10 +387,32 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         monitor = self._monitor
-        if monitor is None or not (monitor.armed or self._pieces_due):
-            return  # steps that are not logged end here
+        armed = monitor is not None and monitor.armed
+        if monitor is not None and (armed or self._pieces_due):
+            self._write_logged(trainer, pl_module, optimizer)
+        if self._sentinel is not None:
+            self._check_finite(trainer, optimizer, recorded=armed)
+        # steps that are not logged end here
+
+    def _check_finite(self, trainer: pl.Trainer, optimizer: Any, recorded: bool) -> None:
+        """The sentinel: a step with a non-finite gradient is skipped (its gradients dropped)
+        and, unless its record says it already, written to the log."""
+        if _loss_scale(trainer) is not None:
+            return  # the gradient scaler skips such steps itself
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._unowned and optimizer is trainer.optimizers[0]:
+        bad = self._sentinel.check(params)
+        if bad is None:
+            return
+        for p in params:
+            p.grad = None  # the optimizer skips parameters without a gradient
+        self._log_next = True
+        if self.gradient_log is not None and not recorded:
+            self.gradient_log.write_caught(trainer.global_step, bad, self._sentinel.last_checked)
+
+    def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        monitor = self._monitor
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._unowned and getattr(optimizer, "_optimizer", optimizer) is trainer.optimizers[0]:
             params += self._unowned
         if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.

@@ -241,6 +241,34 @@ class GradientLog:
             self._measure_update(record, step, index, suffix, stepping)
             self._write_record(record, step, suffix, scalars or {}, self._unowned(record, "" if not suffix else f"optimizer_{index}/"))
 
+    def write_caught(self, step: int, names: Sequence[str], checked: int) -> None:
+        """Write that :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel` caught non-finite
+        gradients at ``step`` (a step that need not be logged), before the optimizer step:
+        ``names`` as it returned them (the one nearest the loss last), of ``checked``
+        parameters with a gradient. The report and the
+        ``report`` command name the step and where it was born; the warning says it once per
+        episode."""
+        if self.closed:
+            raise RuntimeError("GradientLog.write_caught: the log is closed")
+        if _rank() != 0 or not names:
+            return
+        self._write_updates(wait=True)
+        stats = {("caught", name): {"nonfinite": 1.0, "checked": float(checked)} for name in names}
+        for writer in self._tensorboards:
+            write_step(writer, {f"{OVERVIEW}/caught_nonfinite": float(len(names))}, None, step, stats)
+        for other in self._others:
+            other.log_metrics({f"{OVERVIEW}/caught_nonfinite" if _is_wandb(other) else "caught_nonfinite": float(len(names))},
+                              step=step)
+        self.report.add_stats(step, stats)
+        self._warn_nonfinite(step, stats)
+
+    def _warn_nonfinite(self, step: int, stats: dict[tuple[str, str], dict[str, float]]) -> None:
+        # Named as the report and the `report` command name it (the same function).
+        origin = nonfinite_origin([(k, n, s) for (k, n), s in stats.items()])
+        if origin is not None and not self.in_nonfinite_episode:
+            warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=4)
+        self.in_nonfinite_episode = origin is not None
+
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
         if optimizer is None:
             return None
@@ -298,11 +326,7 @@ class GradientLog:
             if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
                 self._draw_flow()
         self.report.add_stats(step, stats)
-        # Named as the report and the `report` command name it (the same function).
-        origin = nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])
-        if origin is not None and not self.in_nonfinite_episode:
-            warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=3)
-        self.in_nonfinite_episode = origin is not None
+        self._warn_nonfinite(step, stats)
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""

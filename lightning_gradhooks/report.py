@@ -290,6 +290,14 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
         return None
     count = {(k, n): s.get("nonfinite", 0) for k, n, s in entries}
     stats = {(k, n): s for k, n, s in entries}
+    caught = [name for kind, name, _ in bad if kind == "caught"]
+    if caught:  # by the sentinel, on a step that may not be logged: the parameters alone tell
+        checked = int(stats[("caught", caught[0])].get("checked", 0))
+        where = ("in every parameter: the loss or the forward pass made them" if len(caught) == checked else
+                 f"nearest the loss `{caught[-1]}`: born in its module's backward or after it")
+        return (module_of("param_grad", caught[-1]),
+                f"caught before the optimizer step, which was skipped (the weights are still finite): non-finite "
+                f"gradients in {counted(len(caught), 'parameter')}, {where}", float(len(caught)))
     for kind, name, why in bad:
         if kind == "weights":
             return name, f"weights already non-finite when the step began ({counted(int(count[kind, name]), 'parameter')})", count[kind, name]
@@ -405,7 +413,10 @@ class HealthReport:
             history.append(value)
             del history[: -t.exploding_window]
         self._check_dead(step, entries)
-        self._check_updates(step, [(n, s) for k, n, s in entries if k == "param" and n not in quiet])
+        # A step with non-finite gradients is skipped (a gradient scaler, the sentinel): its
+        # update says nothing about the parameters.
+        if not any(_bad(k, s) for k, _, s in entries if k in GRADIENT_KINDS or k == "caught"):
+            self._check_updates(step, [(n, s) for k, n, s in entries if k == "param" and n not in quiet])
         if first_bad and self._nonfinite is not None:
             self._promote_explosions()
 
@@ -522,7 +533,15 @@ class HealthReport:
             self._run("stalled", label, step, still, t.stalled_steps, ratio)
 
     def _check_nonfinite(self, step: int, entries: list) -> None:
-        if self._nonfinite is not None and self._nonfinite.since <= step:
+        first = self._nonfinite
+        if first is not None and first.since <= step:
+            # Caught by the sentinel on a step that was not logged: the next logged step, logged
+            # in full, says where it is born when it comes again.
+            if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(
+                    k == "caught" for k, _, _ in entries):
+                again = nonfinite_origin(entries)
+                if again is not None and not again[1].startswith("weights"):
+                    first.detail += f"; at step {step}, logged in full after it: {again[1]}"
             return
         origin = nonfinite_origin(entries)
         if origin is not None:
