@@ -342,6 +342,7 @@ class GradHooksLogic:
 
     def _cleanup(self) -> None:
         self._in_batch = False
+        self._sentinel, self._unowned = None, []
         self._collector.resume()
         if self.gradient_log is not None and not self.gradient_log.closed:
             self.gradient_log.close()

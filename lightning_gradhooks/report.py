@@ -450,9 +450,7 @@ class HealthReport:
                 continue
             arriving = outputs.get(module_of(kind, name), 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
-            # Round-off, not exact zeros: a gradient that is exactly zero where its module's is
-            # not has an input that is zero (downstream of a dead layer): ``stalled`` says so.
-            none = ratio < t.no_gradient_ratio and s.get("zero_fraction", 0.0) < t.dead_zero_fraction
+            none = ratio < t.no_gradient_ratio
             track = self._track("no_gradient", name)
             if not none:
                 track.start, track.length = None, 0
@@ -623,7 +621,7 @@ class HealthReport:
         """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
         if self._pending:
             return self._settled().flags()
-        found = sorted(self._flags.values(), key=lambda f: (FLAGS.index(f.flag), f.since, -f.score))
+        found = sorted([*self._flags.values(), *self._stalled_behind_dead()], key=lambda f: (FLAGS.index(f.flag), f.since, -f.score))
         first = self._nonfinite
         head = [Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf)] if first else []
         return head + found
@@ -653,6 +651,10 @@ class HealthReport:
                 cause.consequences += stalled
                 del rows[(flag, module)]
         _fold_upstream(rows, groups, "stalled", order)
+        # A weight whose gradient is exactly zero because its input is (downstream of a dead
+        # layer) is no redundant parameter: it is stalled, under the dead layer.
+        if dead:
+            dead[0].consequences += self._stalled_behind_dead()
         ranked = sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
         if self._nonfinite is None:
             return ranked
@@ -677,7 +679,18 @@ class HealthReport:
         construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
         if self._pending:
             return self._settled().notes()
-        return sorted(self._notes.values(), key=lambda f: (self._order.get(f.module, 0), f.name))
+        dead = [f for f in self._flags.values() if f.flag == "dead"]
+        behind_dead = set(map(id, self._dead_inputs(dead)))
+        return sorted((f for f in self._notes.values() if id(f) not in behind_dead),
+                      key=lambda f: (self._order.get(f.module, 0), f.name))
+
+    def _dead_inputs(self, dead: list) -> list[Flag]:
+        """Notes of parameters whose gradient is exactly zero, when a module is dead."""
+        return [f for f in self._notes.values() if f.name.partition(" ")[2] in self._zero_grads] if dead else []
+
+    def _stalled_behind_dead(self) -> list[Flag]:
+        dead = [f for f in self._flags.values() if f.flag == "dead"]
+        return [Flag("stalled", f"param {n.name.partition(' ')[2]}", n.since, 0.0, n.module) for n in self._dead_inputs(dead)]
 
     def _note_line(self) -> str | None:
         notes = self.notes()
