@@ -978,22 +978,18 @@ def relu_mlp(seed: int, kill_at: int | None = None, bias: float | None = None) -
     return Lit(net, "adam", 3e-3, schedule="cosine", warmup=10, events=events), points(seed)
 
 
-def deep_tanh(seed: int) -> tuple[Lit, TensorDataset]:
-    """A 40-layer tanh MLP (16 wide), weights initialised at std 0.4/sqrt(fan_in): each layer
-    shrinks the backward signal ~0.4x, so the first layers' gradients are ~1e-15 of the last
-    ones'. SGD 0.05.
+def deep_sigmoid_cnn(seed: int, depth: int = 12) -> tuple[Lit, TensorDataset]:
+    """A plain CNN of ``depth`` 3x3 convs (8 channels, PyTorch's default init) each followed by a
+    sigmoid, global pooling, a head; SGD 0.05 momentum 0.9. The sigmoid's slope (at most 1/4)
+    shrinks the backward signal at every layer while the forward one stays ~0.5.
 
-    Checked: ``net.0.weight``'s gradient RMS ~1e-17 at step 0 against ~1e-2 for the head;
-    the loss falls only through the last layers."""
+    Checked: at step 0 the weight gradient RMS falls from ~1e-2 at the last conv to ~1e-12 at the
+    first; the loss barely moves (1.39 -> 1.38 in 60 steps)."""
     layers: list[nn.Module] = []
-    widths = [8] + [16] * 40
-    for cin, cout in zip(widths, widths[1:]):
-        layer = nn.Linear(cin, cout)
-        nn.init.normal_(layer.weight, std=0.4 / math.sqrt(cin))
-        nn.init.zeros_(layer.bias)
-        layers += [layer, nn.Tanh()]
-    layers.append(nn.Linear(16, 3))
-    return Lit(nn.Sequential(*layers), "sgd", 0.05), points(seed)
+    for i in range(depth):
+        layers += [nn.Conv2d(3 if i == 0 else 8, 8, 3, 1, 1), nn.Sigmoid()]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)]
+    return Lit(nn.Sequential(*layers), "sgd", 0.05), images(seed)
 
 
 def mlp_mse(seed: int, lr: float) -> tuple[Lit, TensorDataset]:
