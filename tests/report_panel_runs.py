@@ -91,6 +91,8 @@ TUNE = {r.name: r for r in [
         "Adam, dropout, label smoothing 0.1", 100, 5),
     Run("resnet_resumed", panel.resnet, "ResNet (bias=False, frozen stem)",
         "SGD momentum; resumed from last.ckpt at step 40", 80, 5, resume_at=40),
+    Run("lstm_tagger", panel.lstm_tagger, "2-layer LSTM tagger, dropout between layers",
+        "Adam, warmup 10 + linear decay, clip 0.5", 200, 10, trainer={"gradient_clip_val": 0.5}, schedule=True),
     # -- broken
     Run("relu_rnn_explodes", panel.relu_rnn_explode, "ReLU RNN, recurrent spectral radius 1.6, 128 steps",
         "SGD 0.01 momentum", 30, 5,
@@ -135,6 +137,8 @@ HELDOUT = {r.name: r for r in [
         "SGD 0.5 momentum, clip 0.5, warmup 10 + linear", 200, 10, trainer={"gradient_clip_val": 0.5}, schedule=True),
     Run("gru_attention_pool", panel.attention_pool, "GRU + attention pooling (score bias removed by softmax)",
         "Adam, label smoothing 0.05", 150, 10),
+    Run("roberta_mlm", panel.roberta_mlm, "RoBERTa masked LM (transformers), tied decoder",
+        "AdamW wd 0.01, warmup 20 + linear decay", 200, 10, schedule=True),
     # -- broken
     Run("dead_mlp_resumed", lambda seed: panel.relu_mlp(seed, bias=-50.0), "ReLU MLP, a layer with bias -50",
         "Adam, warmup + cosine; resumed from last.ckpt at step 40", 80, 5, resume_at=40,
@@ -153,6 +157,9 @@ HELDOUT = {r.name: r for r in [
     Run("mobilenet_lr_too_large", lambda seed: panel.mobilenet(seed, lr=50.0, task="mse"),
         "MobileNet-like depthwise-separable CNN, BN", "SGD lr 50, squared loss: diverges (loss inf at step 7)", 40, 5,
         expect=Expect("nonfinite", None, (0, 10))),
+    Run("irnn_explodes_under_clipping", panel.irnn, "IRNN (ReLU RNN, identity init), 64 steps",
+        "SGD momentum, warmup 50 to lr 0.5 + cosine, clip 1.0: gradients explode from ~step 70-90, no NaN",
+        200, 10, trainer=CLIP, schedule=True, expect=Expect("exploding", "net.rnn", (60, 110))),
     Run("mlp_dies_mid_run", lambda seed: panel.relu_mlp(seed, kill_at=100), "ReLU MLP",
         "Adam, warmup + cosine; net.2's bias set to -50 before step 100", 200, 10, schedule=True,
         expect=Expect("dead", "net.2", (100, 110))),
