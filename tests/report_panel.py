@@ -51,7 +51,8 @@ class Lit(pl.LightningModule):
             ``nan_input_once``).
         schedule: ``None`` (constant), ``"cosine"`` or ``"linear"``: a per-step
             (``interval="step"``) LambdaLR, linear warmup over ``warmup`` steps then decay to 0 at
-            the trainer's ``max_steps``.
+            ``total_steps`` (default: the trainer's ``max_steps``; set it for a resumed run, whose
+            first fit stops early).
         weight_decay: of the optimizer (AdamW's decoupled one, L2 for SGD and Adam).
         label_smoothing: of the cross entropy.
         momentum: SGD's momentum.
@@ -65,12 +66,13 @@ class Lit(pl.LightningModule):
     def __init__(self, net: nn.Module, optimizer: str = "adamw", lr: float = 1e-3, task: str = "classify",
                  loss_scale: float = 1.0, nan_weights_at: int | None = None, nan_input_at: int | None = None,
                  *, nan_input_once: bool = False, schedule: str | None = None, warmup: int = 0,
-                 weight_decay: float = 0.0, label_smoothing: float = 0.0, momentum: float = 0.9,
+                 total_steps: int | None = None, weight_decay: float = 0.0, label_smoothing: float = 0.0,
+                 momentum: float = 0.9,
                  left_out: tuple[str, ...] = (), frozen_lr: tuple[str, ...] = (), events: dict | None = None) -> None:
         super().__init__()
         self.net, self.optimizer, self.lr, self.task = net, optimizer, lr, task
         self.loss_scale, self.nan_weights_at, self.nan_input_at = loss_scale, nan_weights_at, nan_input_at
-        self.nan_input_once, self.schedule, self.warmup = nan_input_once, schedule, warmup
+        self.nan_input_once, self.schedule, self.warmup, self.total_steps = nan_input_once, schedule, warmup, total_steps
         self.weight_decay, self.label_smoothing, self.momentum = weight_decay, label_smoothing, momentum
         self.left_out, self.frozen_lr, self.events = tuple(left_out), tuple(frozen_lr), dict(events or {})
         self.losses: list[float] = []
@@ -123,8 +125,9 @@ class Lit(pl.LightningModule):
             opt = torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
         if self.schedule is None:
             return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_decay(opt, self.warmup, self.trainer.max_steps,
-                                                                             self.schedule), "interval": "step"}}
+        total = self.total_steps or self.trainer.max_steps
+        scheduler = warmup_decay(opt, self.warmup, total, self.schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def warmup_decay(optimizer: torch.optim.Optimizer, warmup: int, total: int, shape: str = "cosine"):  # noqa: ANN201
@@ -1024,7 +1027,7 @@ def lstm_tagger(seed: int) -> tuple[Lit, TensorDataset]:
     """:class:`LSTMTagger` labelling each token by whether it is smaller than the one before;
     Adam 3e-3, warmup 10 then linear decay (run with ``gradient_clip_val=0.5``).
 
-    Checked: loss 0.69 -> 0.05 in 200 steps."""
+    Checked: loss 0.71 -> 0.06 in 200 steps."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 20, (512, 24), generator=g)
     y = torch.cat([torch.zeros(512, 1, dtype=torch.long), (x[:, 1:] < x[:, :-1]).long()], 1)
@@ -1036,7 +1039,7 @@ def roberta_mlm(seed: int) -> tuple[Lit, TensorDataset]:
     sequences with 15 % of the tokens masked (static masks; loss on the masked ones only);
     AdamW 2e-3 weight decay 0.01, warmup 20 then linear decay.
 
-    Checked: loss 4.2 -> 0.4 in 200 steps."""
+    Checked: loss 4.16 -> 3.49 in 200 steps."""
     hf_offline()
     from transformers import RobertaConfig, RobertaForMaskedLM
 

@@ -140,7 +140,8 @@ HELDOUT = {r.name: r for r in [
     Run("roberta_mlm", panel.roberta_mlm, "RoBERTa masked LM (transformers), tied decoder",
         "AdamW wd 0.01, warmup 20 + linear decay", 200, 10, schedule=True),
     # -- broken
-    Run("dead_mlp_resumed", lambda seed: panel.relu_mlp(seed, bias=-50.0), "ReLU MLP, a layer with bias -50",
+    Run("dead_mlp_resumed", panel.damaged(lambda seed: panel.relu_mlp(seed, bias=-50.0), total_steps=80),
+        "ReLU MLP, a layer with bias -50",
         "Adam, warmup + cosine; resumed from last.ckpt at step 40", 80, 5, resume_at=40,
         expect=Expect("dead", "net.2", (0, 10))),
     Run("orphan_head_bert", lambda seed: panel.bert_classifier(seed, left_out=("net.classifier",)),

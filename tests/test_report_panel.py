@@ -163,6 +163,7 @@ def _grad_ratios(lit, data, names: list[str]) -> dict[str, float]:
     return {n: params[n].grad.norm().item() / outputs[n] for n in names}
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_zero_by_construction_parameters_get_round_off_gradients():
     """A bias before BatchNorm, a scalar shift before LayerNorm, an attention score's bias before a
     softmax over time, BERT's key bias: round-off (below 1e-5 of their module's output gradient,
