@@ -795,11 +795,13 @@ class MoE(nn.Module):
 
 def moe(seed: int) -> tuple[Lit, TensorDataset]:
     """:class:`MoE` on :func:`points` (batches of 32), AdamW 3e-3, linear decay after 10 warmup
-    steps, Switch's load-balancing loss with weight 0.01.
+    steps, Switch's load-balancing loss with weight 0.05.
 
-    Checked: loss 1.11 -> 0.33 in 200 steps; expert 0 gets few tokens (1 to 5 of 32 per batch,
-    none in 32 of 200 batches), experts 1 to 3 the rest."""
-    return Lit(MoE(balance=0.01), "adamw", 3e-3, schedule="linear", warmup=10), points(seed)
+    Checked on seeds 0 to 3: the loss falls (1.11 -> 0.29 on seed 0); the least used expert gets
+    11 to 20 % of the tokens (seed 0: expert 0, 11 %, no token in 7 of 200 batches, never 3
+    batches in a row). With a weight of 0.01 it is not healthy: on seed 1 expert 0 gets no token
+    from step ~40 to the end (a collapse, as in :func:`moe_collapsed`)."""
+    return Lit(MoE(balance=0.05), "adamw", 3e-3, schedule="linear", warmup=10), points(seed)
 
 
 def moe_collapsed(seed: int) -> tuple[Lit, TensorDataset]:
@@ -1068,7 +1070,9 @@ def irnn(seed: int, lr: float = 0.5) -> tuple[Lit, TensorDataset]:
     80, then 3e4, 1e4, 5e5, 2e8, 1e12, 1e5, 3e6, 8e4, 2e4, 2e3, 9e3 over steps 90-190: it stays
     exploded; the loss goes 0.67 at step 40 to 1.3e6 at step 120, and nothing is NaN in 200
     steps. (``lr=0.7`` has single spikes only, 3.9e3 at 70 and 2e13 at 100, each back to ~3
-    at the next logged step: not used, its ground truth is unclear.)"""
+    at the next logged step: not used, its ground truth is unclear.) The run is chaotic: on
+    seed 1 the loss is NaN from step 82 (clipping does not save it), on seed 2 the norm stays
+    below ~10 but for one logged step: its run is checked on seed 0 only."""
     net = ReLURNN(radius=1.0)
     with torch.no_grad():
         net.rnn.weight_hh_l0.copy_(torch.eye(net.rnn.hidden_size))

@@ -62,6 +62,7 @@ class Run:
     trainer: dict = field(default_factory=dict)
     resume_at: int | None = None
     schedule: bool = False  # a warmup + decay schedule stepped every optimizer step
+    seeds: tuple[int, ...] | None = None  # the seeds its ground truth was checked on, when it depends on the seed
 
     @property
     def healthy(self) -> bool:
@@ -162,7 +163,7 @@ HELDOUT = {r.name: r for r in [
         expect=Expect("nonfinite", None, (0, 10))),
     Run("irnn_explodes_under_clipping", panel.irnn, "IRNN (ReLU RNN, identity init), 64 steps",
         "SGD momentum, warmup 50 to lr 0.5 + cosine, clip 1.0: gradients explode from ~step 70-90, no NaN",
-        200, 10, trainer=CLIP, schedule=True, expect=Expect("exploding", "net.rnn", (60, 110))),
+        200, 10, trainer=CLIP, schedule=True, expect=Expect("exploding", "net.rnn", (60, 110)), seeds=(0,)),
     Run("mlp_dies_mid_run", lambda seed: panel.relu_mlp(seed, kill_at=100), "ReLU MLP",
         "Adam, warmup + cosine; net.2's bias set to -50 before step 100", 200, 10, schedule=True,
         expect=Expect("dead", "net.2", (100, 110))),
@@ -246,6 +247,10 @@ def main(argv: list[str]) -> int:
             if args.runs and run.name not in args.runs:
                 continue
             for seed in args.seeds:
+                if run.seeds is not None and seed not in run.seeds:
+                    print(f"{run.name:27s} {half:7s} s{seed} skipped: its ground truth depends on the seed; checked on "
+                          f"seeds {', '.join(map(str, run.seeds))}", flush=True)
+                    continue
                 failed += not _one(run, half, seed)
         totals[half] = time.perf_counter() - started
     for half, seconds in totals.items():
