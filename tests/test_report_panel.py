@@ -130,3 +130,101 @@ def test_the_panel_models_are_what_they_claim(tmp_path):
     bag, data = panel.bag_of_words(0)
     touched = len(torch.unique(data.tensors[0][:16]))
     assert 1 - touched / 30000 > 0.99
+
+
+# -- the bigger panel of issue 31 (tests/report_panel_runs.py): its integrity only. Its outcomes
+# are judged by `python tests/report_panel.py --half tune|heldout|all`.
+
+def test_panel_halves_are_disjoint_varied_and_long_enough():
+    import report_panel_runs as runs
+
+    tune, heldout = runs.TUNE, runs.HELDOUT
+    assert not set(tune) & set(heldout)
+    assert len(tune) + len(heldout) >= 22 and abs(len(tune) - len(heldout)) <= 3
+    for half in (tune, heldout):
+        healthy = [r for r in half.values() if r.healthy]
+        broken = [r for r in half.values() if not r.healthy]
+        assert len({r.arch for r in healthy}) >= 4 and len(healthy) >= 4
+        assert len({r.arch for r in broken}) >= 3 and len(broken) >= 3
+        assert all(e.flag in runs.PROBLEMS for r in broken for e in r.expects)
+    # HELDOUT is other architectures, not other seeds of the same runs.
+    assert not {r.arch for r in tune.values()} & {r.arch for r in heldout.values()}
+    every = list(tune.values()) + list(heldout.values())
+    assert 3 * sum(r.steps >= 200 and r.schedule for r in every) >= len(every)
+    assert any(r.resume_at for r in tune.values()) and any(r.resume_at for r in heldout.values())
+
+
+def _grad_ratios(lit, data, names: list[str]) -> dict[str, float]:
+    """``|grad of parameter|`` / ``|grad_output of its module|`` after one backward."""
+    modules, outputs = dict(lit.named_modules()), {}
+    handles = [modules[n.rpartition(".")[0]].register_full_backward_hook(
+        lambda m, gi, go, n=n: outputs.__setitem__(n, go[0].norm().item())) for n in names]
+    x, y = data.tensors[0][:16], data.tensors[1][:16]
+    out = lit.net(x)
+    torch.nn.functional.cross_entropy(getattr(out, "logits", out), y).backward()
+    for handle in handles:
+        handle.remove()
+    params = dict(lit.named_parameters())
+    return {n: params[n].grad.norm().item() / outputs[n] for n in names}
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_zero_by_construction_parameters_get_round_off_gradients():
+    """A bias before BatchNorm, a scalar shift before LayerNorm, an attention score's bias before a
+    softmax over time, BERT's key bias: round-off (below 1e-5 of their module's output gradient,
+    ~1e-7 seen), while the weights beside them get gradients of their module's scale."""
+    torch.manual_seed(0)
+    cases = [
+        (panel.bias_resnet, ["net.stem.0.bias", "net.layer1.conv1.bias", "net.layer2.down.0.bias"], "net.stem.0.weight"),
+        (panel.unet, ["net.enc1.0.bias", "net.enc2.0.bias", "net.dec.0.bias"], "net.enc1.0.weight"),
+        (panel.scale_before_norm, ["net.1.shift"], "net.0.weight"),
+        (panel.attention_pool, ["net.score.bias"], "net.score.weight"),
+        (panel.bert_classifier, ["net.bert.encoder.layer.1.attention.self.key.bias"],
+         "net.bert.encoder.layer.1.attention.self.value.bias"),
+    ]
+    for make, zeros, normal in cases:
+        lit, data = make(0)
+        lit.train()
+        ratios = _grad_ratios(lit, data, zeros + [normal])
+        assert all(ratios[n] < 1e-5 for n in zeros), (make.__name__, ratios)
+        assert ratios[normal] > 1e-2, (make.__name__, ratios)
+    # LayerNorm's eps keeps a scalar scale in front of it from being removed exactly: small, not round-off.
+    lit, data = panel.scale_before_norm(0)
+    assert 1e-7 < _grad_ratios(lit, data, ["net.1.scale"])["net.1.scale"] < 1e-4
+
+
+def test_orphan_heads_are_in_no_optimizer_and_lr0_groups_have_lr_0():
+    import report_panel_runs as runs
+
+    every = {**runs.TUNE, **runs.HELDOUT}
+    for name, head in [("orphan_head_resnet", "net.fc."), ("orphan_head_bert", "net.classifier.")]:
+        lit, _ = every[name].make(0)
+        lit.schedule = None  # the schedule needs a trainer; the groups do not
+        held = {id(p) for group in lit.configure_optimizers().param_groups for p in group["params"]}
+        heads = [p for n, p in lit.named_parameters() if n.startswith(head)]
+        assert heads and all(p.requires_grad and id(p) not in held for p in heads)
+        assert sum(p.requires_grad and id(p) not in held for p in lit.parameters()) == len(heads)
+    for name, block in [("gpt2_block_lr0", "net.transformer.h.1."), ("mobilenet_block_lr0", "net.blocks.2.")]:
+        lit, _ = every[name].make(0)
+        lit.schedule = None
+        groups = lit.configure_optimizers().param_groups
+        zero = {id(p) for g in groups if g["lr"] == 0 for p in g["params"]}
+        assert zero == {id(p) for n, p in lit.named_parameters() if n.startswith(block)} and zero
+
+
+def test_the_runner_judges_rows_it_does_not_know():
+    """A ``note`` row, or a row with more attributes than today's, does not fail a healthy run or
+    crash the runner; a broken run's flag is found on a row or among its consequences."""
+    from types import SimpleNamespace as Row
+
+    import report_panel_runs as runs
+
+    healthy, broken = runs.TUNE["gpt2_cosine"], runs.TUNE["relu_rnn_explodes"]
+    note = Row(flag="note", module="net.stem.0", since=0, detail="no gradient by construction", parameters=["b"])
+    report = Row(rows=lambda: [note])
+    assert runs.judge(healthy, report, [3.0, 2.0, 1.0]) == (True, "no flag")
+    assert not runs.judge(healthy, report, [1.0, 2.0, 3.0])[0]  # a healthy run must train
+    cause = Row(flag="exploding", module="net.rnn", since=0, detail="",
+                consequences=[Row(flag="nonfinite", module="(model)", since=5)])
+    assert runs.judge(broken, Row(rows=lambda: [cause]), [1.0, math.nan])[0]
+    assert not runs.judge(broken, Row(rows=lambda: [note]), [1.0, math.nan])[0]
