@@ -410,8 +410,12 @@ class HealthReport:
             floor = median is not None and value < t.floor_ratio * median
             grown = baseline is not None and not floor and value > t.exploding_factor * baseline
             self._run("exploding", label, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
-            history.append(value)
-            del history[: -t.exploding_window]
+            # The baseline is the gradient at the model's own scale: growth from a near-zero
+            # start (attention's query and key at uniform attention, a LoRA adapter) to it is
+            # no explosion.
+            if not floor:
+                history.append(value)
+                del history[: -t.exploding_window]
         self._check_dead(step, entries)
         # A step with non-finite gradients is skipped (a gradient scaler, the sentinel): its
         # update says nothing about the parameters.
