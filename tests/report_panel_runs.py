@@ -285,6 +285,9 @@ def _one(run: Run, half: str, seed: int) -> bool:
         first = losses[0] if losses else math.nan
         print(f"{run.name:27s} {half:7s} s{seed} {seconds:5.1f}s loss {first:9.3g} -> {last:9.3g} | "
               f"{text.splitlines()[0][:110]} | cli same: {same} | {'PASS' if ok else 'FAIL'}: {why}", flush=True)
+        notes = [line for line in text.splitlines() if line.startswith("note:")]
+        if ok and notes:  # not a flag: shown, so that a wrong one would be seen
+            print("\n".join("    " + line for line in notes), flush=True)
         if not ok:
             print("\n".join("    " + line for line in text.splitlines()), flush=True)
             if same == "NO":

@@ -228,3 +228,27 @@ def test_the_runner_judges_rows_it_does_not_know():
                 consequences=[Row(flag="nonfinite", module="(model)", since=5)])
     assert runs.judge(broken, Row(rows=lambda: [cause]), [1.0, math.nan])[0]
     assert not runs.judge(broken, Row(rows=lambda: [note]), [1.0, math.nan])[0]
+
+
+# -- outcomes of the bigger panel (issue 31): the quick runs of both halves, here; every run of
+# both halves, over more seeds: `PYTHONPATH=$PWD python tests/report_panel.py --half all --seeds 0 1`
+
+QUICK = ["scale_before_layernorm", "dcgan_manual", "relu_rnn_explodes", "orphan_head_resnet", "dead_conv_layer",
+         "nan_batch_unlogged_resnet", "unet_bias_bn", "gru_attention_pool", "dead_mlp_resumed", "orphan_head_bert",
+         "mobilenet_block_lr0", "mlp_dies_mid_run"]
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_the_report_meets_each_quick_panel_runs_expected_outcome_printed_and_from_the_log(tmp_path, name):
+    import report_panel_runs as runs
+
+    run = {**runs.TUNE, **runs.HELDOUT}[name]
+    report, text, log_dir, model = panel.fit(tmp_path, run.make, 0, steps=run.steps, every=run.every, batch=run.batch,
+                                             trainer=run.trainer, resume_at=run.resume_at)
+    ok, why = runs.judge(run, report, list(model.losses))
+    assert ok, f"{why}\n{text}"
+    assert len(text.splitlines()) <= 40
+    agree(text, log_dir)
+    if run.healthy:
+        code, out, err = panel.cli("report", log_dir, "--fail-on", ",".join(FLAGS))
+        assert code == 0, out  # notes never fail
