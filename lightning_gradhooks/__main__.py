@@ -105,7 +105,7 @@ def read_folder(folder: Path) -> Run:
     damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
         events, logged = 0, set()
-        restart: int | None = None  # the first GradHooks step of this file
+        restart: int | None = None  # the first step of this file with a summary
         for record in read_records(path):
             if isinstance(record, _Damage):
                 record.events, record.steps = events, len(logged)
@@ -120,7 +120,7 @@ def read_folder(folder: Path) -> Run:
             for value in event.summary.value:
                 gradhooks = gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's overview, an older log's
                 summary = read_stats_value(value)
-                if restart is None and (summary is not None or _parse_tag(value.tag) is not None):
+                if restart is None and summary is not None:
                     restart = event.step
                     for stale in [s for s in steps if s >= restart]:
                         del steps[stale]
