@@ -79,7 +79,7 @@ from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
 from lightning_gradhooks import stats  # noqa: E402
 from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
-from lightning_gradhooks.stats import C_KERNELS  # noqa: E402
+
 
 Batch = tuple[Tensor, ...]
 

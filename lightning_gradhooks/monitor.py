@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
-from lightning_gradhooks.stats import C_KERNELS, Reducer, Scratch
+from lightning_gradhooks.stats import Reducer, Scratch
 
 __all__ = [
     "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",
@@ -443,11 +443,6 @@ class GradientMonitor:
             the gradients, and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
-        kernels: how float32 CPU gradients are reduced: None (default), by the C kernels of
-            ``_kernels.c`` where they were built (:data:`~lightning_gradhooks.stats.C_KERNELS`);
-            False, by torch ops, as every other gradient (the accelerator path, run on the
-            CPU); True, by the kernels, refused where they were not built.
-
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
             or an ``include`` pattern that matches no module.
@@ -473,16 +468,12 @@ class GradientMonitor:
         bins: int = DEFAULT_BINS,
         parameters: bool = True,
         forward_checks: bool = False,
-        *,
-        kernels: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks)):
             check_bool(argument, value)
-        if kernels is not None and check_bool("kernels", kernels) and not C_KERNELS:
-            raise ValueError("`kernels` expected False or None where the C kernels of _kernels.c were not built, got True")
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = [
@@ -531,7 +522,6 @@ class GradientMonitor:
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
-        self.kernels = kernels
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
@@ -863,7 +853,7 @@ class GradientMonitor:
         device = grad.device
         reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, kernels=self.kernels)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, device))
 
