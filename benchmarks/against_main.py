@@ -7,7 +7,7 @@
 
 Each library runs in a worker process of its own (``PYTHONPATH`` set to its checkout), on the
 models of ``many_modules.py`` (ResNet-18, the 500-layer MLP, the encoder; CPU, torch's default
-threads) from the same initial weights. This process sends the workers one window at a time, so
+threads or ``--threads``) from the same initial weights. This process sends the workers one window at a time, so
 no two windows overlap and the rounds interleave every variant of both libraries (the order
 rotated each round). A window is one untimed step and the mean of ``--steps`` steps of a plain
 loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
@@ -34,12 +34,15 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def worker(models: list[str]) -> None:
+def worker(models: list[str], threads: int) -> None:
     """Answer ``{"model":, "variant":, "steps":}`` lines on stdin with window means on stdout."""
     import warnings
     from unittest import mock
 
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     sys.path.insert(0, HERE)
     from many_modules import cases
@@ -91,11 +94,11 @@ def worker(models: list[str]) -> None:
 
 
 class Worker:
-    def __init__(self, label: str, root: str, models: list[str]) -> None:
+    def __init__(self, label: str, root: str, models: list[str], threads: int) -> None:
         env = dict(os.environ, PYTHONPATH=root)
         self.label = label
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--models", ",".join(models)],
+            [sys.executable, __file__, "--worker", "--models", ",".join(models), "--threads", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root,
         )
         self.variants: list[str] = json.loads(self.process.stdout.readline())["variants"]
@@ -117,20 +120,21 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,mlp500,encoder")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of the workers (default: torch's)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
     if args.worker:
-        worker(models)
+        worker(models, args.threads)
         return
     if not args.other or not os.path.isdir(os.path.join(args.other, "lightning_gradhooks")):
         parser.error(f"--other expected a checkout holding lightning_gradhooks/, got {args.other!r}")
     sys.path.insert(0, HERE)
     from overhead import machine
 
-    print(f"Machine: {machine()}\nCommand: python {' '.join(sys.argv)}\n")
+    print(f"Machine: {machine()}; load average {os.getloadavg()[0]:.1f}\nCommand: python {' '.join(sys.argv)}\n")
     started = time.perf_counter()
-    workers = [Worker("this", os.path.dirname(HERE), models), Worker(args.other_label, args.other, models)]
+    workers = [Worker(label, root, models, args.threads) for label, root in (("this", os.path.dirname(HERE)), (args.other_label, args.other))]
     try:
         for model in models:
             windows = [(w, v) for w in workers for v in w.variants]

@@ -673,3 +673,46 @@ def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remo
         model.zero_grad()
     handle.remove()
     assert monitor.scratch_bytes == 0
+
+
+@pytest.mark.parametrize("blocks", ["cpu", "accelerator"])
+def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(monkeypatch, blocks):
+    """On accelerators a logged step is bound by kernel launches: the hooks, the reductions and
+    collect together add at most 5 aten ops per reduced tensor to a bare step (a 100-module MLP,
+    its grad_output, grad_input and parameter gradients), with an accelerator's block sizes and
+    with the CPU's; a step that is not armed adds none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_gradhooks import stats
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    if blocks == "accelerator":
+        monkeypatch.setattr(stats, "BLOCK_ELEMENTS", {})
+    torch.manual_seed(0)
+    net = nn.Sequential(*(m for _ in range(50) for m in (nn.Linear(32, 32), nn.Tanh())))
+    x = torch.randn(16, 32)
+    monitor = GradientMonitor(net)
+
+    def step(armed: bool) -> tuple[int, int]:
+        net.zero_grad(set_to_none=True)
+        Count.ops = 0
+        with Count(), monitor.arm(when=armed):
+            net(x).pow(2).mean().backward()
+            record = monitor.collect()
+        return Count.ops, sum(e.calls for e in record.entries)
+
+    bare, _ = step(False)
+    with monitor.attach():
+        step(True)  # the probe step
+        step(True)  # layouts are cached
+        assert step(False)[0] == bare
+        ops, reduced = step(True)
+    assert reduced == 50 * 4 - 1  # grad_output, grad_input (not of the first: x needs no grad), weight, bias
+    print(f"{blocks}: {(ops - bare) / reduced:.2f} extra ops per reduced tensor")
+    assert (ops - bare) / reduced <= 5, (ops - bare) / reduced
