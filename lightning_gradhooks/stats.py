@@ -340,11 +340,11 @@ def reduce_batch(
     ops per block, without reading a value to the host.
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
-    with NaN, and reduced a block of rows at a time. Every statistic is a row reduction (summed
-    in float64) followed by one ``index_add`` of the rows of each tensor: a first sweep over the
-    blocks for the finite count, sum, zero count, minimum and maximum (:func:`_row_sums`); a
-    second for the sums centred on the mean and the histograms (:class:`_Histograms`). Every
-    temporary is written into one float buffer and one integer buffer (``scratch``).
+    with NaN, and reduced a block of rows at a time: one sweep for the statistics of each row
+    (:func:`_row_sums`, which reads a block twice while it is in cache), combined into those of each tensor with one ``index_add`` (in float64;
+    the variances of the rows by Chan's formula), and, for histograms, a second sweep
+    (:class:`_Histograms`). Every temporary is written into one float buffer and one integer
+    buffer (``scratch``).
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
@@ -363,44 +363,52 @@ def reduce_batch(
         sums.append(per_row)
         lows.append(lo)
         highs.append(hi)
-    per_tensor = torch.zeros(m, 3, dtype=f64, device=device).index_add_(0, row_of, _joined(sums).to(f64))
-    zeroed, total, zeros = per_tensor.unbind(1)
+    # Per row: finite count, pivot (near the row's mean), the sum and the root of the sum of
+    # squares of the finite elements minus the pivot, zero count.
+    finite, pivot, shifted, norm, zeros = _joined(sums).to(f64).unbind(1)
+    squares = norm * norm
+    row_mean = pivot + shifted / finite.clamp(min=1)
+    row_spread = squares - shifted * shifted / finite.clamp(min=1)  # sum of squares about the row's mean
+    per_tensor = torch.zeros(m, 3, dtype=f64, device=device)
+    per_tensor.index_add_(0, row_of, torch.stack([finite, finite * row_mean, zeros], 1))
+    count, total, zeros = per_tensor.unbind(1)
+    mean = total / count.clamp(min=1)
+    # Chan's formula: the spread of a tensor is its rows' spreads plus that of their means.
+    spread = torch.zeros(m, dtype=f64, device=device).index_add_(
+        0, row_of, row_spread.clamp_(min=0.0) + finite * (row_mean - mean[row_of]).square_()
+    )
     low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
-    count = layout.laid_out - zeroed + zeros
-    mean = total / count.clamp(min=1)
-    # The sums of squares and of the values are centred on the mean rounded to the data's
-    # precision; the offset this rounding leaves is summed too and taken out on the host (the
-    # corrected two-pass formula).
-    histograms = None if bins is None else _Histograms(blocks, layout, low, high, bins, scratch)
-    centres, sums = mean.to(dtype)[row_of, None], []
+    moments = torch.stack([count, mean, spread, torch.zeros_like(spread), low, high, zeros], 1)
+    if bins is None:
+        return moments, None
+    histograms = _Histograms(blocks, layout, low, high, bins, scratch)
     for block in blocks:  # the second sweep
-        values = torch.sub(block.x, centres[block.rows], out=block.work).nan_to_num_(0.0, 0.0, 0.0)
-        sums.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
-        if histograms:
-            histograms.count(block)
-    per_row = _joined(sums).to(f64)
-    per_row[:, 0].square_()
-    squares, offset = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, row_of, per_row).unbind(1)
-    moments = torch.stack([count, mean, squares, offset, low, high, zeros], 1)
-    return moments, None if histograms is None else histograms.counts()
+        histograms.count(block)
+    return moments, histograms.counts()
 
 
 def _row_sums(block: _Block) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of a block: the count of zeros and non-finite elements (the NaN padding
-    included), the sum and the count of zeros of the finite elements, as one tensor of shape
-    ``(rows, 3)``; the minimum; the maximum.
+    """Per row of a block: the finite count (the NaN padding is not finite), the mean of the
+    finite elements in the block's dtype (the pivot), the sum and the root of the sum of
+    squares of the finite elements minus the pivot (the corrected two-pass formula, while the
+    row is in cache), the count of zeros, as one tensor of shape ``(rows, 5)``; the minimum and
+    the maximum of the finite elements.
 
     Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
-    for the sums; counts are exact over a row.
+    for the sum and the counts, then as the pivot for the sums about it.
     """
     x, w = block.x, block.work
     low = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
     high = w.nan_to_num_(posinf=-math.inf).amax(1)
     total = w.nan_to_num_(neginf=0.0).sum(1)
-    zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
-    zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
-    return torch.stack([zeroed, total, zeros], 1), low, high
+    finite = x.shape[1] - w.eq_(0).sum(1)  # zeros and non-finite elements
+    zeros = torch.eq(x, 0, out=w).sum(1)
+    finite += zeros
+    pivot = total / finite.clamp(min=1)
+    shifted = torch.sub(x, pivot[:, None], out=w).nan_to_num_(0.0, 0.0, 0.0)
+    norm = torch.linalg.vector_norm(shifted, dim=1)
+    return torch.stack([finite, pivot, shifted.sum(1), norm, zeros], 1), low, high
 
 
 class _Histograms:
