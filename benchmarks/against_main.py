@@ -9,14 +9,15 @@ Each library runs in a worker process of its own (``PYTHONPATH`` set to its chec
 models of ``many_modules.py`` (ResNet-18, the 500-layer MLP, the encoder; CPU, torch's default
 threads or ``--threads``) from the same initial weights. This process sends the workers one window at a time, so
 no two windows overlap and the rounds interleave every variant of both libraries (the order
-rotated each round). A window is one untimed step and the mean of ``--steps`` steps of a plain
-loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
+rotated each round). A window is one untimed step and the mean of ``--steps`` steps (wall
+clock and the worker's CPU time, steadier on a shared machine) of a plain loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
 
 Variants: ``bare`` (no monitor), ``attached`` (a monitor attached, not armed: what a step that
 is not logged pays) and ``armed`` in both; in the other checkout also ``armed, torch ops``
 (``GradientMonitor(kernels=False)``) and ``armed, accelerator sequence`` (the same with its
 ``stats._on_cpu`` patched off), where it has them. The table gives the median window of each
-variant and the median over rounds of its ratio to its own worker's ``bare``.
+variant and the medians over rounds of its ratios to its own worker's ``bare``, then of this
+checkout's armed step to each armed variant of the other.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def worker(models: list[str], threads: int) -> None:
             monitors["armed, accelerator sequence"] = GradientMonitor(model, kernels=False)
         loops[name] = (case, model, state, torch.optim.SGD(model.parameters(), lr=1e-4), monitors)
 
-    def step(name: str, monitor: Any, armed: bool) -> float:
+    def step(name: str, monitor: Any, armed: bool) -> tuple[float, float]:
         case, model, _, optimizer, _ = loops[name]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if monitor is None:
             case.loss(model, case.batch).backward()
         else:
@@ -73,9 +74,9 @@ def worker(models: list[str], threads: int) -> None:
                 monitor.collect()
         optimizer.step()
         optimizer.zero_grad()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    def window(name: str, variant: str, steps: int) -> float:
+    def window(name: str, variant: str, steps: int) -> tuple[float, float]:
         _, model, state, _, monitors = loops[name]
         model.load_state_dict(state)
         monitor = monitors.get(variant)
@@ -85,12 +86,13 @@ def worker(models: list[str], threads: int) -> None:
         )
         with patch, (monitor.attach() if monitor is not None else contextlib.nullcontext()):
             step(name, monitor, True)  # untimed: for a monitor, its first armed step (the probe)
-            return statistics.fmean(step(name, monitor, variant != "attached") for _ in range(steps))
+            times = [step(name, monitor, variant != "attached") for _ in range(steps)]
+            return statistics.fmean(t for t, _ in times), statistics.fmean(c for _, c in times)
 
     print(json.dumps({"variants": ["bare", "attached", *[v for v in loops[models[0]][4] if v != "attached"]]}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        print(json.dumps({"seconds": window(ask["model"], ask["variant"], ask["steps"])}), flush=True)
+        print(json.dumps({"seconds": window(ask["model"], ask["variant"], ask["steps"])}), flush=True)  # wall, CPU
 
 
 class Worker:
@@ -103,7 +105,7 @@ class Worker:
         )
         self.variants: list[str] = json.loads(self.process.stdout.readline())["variants"]
 
-    def window(self, model: str, variant: str, steps: int) -> float:
+    def window(self, model: str, variant: str, steps: int) -> list[float]:
         self.process.stdin.write(json.dumps({"model": model, "variant": variant, "steps": steps}) + "\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())["seconds"]
@@ -140,23 +142,24 @@ def main() -> None:
             windows = [(w, v) for w in workers for v in w.variants]
             for w, v in windows:  # warm-up
                 w.window(model, v, 1)
-            times: dict[tuple[str, str], list[float]] = {(w.label, v): [] for w, v in windows}
+            times: dict[tuple[str, str], list[list[float]]] = {(w.label, v): [] for w, v in windows}
             for round_ in range(args.rounds):
                 shift = round_ % len(windows)
                 for w, v in windows[shift:] + windows[:shift]:
                     times[w.label, v].append(w.window(model, v, args.steps))
                 print(f"{model} round {round_ + 1}/{args.rounds}", file=sys.stderr)
-            print(f"{model}: {args.rounds} rounds x {args.steps} steps; medians")
-            print("| library | variant | step (ms) | ratio to its bare |\n| --- | --- | --- | --- |")
+            print(f"{model}: {args.rounds} rounds x {args.steps} steps; medians (wall clock; process CPU time)")
+            print("| library | variant | step (ms) | ratio to its bare | CPU ratio to its bare |\n| --- | --- | --- | --- | --- |")
             for (label, variant), values in times.items():
                 bare = times[label, "bare"]
-                ratio = statistics.median(v / b for v, b in zip(values, bare))
-                print(f"| {label} | {variant} | {statistics.median(values) * 1e3:.1f} | {ratio:.3f}x |")
+                ratios = [statistics.median(v[i] / b[i] for v, b in zip(values, bare)) for i in (0, 1)]
+                step_ms = statistics.median(v[0] for v in values) * 1e3
+                print(f"| {label} | {variant} | {step_ms:.1f} | {ratios[0]:.3f}x | {ratios[1]:.3f}x |")
             this = times["this", "armed"]
             for variant in [v for w in workers[1:] for v in w.variants if v.startswith("armed")]:
                 other = times[args.other_label, variant]
-                ratio = statistics.median(t / o for t, o in zip(this, other))
-                print(f"this armed / {args.other_label} {variant}: {ratio:.3f}x")
+                ratios = [statistics.median(t[i] / o[i] for t, o in zip(this, other)) for i in (0, 1)]
+                print(f"this armed / {args.other_label} {variant}: {ratios[0]:.3f}x wall, {ratios[1]:.3f}x CPU")
             print()
     finally:
         for w in workers:
