@@ -541,11 +541,10 @@ class GradientMonitor:
 
     @property
     def scratch_bytes(self) -> int:
-        """CPU memory the monitor keeps between logged steps to reduce the next one into: buffers
-        of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT` elements each (a fresh buffer
-        of megabytes costs more in page faults than its reduction). Only the torch-ops path uses
-        them (float64 gradients, or a build without the C kernels): 0 otherwise. Freed when the
-        hooks are removed."""
+        """Memory the monitor keeps between logged steps to reduce the next one into, on the
+        gradients' devices: buffers of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT`
+        elements each (a fresh buffer of megabytes costs more in page faults than its
+        reduction). Freed when the hooks are removed."""
         return self._scratch.nbytes
 
     @property
