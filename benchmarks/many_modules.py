@@ -22,7 +22,7 @@ on the root counts forwards; every ``log_freq``-th call reduces the tensor and p
 the run; ``run.log({})`` commits the row each logging step. A check counts them first.
 B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
 collect) over a bare one, with the CPU's block sizes and with an accelerator's
-(``stats.BLOCK_ELEMENTS`` emptied: a block is a whole batch), and of an attached, unarmed step.
+(``stats.SIZES`` emptied: a block is a whole batch), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
@@ -357,7 +357,7 @@ def op_counts(case: Case) -> list[str]:
     cells: dict[str, list[str]] = {}
     for path in ("CPU", "accelerator"):
         # The same ops; an accelerator's blocks are whole batches.
-        sizes = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "BLOCK_ELEMENTS", {})
+        sizes = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "SIZES", {})
         with sizes, monitor.attach():
             step(True)  # in-place probe
             if path == "CPU":

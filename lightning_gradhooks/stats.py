@@ -7,7 +7,7 @@ gathered into batches (a bigger tensor is a batch of its own), because on accele
 launch count, not the bytes, is what costs; each batch is laid out in rows of :data:`ROW`
 elements and reduced a block of rows at a time with a fixed number of ops: segment reductions
 over rows, one count for all their histograms. Only the sizes depend on the device
-(:data:`BLOCK_ELEMENTS`): on the CPU a block fits a core's cache and tensors of a block or more
+(:data:`SIZES`): on the CPU a block fits a core's cache and tensors of a block or more
 are read in place; on an accelerator a block is the whole batch.
 
 The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
@@ -25,7 +25,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -44,18 +44,24 @@ _ZERO_FRACTION = STATISTICS.index("zero_fraction")
 _COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
-#: Moments per tensor on the device: finite count, mean, the sum of squares and the sum of the
-#: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
-MOMENTS = 7
+#: Moments per tensor on the device: finite count, mean, the sum of squares about the mean,
+#: finite minimum and maximum, count of exact zeros.
+MOMENTS = 6
 
-#: A batch is reduced once it holds this many elements (laid out in rows); a bigger gradient is
-#: a batch of its own.
-BATCH_ELEMENTS = 1 << 22
-#: Elements per block of rows, by device type; a tensor of a block or more is read in place.
-#: On the CPU a block and what its reductions write stay in a core's cache; elsewhere
-#: (:data:`DEVICE_BLOCK_ELEMENTS`) a block is the whole batch: launches, not bytes, cost there.
-BLOCK_ELEMENTS: dict[str, int] = {"cpu": 1 << 18}
-DEVICE_BLOCK_ELEMENTS = BATCH_ELEMENTS
+class Sizes(NamedTuple):
+    """How many elements a batch gathers before it is reduced (a bigger gradient is a batch of its
+    own, laid out in rows), and how many a block of its rows holds (a tensor of a block or more is
+    read in place)."""
+
+    batch: int
+    block: int
+
+
+#: Sizes by device type. On the CPU a block and what its reductions write stay in a core's
+#: cache; elsewhere (:data:`DEVICE_SIZES`) a block is the whole batch, and batches are bigger:
+#: launches, not bytes, cost there. The ops are the same.
+SIZES: dict[str, Sizes] = {"cpu": Sizes(batch=1 << 22, block=1 << 18)}
+DEVICE_SIZES = Sizes(batch=1 << 24, block=1 << 24)
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
@@ -73,7 +79,7 @@ def _flat(tensor: Tensor) -> Tensor:
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     if x.is_contiguous():
-        return x.view(-1)
+        return x if x.dim() == 1 else x.view(-1)
     dense = (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
         x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
     )
@@ -160,7 +166,7 @@ class Reducer:
         batch = self._open.get(histogram)
         if batch is None:
             batch = self._open[histogram] = _Batch()
-        elif batch.elements + n > BATCH_ELEMENTS:
+        elif batch.elements + n > SIZES.get(x.device.type, DEVICE_SIZES).batch:
             self._flush(histogram)
             batch = self._open[histogram] = _Batch()
         batch.tensors.append(x)
@@ -276,9 +282,10 @@ def _rows(n: int) -> int:
     return max(1, -(-n // ROW))
 
 
-@functools.lru_cache(maxsize=8)
-def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
-    return torch.full((ROW,), math.nan, dtype=dtype, device=device)
+@functools.lru_cache(maxsize=4096)
+def _padding(device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
+    """``length`` NaN, made once (a slice made at every step would be an op of its own)."""
+    return torch.full((length,), math.nan, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -317,12 +324,11 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
     if not layout.copied:
         return blocks
     device = tensors[0].device
-    nan = _padding(device, dtype)
     pieces = []
     for k, start in layout.copied:
         pieces.append(tensors[k][start:] if start else tensors[k])
         if layout.pads[k]:
-            pieces.append(nan[: layout.pads[k]])
+            pieces.append(_padding(device, dtype, layout.pads[k]))
     copied = sum(p.numel() for p in pieces)
     first = len(layout.owners) - copied // ROW
     x = torch.cat(pieces, out=_buffer(scratch, "batch", copied, dtype, device)) if len(pieces) > 1 else pieces[0]
@@ -351,7 +357,7 @@ def reduce_batch(
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    block_elements = BLOCK_ELEMENTS.get(device.type, DEVICE_BLOCK_ELEMENTS)
+    block_elements = SIZES.get(device.type, DEVICE_SIZES).block
     layout = _layout(tuple(t.numel() for t in tensors), device, block_elements)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
@@ -379,7 +385,7 @@ def reduce_batch(
     )
     low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
-    moments = torch.stack([count, mean, spread, torch.zeros_like(spread), low, high, zeros], 1)
+    moments = torch.stack([count, mean, spread, low, high, zeros], 1)
     if bins is None:
         return moments, None
     histograms = _Histograms(blocks, layout, low, high, bins, scratch)
@@ -466,10 +472,9 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
     Returns:
         float64, shape ``(k, STATS_WIDTH)``.
     """
-    count, mean, squares, offset, low, high, zeros = moments.unbind(1)
+    count, mean, spread, low, high, zeros = moments.unbind(1)
     empty = count == 0  # no finite element: every moment is 0
-    mean, squares, offset, low, high = (v.masked_fill(empty, 0.0) for v in (mean, squares, offset, low, high))
-    spread = (squares - offset * offset / count.clamp(min=1)).clamp_(min=0.0)  # >= 0 despite rounding
+    mean, spread, low, high = (v.masked_fill(empty, 0.0) for v in (mean, spread, low, high))
     std = (spread / (count - 1)).sqrt_().masked_fill_(count <= 1, 0.0)
     norm = (spread + count * mean * mean).sqrt_()
     zero_fraction = (zeros / numels).masked_fill_(numels == 0, 0.0)

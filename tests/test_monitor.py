@@ -689,7 +689,7 @@ def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(mo
             return func(*args, **(kwargs or {}))
 
     if blocks == "accelerator":
-        monkeypatch.setattr(stats, "BLOCK_ELEMENTS", {})
+        monkeypatch.setattr(stats, "SIZES", {})
     torch.manual_seed(0)
     net = nn.Sequential(*(m for _ in range(50) for m in (nn.Linear(32, 32), nn.Tanh())))
     x = torch.randn(16, 32)

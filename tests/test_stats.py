@@ -5,8 +5,7 @@ import torch
 
 from lightning_gradhooks import stats
 from lightning_gradhooks.stats import (
-    BATCH_ELEMENTS,
-    BLOCK_ELEMENTS,
+    SIZES,
     STATISTICS,
     Reducer,
     histogram_edges,
@@ -25,7 +24,7 @@ def blocks(request, monkeypatch):
     place), or an accelerator's (a block is the whole batch), run here on the CPU. The ops are
     the same."""
     if request.param == "accelerator":
-        monkeypatch.setattr(stats, "BLOCK_ELEMENTS", {})
+        monkeypatch.setattr(stats, "SIZES", {})
     return request.param
 
 
@@ -51,10 +50,10 @@ def counts_of(t: torch.Tensor, bins: int) -> list[float]:
 
 
 # Small tensors are batched, big ones reduced alone (the last fills its rows: read in place).
-SIZES = [(1000,), (7, 13, 5), (2, 1), (BIG,), (2 * BATCH_ELEMENTS,)]
+SHAPES = [(1000,), (7, 13, 5), (2, 1), (BIG,), (2 * SIZES["cpu"].batch,)]
 
 
-@pytest.mark.parametrize("shape", SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
 def test_statistics_match_reference(shape, blocks):
     t = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
     got = stats_of(t)
@@ -276,7 +275,7 @@ def test_the_cpu_blocks_give_what_an_accelerators_give(monkeypatch, bins):
     """On the CPU big tensors are read in place, a cache-sized block at a time; with an
     accelerator's sizes (a block is the whole batch, run here on the CPU) the same ops give the
     same statistics and histograms."""
-    block = BLOCK_ELEMENTS["cpu"]
+    block = SIZES["cpu"].block
     g = torch.Generator().manual_seed(12)
     big = block * 2 + 5  # blocks in place, a padded tail copied
     tensors = [
@@ -295,7 +294,7 @@ def test_the_cpu_blocks_give_what_an_accelerators_give(monkeypatch, bins):
     tensors[2][-1] = float("inf")  # and in the copied tail
     tensors[5][::100] = float("-inf")
     on_cpu = reduce(tensors, bins)
-    monkeypatch.setattr(stats, "BLOCK_ELEMENTS", {})
+    monkeypatch.setattr(stats, "SIZES", {})
     accelerator = reduce(tensors, bins)
     for t, (row, counts), (expected_row, expected_counts) in zip(tensors, on_cpu, accelerator):
         assert counts == expected_counts
