@@ -134,7 +134,9 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from overhead import machine
 
-    print(f"Machine: {machine()}; load average {os.getloadavg()[0]:.1f}\nCommand: python {' '.join(sys.argv)}\n")
+    threads = args.threads or "torch's default"
+    print(f"Machine: {machine()}; workers' threads: {threads}; load average {os.getloadavg()[0]:.1f}")
+    print(f"Command: python {' '.join(sys.argv)}\n")
     started = time.perf_counter()
     workers = [Worker(label, root, models, args.threads) for label, root in (("this", os.path.dirname(HERE)), (args.other_label, args.other))]
     try:
