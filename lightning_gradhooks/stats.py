@@ -10,8 +10,8 @@ over rows, one count for all their histograms. Only the sizes depend on the devi
 (:data:`SIZES`): on the CPU a block fits a core's cache and tensors of a block or more
 are read in place; on an accelerator a block is the whole batch.
 
-The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
-values centred on a point near the mean, finite minimum and maximum, zero count);
+The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
+finite minimum and maximum, zero count);
 :func:`finish_rows` turns them into :data:`STATISTICS` on the host, for all tensors at once.
 Every statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that
 one NaN does not hide the shape of the rest of the gradient.
@@ -347,9 +347,9 @@ def reduce_batch(
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
     with NaN, and reduced a block of rows at a time: one sweep for the statistics of each row
-    (:func:`_row_sums`, which reads a block twice while it is in cache), combined into those of each tensor with one ``index_add`` (in float64;
-    the variances of the rows by Chan's formula), and, for histograms, a second sweep
-    (:class:`_Histograms`). Every temporary is written into one float buffer and one integer
+    (:func:`_row_sums`, which reads a block twice while it is in cache), combined into those of
+    each tensor with ``index_add`` (in float64; the variances of the rows by Chan's formula),
+    and, for histograms, a second sweep (:class:`_Histograms`). Every temporary is written into one float buffer and one integer
     buffer (``scratch``).
 
     Returns:
