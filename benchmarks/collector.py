@@ -1,5 +1,7 @@
-"""Would pausing Python's garbage collector during a logged step pay? An armed plain-loop step
-with the collector on, against the same step inside ``gc.disable()`` / ``gc.enable()``.
+"""Does pausing Python's garbage collector during a logged step pay? An armed plain-loop step with
+the monitor's pause (``with monitor.arm():`` pauses the collector up to ``collect()``), against
+the same step with the pause switched off (the monitor's ``CollectorPause`` replaced by one that
+does nothing).
 
     python benchmarks/collector.py [--models mlp500,resnet18] [--rounds 7] [--steps 5] [--threads 1]
 
@@ -7,7 +9,7 @@ The models of ``many_modules.py``, in a process that has imported Lightning and 
 few hundred thousand objects the collector walks in a full collection). A window is the mean
 process CPU time of ``--steps`` armed steps (arm, forward, backward, ``collect``, optimizer
 step); rounds alternate the order of the two windows. Prints medians and the median per-round
-ratio of "on" to "paused".
+ratio of "not paused" to "paused".
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from many_modules import cases  # noqa: E402
 
 from lightning_gradhooks import GradientMonitor  # noqa: E402
+from lightning_gradhooks.monitor import CollectorPause  # noqa: E402
+
+
+class NoPause(CollectorPause):
+    def pause(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -42,7 +50,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"{len(gc.get_objects())} objects tracked by the collector; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
-    print("| model | collector on (ms CPU) | paused (ms CPU) | on / paused |\n| --- | --- | --- | --- |")
+    print("| model | not paused (ms CPU) | paused (ms CPU) | not paused / paused |\n| --- | --- | --- | --- |")
     for name in args.models.split(","):
         case = cases()[name]
         torch.manual_seed(0)
@@ -52,16 +60,12 @@ def main() -> None:
 
         def window(paused: bool, steps: int) -> float:
             times = []
+            monitor._collector = CollectorPause() if paused else NoPause()
             for _ in range(steps):
                 start = time.process_time()
-                if paused:
-                    gc.disable()
-                try:
-                    with monitor.arm():
-                        case.loss(model, case.batch).backward()
-                        monitor.collect()
-                finally:
-                    gc.enable()
+                with monitor.arm():
+                    case.loss(model, case.batch).backward()
+                    monitor.collect()
                 optimizer.step()
                 optimizer.zero_grad()
                 times.append(time.process_time() - start)

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import fnmatch
 import functools
+import gc
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -41,6 +42,26 @@ __all__ = [
 #: Label used for the root module, whose qualified name is the empty string.
 ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
+
+
+class CollectorPause:
+    """Switches Python's cyclic garbage collector off, and back on only if it switched it off:
+    a collector the user switched off stays off. Objects freed by reference counting are freed
+    as always; only collecting reference cycles waits. Each monitor has one, the only owner of
+    the pause in the library (:meth:`GradientMonitor.arm`)."""
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause(self) -> None:
+        if not self.paused and gc.isenabled():
+            gc.disable()
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            gc.enable()
 
 
 #: A module hook of the monitor: the module, whether it is a forward pre-hook, the hook.
@@ -85,19 +106,21 @@ class MonitorHandle:
 
 
 class _Armed:
-    """What :meth:`GradientMonitor.arm` returns: a ``with`` block disarms on leaving, also by an
-    exception."""
+    """What :meth:`GradientMonitor.arm` returns: a ``with`` block pauses the cyclic garbage
+    collector while it runs and disarms on leaving, also by an exception."""
 
     def __init__(self, monitor: GradientMonitor, armed: bool) -> None:
         self._monitor = monitor
         self._armed = armed  # False: arm(when=False), a block that does nothing
 
     def __enter__(self) -> GradientMonitor:
+        if self._armed:
+            self._monitor._collector.pause()
         return self._monitor
 
     def __exit__(self, *args: object) -> None:
         if self._armed:
-            self._monitor.disarm()
+            self._monitor.disarm()  # switches the collector back on too
 
 
 class Read(enum.Enum):
@@ -409,6 +432,7 @@ class GradientMonitor:
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
+        self._collector = CollectorPause()  # in a `with arm()` block, to collect() or disarm()
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
@@ -565,8 +589,15 @@ class GradientMonitor:
                     loss_fn(model(x), y).backward()
                     record = monitor.collect()  # empty unless armed
 
-        The monitor leaves Python's garbage collector alone: pausing it saved 4 % of an
-        armed step on a 500-module MLP and nothing on ResNet-18 (docs/benchmarks.md).
+        Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on;
+        :meth:`collect` and leaving the block switch it back on), and inside :meth:`collect`
+        also after a bare ``arm()`` (nothing could switch it back on if a step armed that way
+        raised). An armed step makes a few short-lived Python objects per module (hook handles,
+        the hooks of autograd nodes, rows and entries), and in a process holding a few hundred
+        thousand objects (torch, Lightning and TensorBoard imported) the full collections they
+        set off cost a 500-module MLP about a third of its armed step (docs/benchmarks.md).
+        Objects freed by reference counting are freed as always; only collecting reference
+        cycles waits. A collector you switched off stays off.
 
         Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
         in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
@@ -595,6 +626,7 @@ class GradientMonitor:
         self._pending.clear()
         self._reducers.clear()
         self._park()
+        self._collector.resume()
 
     # -- hot path: armed steps only ----------------------------------------------------------
     def _watch_inputs(self, name: str, module: nn.Module, args: tuple) -> tuple | None:
@@ -713,13 +745,14 @@ class GradientMonitor:
         """
         if not self._armed:
             return GradientRecord()
+        self._collector.pause()  # for the record's many objects; already paused inside `with arm()`
         try:
             reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
             return self._described(self._finish(pending, reducers), reduced)
         finally:
-            self.disarm()
+            self.disarm()  # switches the collector back on
 
     def collect_parameters(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """The parameter gradients alone, armed or not; hook statistics stay pending.

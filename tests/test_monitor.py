@@ -603,24 +603,28 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert forward == [] and first.kind != "forward"  # backward names a later module
 
 
-def test_a_with_arm_block_disarms_also_when_the_step_raises_and_leaves_the_garbage_collector_alone():
-    """`with monitor.arm():` disarms on leaving, also when the step raises; the collector stays
-    as the user set it, on or off, throughout."""
+def test_a_with_arm_block_pauses_the_cyclic_garbage_collector_and_always_restores_it():
+    """Python's GC is off inside `with monitor.arm():` up to collect(), back on after, also when
+    the step raises; a bare arm() leaves it on (nothing could switch it back on if the step
+    raised); a collector the user switched off stays off."""
     import gc
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     monitor = GradientMonitor(model)
+    assert gc.isenabled()
     with monitor.attach():
         with monitor.arm():
-            assert gc.isenabled()
+            assert not gc.isenabled()
             model(torch.randn(3, 4)).sum().backward()
             assert monitor.collect().entries
+            assert gc.isenabled()
         with pytest.raises(RuntimeError, match="mid-step"):
             with monitor.arm():
+                assert not gc.isenabled()
                 raise RuntimeError("mid-step")
         assert gc.isenabled() and not monitor.armed
         with monitor.arm(when=False):
-            assert not monitor.armed
+            assert gc.isenabled() and not monitor.armed
         monitor.arm()
         assert gc.isenabled() and monitor.armed
     assert gc.isenabled() and not monitor.armed  # leaving attach() removes and disarms
