@@ -345,9 +345,10 @@ class CollectorProbe(pl.Callback):
         self._see(trainer, "end")
 
 
-def test_gradhooks_leaves_the_garbage_collector_alone(tmp_path):
-    """The collector stays on through logged batches and the others, and after fit, also when
-    fit raises; a collector the user switched off stays off."""
+def test_the_garbage_collector_is_on_at_every_phase_of_every_batch_and_after_fit(tmp_path):
+    """The monitor pauses the collector inside its collect() only (its one owner): it is on at
+    the start of every batch, after GradHooks' writing, at the end, and after fit, also when fit
+    raises; a collector the user switched off stays off."""
     import gc
 
     probe = CollectorProbe()
