@@ -1,7 +1,5 @@
 import collections
-import functools
 import warnings
-from unittest import mock
 
 import pytest
 import pytorch_lightning as pl
