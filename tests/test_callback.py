@@ -6,7 +6,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_gradhooks import GradHooks, GradientMonitor
+from lightning_gradhooks import GradHooks
 from lightning_gradhooks.log import LOGGED_STATISTICS
 
 from conftest import MLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
