@@ -12,9 +12,7 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
-that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, torch ops``
-(the same with the CPU gradients reduced by torch ops instead of the C kernels of ``_kernels.c``,
-``GradientMonitor(kernels=False)``; only where they are built), ``per-param norm``
+that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -23,15 +21,12 @@ its histograms in hooks: a tensor hook per parameter counts backward passes and 
 on the root counts forwards; every ``log_freq``-th call reduces the tensor and publishes it to
 the run; ``run.log({})`` commits the row each logging step. A check counts them first.
 B, op counts (a TorchDispatchMode): extra aten ops of an armed step (arm, forward, backward,
-collect) over a bare one, on the CPU path (the C kernels) and on the accelerator path (torch ops,
-``GradientMonitor(kernels=False)``, run on the CPU with the CPU's own choices of
-``stats._on_cpu`` off), and of an attached, unarmed step.
+collect) over a bare one, with the CPU's block sizes and with an accelerator's
+(``stats.SIZES`` emptied: a block is a whole batch), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
 replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
-``armed + collect``; ``armed + collect, views`` (a second monitor that reads every module's
-``grad_input`` through a view, as before one-node modules were read from their node);
-``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
+``armed + collect``; ``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
 hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
 interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
@@ -41,7 +36,7 @@ Two tables: the mean step of each fit (the headline), and its median step (witho
 steps where the allocator returned freed memory to the kernel). With ``--breakdown`` also every
 step without histograms, every step with the monitor's
 reductions (hook and parameter gradients) replaced by nothing (what the callback costs besides
-them), and every step with torch ops instead of the C kernels.
+them).
 
 A variant that raises is reported as failed and left out. The default run takes about 5 minutes
 on 2 idle cores (part A 3.5, B 0.3, C 1.2).
@@ -79,7 +74,7 @@ from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
 from lightning_gradhooks import stats  # noqa: E402
 from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
-from lightning_gradhooks.stats import C_KERNELS  # noqa: E402
+
 
 Batch = tuple[Tensor, ...]
 
@@ -183,9 +178,7 @@ class Loop:
         self.case, self.state, self.model = case, state, case.make()
         self.model.load_state_dict(state)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        # by the C kernels for float32 CPU gradients where built (True), by torch ops (False)
-        self.monitors = {True: GradientMonitor(self.model), False: GradientMonitor(self.model, kernels=False)}
-        self.monitor = self.monitors[True]
+        self.monitor = GradientMonitor(self.model)
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:
@@ -206,8 +199,7 @@ class Loop:
             with setup() as variant:
                 return statistics.fmean(self.step(variant) for _ in range(steps))
         except Exception:
-            for monitor in self.monitors.values():
-                monitor.disarm()  # a step failed half-way: leave nothing armed or accumulated
+            self.monitor.disarm()  # a step failed half-way: leave nothing armed or accumulated
             self.optimizer.zero_grad()
             raise
 
@@ -217,8 +209,8 @@ class Loop:
         yield variant
 
     @contextlib.contextmanager
-    def monitored(self, armed: bool, kernels: bool = True) -> Iterator[Variant]:
-        monitor = self.monitors[kernels]
+    def monitored(self, armed: bool) -> Iterator[Variant]:
+        monitor = self.monitor
         with monitor.attach():
             # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
             # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
@@ -243,8 +235,6 @@ class Loop:
             "attached": lambda: self.monitored(False),
             "armed": lambda: self.monitored(True),
         }
-        if C_KERNELS and self.case.batch[0].device.type == "cpu":
-            setups["armed, torch ops"] = lambda: self.monitored(True, kernels=False)
         setups |= {
             "per-param norm": lambda: self.plain(Variant(after=self.norms)),
         }
@@ -351,8 +341,7 @@ def op_counts(case: Case) -> list[str]:
     """The table row of one model: extra ops of an armed step on each path, of an unarmed one."""
     torch.manual_seed(0)
     model = case.make()
-    monitors = {"CPU": GradientMonitor(model), "accelerator": GradientMonitor(model, kernels=False)}
-    monitor = monitors["CPU"]  # C kernels where built; the accelerator path: torch ops
+    monitor = GradientMonitor(model)
 
     def step(armed: bool) -> int:
         """Forward, backward, collect (no optimizer); the tensors reduced into the record."""
@@ -366,11 +355,10 @@ def op_counts(case: Case) -> list[str]:
     step(False)  # warm-up
     bare, _ = count_ops(lambda: step(False))
     cells: dict[str, list[str]] = {}
-    for path, monitor in monitors.items():
-        # On the CPU torch ops lay batches out for its caches and skip work by reading values;
-        # the accelerator's ops are counted with those CPU choices off.
-        cpu = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "_on_cpu", lambda device: False)
-        with cpu, monitor.attach():
+    for path in ("CPU", "accelerator"):
+        # The same ops; an accelerator's blocks are whole batches.
+        sizes = contextlib.nullcontext() if path == "CPU" else mock.patch.object(stats, "SIZES", {})
+        with sizes, monitor.attach():
             step(True)  # in-place probe
             if path == "CPU":
                 not_armed = count_ops(lambda: step(False))[0] - bare
@@ -390,7 +378,7 @@ def part_b(names: list[str]) -> None:
             rows.append([name, f"failed: {type(error).__name__}: {error}", *[""] * 5])
     print("\nOp counts (aten ops dispatched; extra = monitored step - bare step, forward + backward, no optimizer)")
     print(
-        "| model | reduced tensors | extra ops CPU path (C kernels) | per tensor | extra ops accelerator path (torch ops) | per tensor "
+        "| model | reduced tensors | extra ops, CPU blocks | per tensor | extra ops, accelerator blocks | per tensor "
         "| extra ops when not armed |\n| --- | --- | --- | --- | --- | --- | --- |"
     )
     for row in rows:
@@ -447,15 +435,6 @@ def fit_once(
     return timer.times[2:] or timer.times
 
 
-class TorchOps(GradHooks):
-    """GradHooks whose monitor reduces CPU gradients with torch ops, not the C kernels."""
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        torch_ops = functools.partial(GradientMonitor, kernels=False)
-        with mock.patch("lightning_gradhooks.callback.GradientMonitor", torch_ops):
-            super().setup(trainer, pl_module, stage)
-
-
 class SkippedReductions(GradHooks):
     """GradHooks whose monitor reduces nothing (hooks, parameters): the callback's own cost."""
 
@@ -475,8 +454,6 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
         variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
-        if C_KERNELS and args.device == "cpu":
-            variants["every step, torch ops"] = lambda: [TorchOps(every_n_steps=1)]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         state = case.make().state_dict()
@@ -506,16 +483,15 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def planned(views: bool = False, grad_input: bool = True) -> Iterator[None]:
-    """While active, the monitors' plans read every grad_input through a view (``views``: no
-    module is read as one autograd node), or read none (``grad_input=False``)."""
+def no_grad_input() -> Iterator[None]:
+    """While active, the monitors' plans read no grad_input."""
     from lightning_gradhooks import monitor as core
 
     decide = core._decide
 
     def changed(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> core.Plan:
-        plan = decide(module, compiled, seen if not views or seen is None else seen | {core.SEVERAL_NODES})
-        if not grad_input and plan.read in (core.Read.VIEWS, core.Read.ONE_NODE):
+        plan = decide(module, compiled, seen)
+        if plan.read is core.Read.VIEWS:
             return core.Plan(core.Read.OUTPUT_ONLY, "benchmark: no grad_input")
         return plan
 
@@ -532,8 +508,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         monitor = GradientMonitor(model)
         # A second monitor on the same model, whose plan gives no module a grad_input hook.
         no_inputs = GradientMonitor(model)
-        views = GradientMonitor(model)  # and one that reads every grad_input through a view
-        others = {"armed + collect, no grad_input": no_inputs, "armed + collect, views": views}
+        others = {"armed + collect, no grad_input": no_inputs}
 
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
@@ -555,13 +530,11 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             synchronize()
             return time.perf_counter() - start
 
-        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect", "armed + collect, views",
+        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect",
                   "armed + collect, no grad_input"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach(), views.attach():
-            with planned(views=True):  # their probe steps plan them
-                step("armed + collect, views")
-            with planned(grad_input=False):
+        with monitor.attach(), no_inputs.attach():
+            with no_grad_input():  # its probe step plans it
                 step("armed + collect, no grad_input")
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
                 step(stage)

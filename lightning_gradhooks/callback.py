@@ -21,7 +21,6 @@ from lightning_gradhooks._checks import (
 from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import (
     DEFAULT_BINS,
-    CollectorPause,
     GradientMonitor,
     listed,
 )
@@ -186,11 +185,6 @@ class GradHooksLogic:
         self._step = 0  # the global step the armed record will be logged at
         self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
         self._unowned: list[Any] = []  # trainable parameters that no optimizer holds
-        # Python's cyclic collector is off from the start of a logged batch to its end: the
-        # record, events and report rows of a logged step would otherwise set off full
-        # collections of the whole process (~250 ms each with Lightning imported). A collector
-        # the user switched off stays off.
-        self._collector = CollectorPause()
         self._in_batch = False  # between on_train_batch_start and _end_batch
 
     def _logger(self) -> logging.Logger:
@@ -343,7 +337,6 @@ class GradHooksLogic:
     def _cleanup(self) -> None:
         self._in_batch = False
         self._sentinel, self._unowned = None, []
-        self._collector.resume()
         if self.gradient_log is not None and not self.gradient_log.closed:
             self.gradient_log.close()
         if self._monitor is not None:
@@ -376,10 +369,7 @@ class GradHooksLogic:
         self._pieces_due = (self._pooled or self._pieces) and logged
         if monitor is not None and observed and not monitor.armed and logged:
             self._step = trainer.global_step
-            self._collector.pause()
             monitor.arm()
-        elif monitor is not None and monitor.armed:  # a later micro-batch of a logged step
-            self._collector.pause()
         if self._offload is not None and not self._offload.active:
             self._offload.__enter__()
 
@@ -444,7 +434,7 @@ class GradHooksLogic:
         self._end_batch(trainer)
 
     def _end_batch(self, trainer: pl.Trainer, epoch_over: bool = False) -> None:
-        """End what ``on_train_batch_start`` began (offload hooks, armed monitor, paused collector),
+        """End what ``on_train_batch_start`` began (offload hooks, armed monitor),
         idempotently: Lightning skips ``on_train_batch_end`` when ``on_train_batch_start`` returns
         -1. Statistics waiting for their optimizer step (accumulation) keep the monitor armed,
         unless the epoch is over: then a backward that no step followed is logged as it is."""
@@ -458,7 +448,6 @@ class GradHooksLogic:
         finally:
             if monitor is not None and (epoch_over or not monitor.pending):
                 monitor.disarm()
-            self._collector.resume()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -6,11 +6,11 @@ chosen module hooks the autograd nodes that made the module's outputs, and a for
 passes each input through a view whose node is hooked too: backward then hands the hooks
 ``grad_output`` and ``grad_input``, the same tensors a full backward hook
 (``register_full_backward_hook``) receives, without the two Python autograd functions per call
-that a full backward hook wraps around every forward. A module whose forward is a single
-autograd node (``Linear`` on a batch of vectors, convolutions, norm layers) needs no view: one
-hook on that node receives both. The hooks reduce them to statistics on
-the device; :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything
-to the host in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
+that a full backward hook wraps around every forward. Every hook is registered through torch's
+public APIs (``register_forward_hook``, ``register_forward_pre_hook``, ``Node.register_prehook``,
+``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
+:meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
+in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
-from lightning_gradhooks.stats import C_KERNELS, Reducer, Scratch
+from lightning_gradhooks.stats import Reducer, Scratch
 
 __all__ = [
     "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",
@@ -47,7 +47,8 @@ DEFAULT_BINS = 64
 class CollectorPause:
     """Switches Python's cyclic garbage collector off, and back on only if it switched it off:
     a collector the user switched off stays off. Objects freed by reference counting are freed
-    as always; only collecting reference cycles waits."""
+    as always; only collecting reference cycles waits. Each monitor has one, the only owner of
+    the pause in the library (:meth:`GradientMonitor.arm`)."""
 
     def __init__(self) -> None:
         self.paused = False
@@ -63,41 +64,33 @@ class CollectorPause:
             gc.enable()
 
 
-#: A hook as the monitor puts it in a module: the module's hook dict, a key and the hook.
-_Slot = tuple[dict, int, Callable]
-
-
-def _slot(hooks: dict, hook: Callable) -> _Slot:
-    """A slot for ``hook`` in ``hooks`` (a module's ``_forward_hooks`` or ``_forward_pre_hooks``),
-    keyed by an id from torch's own handle counter, as ``register_forward_hook`` would key it:
-    :class:`MonitorHandle` puts it in and takes it out with one dict operation each, where
-    registering would make a handle every logged step."""
-    return hooks, RemovableHandle(hooks).id, hook
+#: A module hook of the monitor: the module, whether it is a forward pre-hook, the hook.
+_Hook = tuple[nn.Module, bool, Callable]
 
 
 class MonitorHandle:
     """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager.
 
-    While the monitor is not armed its hooks are *parked*: out of the modules' hook dicts, so a
-    step that is not logged runs exactly as without the monitor.
+    While the monitor is not armed its hooks are *parked*: removed from the modules, so a step
+    that is not logged runs exactly as without the monitor.
     """
 
     def __init__(self, on_remove: Callable[[], None] = lambda: None) -> None:
-        self._slots: list[_Slot] = []
+        self._handles: list[RemovableHandle] = []
         self._on_remove = on_remove
         self.active = True
 
-    def put(self, slots: Sequence[_Slot]) -> None:
-        """Put hooks in their modules, until :meth:`park`."""
-        for hooks, key, hook in slots:
-            hooks[key] = hook
-        self._slots += slots
+    def put(self, hooks: Sequence[_Hook]) -> None:
+        """Register hooks on their modules, until :meth:`park`."""
+        for module, pre, hook in hooks:
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            self._handles.append(register(hook))
 
     def park(self) -> None:
-        """Take every hook out of the modules; the monitor puts them in again when armed."""
-        slots, self._slots = self._slots, []
-        for hooks, key, _ in slots:
-            hooks.pop(key, None)
+        """Remove every hook from the modules; the monitor registers them again when armed."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
 
     def remove(self) -> None:
         """Take every hook out for good, and disarm the monitor."""
@@ -143,8 +136,6 @@ class Read(enum.Enum):
     #: ``grad_output`` from the node that made each output, ``grad_input`` from the node of a
     #: view that each input is passed through.
     VIEWS = "views"
-    #: The module's forward is one autograd node: one hook on it reads both, with no view.
-    ONE_NODE = "one node"
     #: ``grad_output`` only (a view could not be used, or not safely): the reason says why.
     OUTPUT_ONLY = "output only"
     #: No hook (code compiled by ``torch.compile``): parameter gradients only.
@@ -159,7 +150,7 @@ class Plan(NamedTuple):
 
 
 #: What a module can show on logged steps, which :func:`_decide` plans from.
-IN_PLACE, STRUCTURED, NOT_RUN, SEVERAL_NODES = "in place", "structured", "not run", "several nodes"
+IN_PLACE, STRUCTURED, NOT_RUN = "in place", "structured", "not run"
 
 
 def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
@@ -175,10 +166,6 @@ def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> P
         return Plan(Read.OUTPUT_ONLY, "its output is not a tensor or a flat tuple of tensors, as a full backward hook needs")
     if NOT_RUN in seen:
         return Plan(Read.OUTPUT_ONLY, "it did not run in the first logged step, so in-place use could not be ruled out")
-    if type(module) in _ONE_NODE_TYPES and SEVERAL_NODES not in seen:
-        return Plan(Read.ONE_NODE, f"torch's {type(module).__name__} made one autograd node in every call")
-    if SEVERAL_NODES in seen:
-        return Plan(Read.VIEWS, "made more than one autograd node in a call")
     return Plan(Read.VIEWS, "grad_input through a view of each input")
 
 
@@ -229,79 +216,6 @@ def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
 def _full_hook_sees(output: Any) -> bool:
     """Whether a full backward hook sees every tensor of ``output``: a tensor or a flat tuple."""
     return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
-
-
-#: Module types whose own forward makes one autograd node from its inputs (checked at every
-#: call by :func:`_one_node_edges`): their ``grad_input`` is read from that node, with no view.
-#: Exact types only: a subclass may compute more in its ``forward``.
-_ONE_NODE_TYPES = frozenset({
-    nn.Linear, nn.Bilinear, nn.Embedding,
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm,
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Softplus,
-})
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
-#: How many nodes :func:`_one_node_edges` follows from a node's edges that feed no input
-#: (``TBackward0`` of a ``Linear`` weight is one) before it gives up.
-_WALK = 4
-
-
-def _one_node_edges(output: Any, args: tuple) -> list[tuple[int, int]] | None:
-    """For a call that returned ``output``, made by one autograd node from ``args``: for each
-    input that requires grad, ``(its position in args, the node's edge it feeds)``. That edge's
-    gradient is then the input's ``grad_input``: all of it goes through that node. An output
-    that needs no grad gives ``[]``: there is nothing to read.
-
-    None where this is not shown: ``output`` is not a plain tensor, or was made by no node; an
-    input feeds the node by no edge or by two (``x * x``), or reaches it through other nodes;
-    the node's other edges lead to more than :data:`_WALK` nodes before parameters, or to an
-    input. Every logged call of a one-node module runs this, hence the plain loops.
-    """
-    if type(output) is not Tensor:
-        return None
-    if not output.requires_grad:
-        return []
-    node = output.grad_fn
-    if node is None:
-        return None
-    # (position, the node that made the input, its output number; or for a leaf, the leaf)
-    inputs = [(i, a.grad_fn, a.output_nr, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
-    leaves = [a for _, source, _, a in inputs if source is None]
-    found: list[tuple[int, int]] = []
-    others = []
-    for j, (fn, nr) in enumerate(node.next_functions):
-        if fn is None:
-            continue
-        for i, source, k, a in inputs:
-            if (fn is source and nr == k) if source is not None else (
-                type(fn) is _ACCUMULATE_GRAD and fn.variable is a
-            ):
-                found.append((i, j))
-                break
-        else:
-            others.append(fn)
-    if len(found) != len(inputs) or (len(found) > 1 and len({i for i, _ in found}) != len(found)):
-        return None  # an input feeds no edge or two
-    budget = _WALK
-    while others:  # these edges must end in parameters, without meeting an input
-        fn = others.pop()
-        if type(fn) is _ACCUMULATE_GRAD:
-            if leaves:
-                variable = fn.variable
-                for leaf in leaves:
-                    if variable is leaf:
-                        return None
-            continue
-        budget -= 1
-        if budget < 0:
-            return None
-        for _, source, _, _ in inputs:
-            if fn is source:
-                return None
-        for f, _ in fn.next_functions:
-            if f is not None:
-                others.append(f)
-    return found
 
 
 def listed(names: Sequence[str], limit: int = 8) -> str:
@@ -443,11 +357,6 @@ class GradientMonitor:
             the gradients, and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
-        kernels: how float32 CPU gradients are reduced: None (default), by the C kernels of
-            ``_kernels.c`` where they were built (:data:`~lightning_gradhooks.stats.C_KERNELS`);
-            False, by torch ops, as every other gradient (the accelerator path, run on the
-            CPU); True, by the kernels, refused where they were not built.
-
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
             or an ``include`` pattern that matches no module.
@@ -473,16 +382,12 @@ class GradientMonitor:
         bins: int = DEFAULT_BINS,
         parameters: bool = True,
         forward_checks: bool = False,
-        *,
-        kernels: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks)):
             check_bool(argument, value)
-        if kernels is not None and check_bool("kernels", kernels) and not C_KERNELS:
-            raise ValueError("`kernels` expected False or None where the C kernels of _kernels.c were not built, got True")
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = [
@@ -519,8 +424,8 @@ class GradientMonitor:
             for name, module in _named_modules(model).items()
             if _label(name) not in self._hooked and id(module) not in compiled
         } if self._forward_checks else {}
-        self._check_slots = [
-            _slot(module._forward_hooks, functools.partial(self._check_only, label)) for label, module in self._checked.items()
+        self._check_hooks: list[_Hook] = [
+            (module, False, functools.partial(self._check_only, label)) for label, module in self._checked.items()
         ]
         self._weights_checked = False  # on this armed step
         self._seen_tensors: dict[int, tuple[weakref.ref, int]] = {}  # checked this armed step: (tensor, version)
@@ -531,12 +436,11 @@ class GradientMonitor:
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
         self._reducers: dict[torch.device, Reducer] = {}
-        self.kernels = kernels
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
-        self._slots: list[_Slot] | None = None  # the hooks of the plan: made again when it changes
+        self._hooks: list[_Hook] | None = None  # the hooks of the plan: made again when it changes
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
@@ -561,30 +465,28 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks of each module's plan in the modules."""
-        self._handle.put(self._check_slots)
+        self._handle.put(self._check_hooks)
         if self._probe is None and any(p.read is Read.PROBE for p in self._plan.values()):
             self._probe = _Probe()  # again, if a probe's backward never came
-        if self._slots is None:  # made once per plan, put in and taken out at every logged step
-            self._slots = []
+        if self._hooks is None:  # made once per plan, registered and removed at every logged step
+            self._hooks = []
             for label, module in self._hooked.items():
                 read = self._plan[label].read
                 if read is Read.PROBE:
-                    self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._probe_inputs, label)))
-                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._probe_outputs, label)))
-                elif read is Read.ONE_NODE:
-                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_one_node, label)))
+                    self._hooks.append((module, True, functools.partial(self._probe_inputs, label)))
+                    self._hooks.append((module, False, functools.partial(self._probe_outputs, label)))
                 else:
                     if read is Read.VIEWS:
-                        self._slots.append(_slot(module._forward_pre_hooks, functools.partial(self._watch_inputs, label)))
-                    self._slots.append(_slot(module._forward_hooks, functools.partial(self._watch_forward, label)))
-        self._handle.put(self._slots)
+                        self._hooks.append((module, True, functools.partial(self._watch_inputs, label)))
+                    self._hooks.append((module, False, functools.partial(self._watch_forward, label)))
+        self._handle.put(self._hooks)
 
     def _replan(self, seen: Mapping[str, frozenset[str]]) -> None:
         """Plan again the modules that showed something new (``seen``: all they showed so far);
         the hooks are made again when next put in."""
         for label, shown in seen.items():
             self._plan[label] = _decide(self._hooked[label], False, shown)
-        self._slots = None
+        self._hooks = None
 
     @property
     def plan(self) -> dict[str, Plan]:
@@ -592,8 +494,7 @@ class GradientMonitor:
 
         Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
         step's backward plans each lastingly (see ``docs/usage.md``, "How the gradients are
-        read"). A one-node module that later makes several nodes in a call is read through
-        views from the next logged step on."""
+        read")."""
         return dict(self._plan)
 
     @property
@@ -627,8 +528,6 @@ class GradientMonitor:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             self._probe.add(name, STRUCTURED)
-        if type(module) in _ONE_NODE_TYPES and _one_node_edges(output, args) is None:
-            self._probe.add(name, SEVERAL_NODES)
         self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
         self._watch_forward(name, module, args, output)
 
@@ -666,11 +565,10 @@ class GradientMonitor:
 
     @property
     def scratch_bytes(self) -> int:
-        """CPU memory the monitor keeps between logged steps to reduce the next one into: buffers
-        of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT` elements each (a fresh buffer
-        of megabytes costs more in page faults than its reduction). Only the torch-ops path uses
-        them (float64 gradients, or a build without the C kernels): 0 otherwise. Freed when the
-        hooks are removed."""
+        """Memory the monitor keeps between logged steps to reduce the next one into, on the
+        gradients' devices: buffers of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT`
+        elements each (a fresh buffer of megabytes costs more in page faults than its
+        reduction). Freed when the hooks are removed."""
         return self._scratch.nbytes
 
     @property
@@ -692,14 +590,14 @@ class GradientMonitor:
                     record = monitor.collect()  # empty unless armed
 
         Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on;
-        :meth:`collect` and leaving the block switch it back on). An armed step makes a few
-        short-lived Python objects per module (hook handles, the hooks of autograd nodes, rows
-        and entries), and in a process holding a few hundred thousand objects (torch, Lightning
-        and TensorBoard imported) the full collections they would set off cost more than the
-        step's own work: on 500 modules, about 45 ms a logged step. Objects freed by reference
-        counting are freed as always; only collecting reference cycles waits. A bare ``arm()``
-        (no ``with``) pauses the collector inside :meth:`collect` only: nothing could switch it
-        back on if the step raised.
+        :meth:`collect` and leaving the block switch it back on), and inside :meth:`collect`
+        also after a bare ``arm()`` (nothing could switch it back on if a step armed that way
+        raised). An armed step makes a few short-lived Python objects per module (hook handles,
+        the hooks of autograd nodes, rows and entries), and in a process holding a few hundred
+        thousand objects (torch, Lightning and TensorBoard imported) the full collections they
+        set off cost a 500-module MLP about a third of its armed step (docs/benchmarks.md).
+        Objects freed by reference counting are freed as always; only collecting reference
+        cycles waits. A collector you switched off stays off.
 
         Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
         in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
@@ -742,6 +640,9 @@ class GradientMonitor:
                 if watched is None:
                     watched = list(args)
                 watched[i] = arg.view_as(arg)
+                known = self._seen_tensors.get(id(arg))  # forward checks: the view is not summed again
+                if known is not None and known[0]() is arg and known[1] == arg._version:
+                    self._seen_tensors[id(watched[i])] = (weakref.ref(watched[i]), arg._version)
                 self._hook(watched[i], "grad_input", name if len(args) == 1 else f"{name}/{i}", False)
         return None if watched is None else tuple(watched)
 
@@ -756,42 +657,6 @@ class GradientMonitor:
                 self._hook(t, "grad_output", "/".join((name, *path)), self.histograms)
         if self._forward_checks and module.training:
             self._check_forward(name, args, output)
-
-    def _watch_one_node(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        """The forward hook of a module planned as one autograd node: a single hook on that node
-        reads both ``grad_output`` and ``grad_input``."""
-        if not (self._armed and torch.is_grad_enabled()):
-            return
-        edges = _one_node_edges(output, args)
-        if edges is None:
-            self._watch_forward(name, module, args, output)  # no view was made: no grad_input
-            self._read_through_views(name)
-            return
-        if output.requires_grad:
-            inputs = [(name if len(args) == 1 else f"{name}/{i}", j) for i, j in edges]
-            output.grad_fn.register_hook(
-                functools.partial(self._one_node_grads, name, self.histograms, output.output_nr, inputs)
-            )
-        if self._forward_checks and module.training:
-            self._check_forward(name, args, output)
-
-    def _read_through_views(self, name: str) -> None:
-        """A one-node module made more than one node: read its inputs through views from now on."""
-        if self._plan[name].read is Read.ONE_NODE:
-            self._replan({name: frozenset({SEVERAL_NODES})})
-            warnings.warn(
-                f"module `{name}` made more than one autograd node in a call (in the first logged step "
-                "it made one), so its grad_input is missing from this step; from the next logged "
-                "step on it is read through a view",
-                stacklevel=3,
-            )
-
-    def _one_node_grads(self, name: str, histogram: bool, index: int, inputs: list[tuple[str, int]],
-                        grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if self._armed:
-            self._reduce("grad_output", name, grad_outputs[index], histogram)
-            for label, j in inputs:
-                self._reduce("grad_input", label, grad_inputs[j], False)
 
     def _hook(self, t: Tensor, kind: str, label: str, histogram: bool) -> None:
         """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made
@@ -863,7 +728,7 @@ class GradientMonitor:
         device = grad.device
         reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, kernels=self.kernels)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, device))
 
@@ -880,16 +745,14 @@ class GradientMonitor:
         """
         if not self._armed:
             return GradientRecord()
-        host = CollectorPause()  # for the record's many objects; a no-op inside `with arm()`
-        host.pause()
+        self._collector.pause()  # for the record's many objects; already paused inside `with arm()`
         try:
             reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
             return self._described(self._finish(pending, reducers), reduced)
         finally:
-            self.disarm()
-            host.resume()
+            self.disarm()  # switches the collector back on
 
     def collect_parameters(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
         """The parameter gradients alone, armed or not; hook statistics stay pending.

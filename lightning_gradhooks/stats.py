@@ -1,28 +1,17 @@
 """Reductions of gradient tensors to statistics and histograms; pooling on the host.
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
-their own device, with no ``.item()``, ``.cpu()`` or ``.tolist()`` off the CPU. It has two paths,
-which give the same values (the tests compare them, and both against plain torch):
+their own device with torch ops, one sequence of ops on every device, that reads no value to the
+host until :meth:`Reducer.finish` brings every result over in one transfer. Gradients are
+gathered into batches (a bigger tensor is a batch of its own), because on accelerators the
+launch count, not the bytes, is what costs; each batch is laid out in rows of :data:`ROW`
+elements and reduced a block of rows at a time with a fixed number of ops: segment reductions
+over rows, one count for all their histograms. Only the sizes depend on the device
+(:data:`SIZES`): on the CPU a block fits a core's cache and tensors of a block or more
+are read in place; on an accelerator a block is the whole batch.
 
-- **torch ops**, :func:`reduce_batch`, the reference and the path of every device: gradients
-  are gathered into batches of up to :data:`DEVICE_BATCH_ELEMENTS` elements (a bigger tensor is
-  a batch of its own), because on accelerators the launch count, not the bytes, is what costs,
-  and each batch is reduced with a fixed number of ops, without a host read: segment
-  reductions over rows, one count for all their histograms. On the CPU (:func:`_on_cpu`) the
-  same ops run on batches of :data:`CPU_OPS_BATCH_ELEMENTS`, in blocks that fit a core's
-  cache, big tensors read in place, and skip what a value read on the host shows useless (the
-  masking of finite blocks, most centring);
-- **the C kernels** of ``_kernels.c``, the CPU fast path for float32 gradients, where setup.py
-  could build them (:data:`C_KERNELS`): gathered up to :data:`CPU_BATCH_ELEMENTS` elements (a
-  bigger one on its own) and reduced in one call, without a copy, in one pass a tensor for the
-  statistics and one for the histogram. A call that meets NaN or Inf is done again by
-  :func:`reduce_batch`.
-
-``Reducer(bins, kernels=None)`` takes the kernels for float32 CPU gradients where they were
-built, torch ops for everything else; ``kernels=False`` takes torch ops everywhere.
-
-The device holds seven *moments* per tensor (finite count, mean, sum of squares and sum of the
-values centred on a point near the mean, finite minimum and maximum, zero count);
+The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
+finite minimum and maximum, zero count);
 :func:`finish_rows` turns them into :data:`STATISTICS` on the host, for all tensors at once.
 Every statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that
 one NaN does not hide the shape of the rest of the gradient.
@@ -36,20 +25,10 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
-
-try:
-    from . import _kernels  # built by setup.py where a C compiler is found
-except ImportError:
-    _kernels = None
-
-#: Whether the C kernels of ``_kernels.c`` were built (setup.py builds them where it finds a C
-#: compiler). Without them, float32 CPU gradients are reduced with torch ops: the same values,
-#: slower (docs/benchmarks.md, "Without the C extension").
-C_KERNELS = _kernels is not None
 
 #: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
@@ -65,30 +44,31 @@ _ZERO_FRACTION = STATISTICS.index("zero_fraction")
 _COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
 STATS_WIDTH = len(STATISTICS) + 3
 
-#: Moments per tensor on the device: finite count, mean, the sum of squares and the sum of the
-#: values centred on (nearly) the mean, finite minimum and maximum, count of exact zeros.
-MOMENTS = 7
+#: Moments per tensor on the device: finite count, mean, the sum of squares about the mean,
+#: finite minimum and maximum, count of exact zeros.
+MOMENTS = 6
 
-#: On accelerators, torch ops reduce a batch once it holds this many elements (64 MiB of float32:
-#: fewer, bigger batches launch fewer kernels); a bigger gradient is a batch of its own.
-DEVICE_BATCH_ELEMENTS = 1 << 24
-#: On the CPU, the C kernels reduce a batch once it holds this many elements; a bigger gradient
-#: is reduced on its own.
-CPU_BATCH_ELEMENTS = 1 << 20
-#: On the CPU, torch ops reduce a batch once it holds this many elements (laid out in rows);
-#: a bigger gradient is a batch of its own.
-CPU_OPS_BATCH_ELEMENTS = 1 << 22
-#: On the CPU, torch ops read a gradient of at least this many elements in place, and reduce a
-#: batch in blocks of at most this many, so that a block and what its reductions write stay in
-#: a core's cache.
-CPU_BLOCK_ELEMENTS = 1 << 18
+class Sizes(NamedTuple):
+    """How many elements a batch gathers before it is reduced (a bigger gradient is a batch of its
+    own, laid out in rows), and how many a block of its rows holds (a tensor of a block or more is
+    read in place)."""
+
+    batch: int
+    block: int
+
+
+#: Sizes by device type. On the CPU a block and what its reductions write stay in a core's
+#: cache; elsewhere (:data:`DEVICE_SIZES`) a block is the whole batch, and batches are bigger:
+#: launches, not bytes, cost there. The ops are the same.
+SIZES: dict[str, Sizes] = {"cpu": Sizes(batch=1 << 22, block=1 << 18)}
+DEVICE_SIZES = Sizes(batch=1 << 24, block=1 << 24)
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
 ROW = 1024
 
 
-def _as_float(tensor: Tensor) -> Tensor:
-    """Detached, dense, in float32 or float64; not flattened (the C kernels read any dense tensor,
-    and a reshape costs a microsecond a tensor: :func:`_flat` flattens for the torch paths).
+def _flat(tensor: Tensor) -> Tensor:
+    """Detached, flat, in float32 or float64: a view where the elements are dense (contiguous,
+    or channels-last: statistics and histograms do not depend on the order of the elements).
 
     A sparse gradient (``nn.Embedding(sparse=True)``) is made dense: its statistics are those of
     the whole tensor, implicit zeros included, at the cost of a dense copy while it is reduced.
@@ -96,44 +76,37 @@ def _as_float(tensor: Tensor) -> Tensor:
     x = tensor.detach() if tensor.requires_grad else tensor
     if x.layout != torch.strided:
         x = x.to_dense()
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _dense(x: Tensor) -> bool:
-    """Whether ``x`` fills ``numel`` elements from its data pointer on: contiguous, or channels-last
-    (statistics and histograms do not depend on the order of the elements)."""
-    return (
-        x.is_contiguous()
-        or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
-        or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    if x.is_contiguous():
+        return x if x.dim() == 1 else x.view(-1)
+    dense = (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
     )
+    return x.as_strided((x.numel(),), (1,)) if dense else x.reshape(-1)
 
 
-def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [t.reshape(-1) for t in tensors]
-
-
-#: CPU scratch buffers of at most this many elements outlive a logged step (see :class:`Scratch`).
+#: Scratch buffers of at most this many elements outlive a logged step (see :class:`Scratch`).
 SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that torch ops copy CPU batches and write their temporaries into (:func:`reduce_batch`).
+    """Buffers that batches are copied into and temporaries written into (:func:`reduce_batch`).
 
-    A fresh buffer of megabytes costs a page fault per 4 KiB on its first write, often more
-    than the arithmetic; reused, it costs nothing. A buffer grows to the largest tensor that
-    needs it. :meth:`trim`, at the end of each step, drops those bigger than
+    A fresh buffer of megabytes costs a page fault per 4 KiB on its first write on the CPU,
+    often more than the arithmetic; reused, it costs nothing. A buffer grows to the largest
+    batch that needs it. :meth:`trim`, at the end of each step, drops those bigger than
     :data:`SCRATCH_KEPT` elements, so what is kept between logged steps is bounded (a few tens
-    of MiB at most), whatever the model.
+    of MiB at most per device), whatever the model.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype], Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
 
-    def get(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
-        buffer = self._buffers.get((name, dtype))
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buffer = self._buffers.get((name, dtype, device))
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[name, dtype] = torch.empty(numel, dtype=dtype)
+            buffer = self._buffers[name, dtype, device] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
     def trim(self) -> None:
@@ -160,84 +133,57 @@ class Reducer:
 
     Args:
         bins: histogram bins.
-        scratch: where CPU batches are copied into; pass the same one every step to reuse its
+        scratch: where batches are copied into; pass the same one every step to reuse its
             buffers (by default each reducer has its own).
-        kernels: whether float32 CPU gradients are reduced by the C kernels of ``_kernels.c``
-            (True), or with torch ops like every other gradient (False); by default, by the
-            kernels where they were built (:data:`C_KERNELS`).
-
-    Raises:
-        ValueError: ``kernels=True`` where the kernels were not built.
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer.
 
     Example:
-        >>> reducer = Reducer(bins=4, kernels=False)
+        >>> reducer = Reducer(bins=4)
         >>> reducer.add(torch.tensor([3.0, -4.0]), histogram=True)
         >>> (row, counts), = reducer.finish()
         >>> round(row[0], 4), counts
         (5.0, [1.0, 0.0, 0.0, 1.0])
     """
 
-    def __init__(self, bins: int, scratch: Scratch | None = None, *, kernels: bool | None = None) -> None:
-        if kernels and _kernels is None:
-            raise ValueError("expected kernels=False or None where the C kernels of _kernels.c were not built, got True")
+    def __init__(self, bins: int, scratch: Scratch | None = None) -> None:
         self.bins = bins
-        self.kernels = C_KERNELS if kernels is None else kernels
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
-        # tensors in the order added); the open batches, by (C kernels, histogram): on the CPU
-        # tensors without a histogram are batched apart (it costs more than the statistics), on
-        # accelerators torch ops have one batch (launches cost more); what was added.
+        # tensors in the order added); the open batches, with and without histograms (they
+        # cost more than the statistics); what was added.
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
-        self._open: dict[tuple[bool, bool], _Batch] = {}
+        self._open: dict[bool, _Batch] = {}
         self._numels: list[int] = []
-        self._histogram: list[bool] = []
         self._scratch = Scratch() if scratch is None else scratch
 
     def add(self, tensor: Tensor, histogram: bool) -> None:
         """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
-        x = _as_float(tensor)
-        n = x.numel()
+        x = _flat(tensor)
         position = len(self._numels)
-        self._numels.append(n)
-        self._histogram.append(histogram)
-        if self.kernels and x.dtype == torch.float32 and x.is_cpu:
-            if not _dense(x):  # an expanded gradient (of a sum): the kernels read dense ones
-                x = x.contiguous()
-            if n > CPU_BATCH_ELEMENTS:
-                self._blocks.append((*_reduce_with_kernels([x], self.bins if histogram else None), [position]))
-                return
-            key, capacity = (True, histogram), CPU_BATCH_ELEMENTS
-        else:  # counted as laid out in rows; a bigger tensor is a batch of its own
-            cpu = _on_cpu(x.device)
-            key, capacity = (False, histogram or not cpu), CPU_OPS_BATCH_ELEMENTS if cpu else DEVICE_BATCH_ELEMENTS
-            n = _rows(n) * ROW
-        batch = self._open.get(key)
+        self._numels.append(x.numel())
+        n = _rows(x.numel()) * ROW  # counted as laid out in rows
+        batch = self._open.get(histogram)
         if batch is None:
-            batch = self._open[key] = _Batch()
-        elif batch.elements + n > capacity:
-            self._flush(key)
-            batch = self._open[key] = _Batch()
+            batch = self._open[histogram] = _Batch()
+        elif batch.elements + n > SIZES.get(x.device.type, DEVICE_SIZES).batch:
+            self._flush(histogram)
+            batch = self._open[histogram] = _Batch()
         batch.tensors.append(x)
         batch.positions.append(position)
         batch.elements += n
 
-    def _flush(self, key: tuple[bool, bool]) -> None:
-        batch = self._open.pop(key)
-        bins = self.bins if any(self._histogram[p] for p in batch.positions) else None
-        if key[0]:
-            moments, counts = _reduce_with_kernels(batch.tensors, bins)
-        else:
-            moments, counts = reduce_batch(_flat(batch.tensors), bins, self._scratch)
+    def _flush(self, histogram: bool) -> None:
+        batch = self._open.pop(histogram)
+        moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch)
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[list[float], list[float] | None]]:
         """The statistics row and histogram counts (or None) of each tensor, in the order added."""
         for key in list(self._open):
             self._flush(key)
-        blocks, numels, wanted = self._blocks, self._numels, self._histogram
-        self._blocks, self._open, self._numels, self._histogram = [], {}, [], []
+        blocks, numels = self._blocks, self._numels
+        self._blocks, self._open, self._numels = [], {}, []
         self._scratch.trim()
         if not blocks:
             return []
@@ -253,31 +199,8 @@ class Reducer:
         results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(numels)
         for _, block_counts, block in blocks:
             for p in block:
-                hist = None if block_counts is None else next(counts)
-                results[p] = (next(rows), hist if wanted[p] else None)
+                results[p] = (next(rows), None if block_counts is None else next(counts))
         return results
-
-
-def _reduce_with_kernels(tensors: Sequence[Tensor], bins: int | None) -> tuple[Tensor, Tensor | None]:
-    """:func:`reduce_batch` for dense float32 CPU tensors, in one call of the C kernels of
-    ``_kernels.c``: no copy, one pass a tensor for its moments (sums centred on its first
-    element; a second pass, centred on the mean, where that lies far out) and one for its
-    histogram, the bins computed in float32 as :func:`reduce_batch` computes them. A call that
-    meets NaN or Inf (or a square beyond float32) is done again by :func:`reduce_batch`, which
-    tells which elements were not finite."""
-    m = len(tensors)
-    moments = torch.empty(m, MOMENTS, dtype=torch.float64)
-    counts = None if bins is None else torch.empty(m, bins, dtype=torch.float64)
-    flagged = _kernels.reduce_many(
-        [t.data_ptr() for t in tensors],
-        [t.numel() for t in tensors],
-        bins or 0,
-        moments.data_ptr(),
-        0 if counts is None else counts.data_ptr(),
-    )
-    if flagged:
-        return reduce_batch(_flat(tensors), bins)
-    return moments, counts
 
 
 def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
@@ -288,7 +211,6 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     The first factor is 1, or an exact 2**64 where a denormal span makes the scale too big for
     ``dtype``. A span of 0 (a constant tensor, or denormals flushed to zero under
     ``torch.set_flush_denormal``) gives a scale of 0: every element in bin 0, never NaN.
-    ``_kernels.c`` computes the same factors.
 
     Returns:
         shape ``(2, *span.shape)``.
@@ -296,14 +218,6 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
     scale = (bins * (1 - 1e-6) / span).nan_to_num_(0.0, 0.0, 0.0)  # a span of 0 (or -inf: nothing finite)
     step = torch.where(scale > torch.finfo(dtype).max / 2.0**64, 2.0**64, 1.0)
     return torch.stack([step.to(torch.float64), scale / step]).to(dtype)
-
-
-def _on_cpu(device: torch.device) -> bool:
-    """Whether torch ops reduce on ``device`` as on a CPU: batches in cache-sized blocks, big
-    tensors read in place, and values read to the host to skip work (a read costs nothing
-    there); elsewhere they run the same ops whatever the values, and read nothing. Tests and
-    benchmarks patch this to run an accelerator's ops on the CPU."""
-    return device.type == "cpu"
 
 
 @dataclass(frozen=True)
@@ -334,23 +248,20 @@ class _Layout:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device, cpu: bool) -> _Layout:
+def _layout(lengths: tuple[int, ...], device: torch.device, block_elements: int) -> _Layout:
     """The rows of a batch, built once per layout (a model gives the same layouts every logged
     step) and copied to the device once.
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
-    :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or,
-    on the CPU, if it holds a block or more (:data:`CPU_BLOCK_ELEMENTS`); everything else is
-    copied into one buffer. A block holds :data:`CPU_BLOCK_ELEMENTS` on the CPU (then it and
-    what its reductions write stay in a core's cache), the whole batch elsewhere (launches, not
-    bytes, cost there).
+    :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or if
+    it holds a block or more (``block_elements``); everything else is copied into one buffer.
     """
     rows, pads = [_rows(n) for n in lengths], [-n % ROW if n else ROW for n in lengths]
-    block = CPU_BLOCK_ELEMENTS // ROW if cpu else sum(rows)
+    block = max(1, block_elements // ROW)
     row_of: list[int] = []
     in_place, copied, padded = [], [], []
     for k, n in enumerate(lengths):
-        if (len(lengths) == 1 and n and not pads[k]) or (cpu and n >= CPU_BLOCK_ELEMENTS):
+        if (len(lengths) == 1 and n and not pads[k]) or n >= block_elements:
             for first in range(0, n // ROW, block):
                 end = min(first + block, n // ROW)
                 in_place.append((k, first * ROW, end * ROW, len(row_of)))
@@ -362,11 +273,8 @@ def _layout(lengths: tuple[int, ...], device: torch.device, cpu: bool) -> _Layou
             row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
             if pads[k]:
                 padded.append(len(row_of) - 1)
-    on_host, laid_out = torch.tensor(row_of), torch.tensor(rows, dtype=torch.float64) * ROW
-    if device.type == "cuda":
-        on_host, laid_out = on_host.pin_memory(), laid_out.pin_memory()
-    return _Layout(on_host.to(device, non_blocking=True), row_of, pads, laid_out.to(device, non_blocking=True),
-                   in_place, copied, padded, block)
+    return _Layout(torch.tensor(row_of, device=device), row_of, pads,
+                   torch.tensor(rows, dtype=torch.float64, device=device) * ROW, in_place, copied, padded, block)
 
 
 def _rows(n: int) -> int:
@@ -374,35 +282,33 @@ def _rows(n: int) -> int:
     return max(1, -(-n // ROW))
 
 
-@functools.lru_cache(maxsize=8)
-def _padding(device: torch.device, dtype: torch.dtype) -> Tensor:
-    return torch.full((ROW,), math.nan, dtype=dtype, device=device)
+@functools.lru_cache(maxsize=4096)
+def _padding(device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
+    """``length`` NaN, made once (a slice made at every step would be an op of its own)."""
+    return torch.full((length,), math.nan, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=64)
-def _columns(subs: int, bins: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _columns(subs: int, bins: int, device: torch.device) -> Tensor:
     """Offset of each column of a row into the ``subs`` histograms that count it."""
-    return (torch.arange(ROW) % subs * (bins + 1)).to(device, dtype)
+    return (torch.arange(ROW, dtype=torch.int32) % subs * (bins + 1)).to(device)
 
 
 def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if scratch is not None and device.type == "cpu":
-        return scratch.get(name, numel, dtype)
+    if scratch is not None:
+        return scratch.get(name, numel, dtype, device)
     return torch.empty(numel, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
 class _Block:
     """Consecutive rows of a batch: their values, the first row, the tensors they hold (first,
-    end), whether one is padded; where temporaries go (a float view of the rows' shape), and
-    whether every value is known to be finite (then no op has to mask)."""
+    end); where temporaries go (a float view of the rows' shape)."""
 
     x: Tensor
     first: int
     tensors: tuple[int, int]
-    padded: bool
     work: Tensor | None = None
-    finite: bool = False
 
     @property
     def rows(self) -> slice:
@@ -411,184 +317,145 @@ class _Block:
 
 def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
     """The batch as blocks of consecutive rows (:func:`_layout`): those read in place, then what
-    is copied into one buffer (``scratch`` on the CPU), each tensor on rows of its own, padded
-    with NaN. A tensor read in place is first converted to the batch's dtype if it has another
-    (float32 beside float64)."""
+    is copied into one buffer, each tensor on rows of its own, padded with NaN. A tensor read in
+    place is first converted to the batch's dtype if it has another (float32 beside float64)."""
     read = {k: tensors[k].to(dtype) for k, *_ in layout.in_place}
-    blocks = [
-        _Block(read[k][start:end].view(-1, ROW), first, (k, k + 1), False) for k, start, end, first in layout.in_place
-    ]
+    blocks = [_Block(read[k][start:end].view(-1, ROW), first, (k, k + 1)) for k, start, end, first in layout.in_place]
     if not layout.copied:
         return blocks
     device = tensors[0].device
-    nan = _padding(device, dtype)
     pieces = []
     for k, start in layout.copied:
         pieces.append(tensors[k][start:] if start else tensors[k])
         if layout.pads[k]:
-            pieces.append(nan[: layout.pads[k]])
+            pieces.append(_padding(device, dtype, layout.pads[k]))
     copied = sum(p.numel() for p in pieces)
     first = len(layout.owners) - copied // ROW
     x = torch.cat(pieces, out=_buffer(scratch, "batch", copied, dtype, device)) if len(pieces) > 1 else pieces[0]
     x = x.view(-1, ROW)
     for r in range(0, len(x), layout.block):
         start, end = first + r, first + min(r + layout.block, len(x))
-        padded = bisect.bisect_left(layout.padded, start) < bisect.bisect_left(layout.padded, end)
-        owners = (layout.owners[start], layout.owners[end - 1] + 1)
-        blocks.append(_Block(x[r : r + layout.block], start, owners, padded))
+        blocks.append(_Block(x[r : r + layout.block], start, (layout.owners[start], layout.owners[end - 1] + 1)))
     return blocks
 
 
 def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """Moments (and histograms) of many flat float tensors on one device, in a fixed number of ops.
+    """Moments (and histograms) of many flat float tensors on one device, in a fixed number of
+    ops per block, without reading a value to the host.
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
-    with NaN, and reduced a block of rows at a time. Every statistic is a row reduction (summed
-    in float64) followed by one ``index_add`` of the rows of each tensor: a first sweep over the
-    blocks for the finite count, sum, zero count, minimum and maximum (:func:`_row_sums`); a
-    second for the sums centred on the mean and the histograms (:class:`_Histograms`). Every
-    temporary is written into one float buffer and one integer buffer (``scratch`` on the CPU:
-    a reused buffer costs no page faults). No value is read to the host, except on the CPU
-    (:func:`_on_cpu`), where the same ops skip what the values make useless: the masking of a
-    block whose minimum and maximum show no NaN or Inf, the centred sums where those about 0
-    are exact enough (the mean is not far from 0 against the spread, as for most gradients),
-    a multiplication by a scale factor of 1.
+    with NaN, and reduced a block of rows at a time: one sweep for the statistics of each row
+    (:func:`_row_sums`, which reads a block twice while it is in cache), combined into those of
+    each tensor with ``index_add`` (in float64; the variances of the rows by Chan's formula),
+    and, for histograms, a second sweep (:class:`_Histograms`). Every temporary is written into one float buffer and one integer
+    buffer (``scratch``).
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    cpu = _on_cpu(device)
-    layout = _layout(tuple(t.numel() for t in tensors), device, cpu)
+    block_elements = SIZES.get(device.type, DEVICE_SIZES).block
+    layout = _layout(tuple(t.numel() for t in tensors), device, block_elements)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
-    largest = max(block.x.numel() for block in blocks)
-    work = _buffer(scratch, "work", largest, dtype, device)
+    work = _buffer(scratch, "work", max(block.x.numel() for block in blocks), dtype, device)
     sums, lows, highs = [], [], []
     for block in blocks:
         block.work = work[: block.x.numel()].view_as(block.x)
-        per_row, lo, hi = _row_sums(block, cpu)
+        per_row, lo, hi = _row_sums(block)
         sums.append(per_row)
         lows.append(lo)
         highs.append(hi)
-    per_row = _joined(sums).to(f64)
-    if cpu:
-        per_row[:, 3].square_()
-    per_tensor = torch.zeros(m, per_row.shape[1], dtype=f64, device=device).index_add_(0, row_of, per_row)
-    zeroed, total, zeros, *about_zero = per_tensor.unbind(1)
+    # Per row: finite count, pivot (near the row's mean), the sum and the root of the sum of
+    # squares of the finite elements minus the pivot, zero count.
+    finite, pivot, shifted, norm, zeros = _joined(sums).to(f64).unbind(1)
+    squares = norm * norm
+    row_mean = pivot + shifted / finite.clamp(min=1)
+    row_spread = squares - shifted * shifted / finite.clamp(min=1)  # sum of squares about the row's mean
+    per_tensor = torch.zeros(m, 3, dtype=f64, device=device)
+    per_tensor.index_add_(0, row_of, torch.stack([finite, finite * row_mean, zeros], 1))
+    count, total, zeros = per_tensor.unbind(1)
+    mean = total / count.clamp(min=1)
+    # Chan's formula: the spread of a tensor is its rows' spreads plus that of their means.
+    spread = torch.zeros(m, dtype=f64, device=device).index_add_(
+        0, row_of, row_spread.clamp_(min=0.0) + finite * (row_mean - mean[row_of]).square_()
+    )
     low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
     high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
-    count = layout.laid_out - zeroed + zeros
-    mean = total / count.clamp(min=1)
-    # The sums of squares and of the values are centred on a point near the mean: the mean
-    # rounded to the data's precision (the offset this rounding leaves is summed too and taken
-    # out on the host: the corrected two-pass formula); on the CPU, 0 for a tensor whose sums
-    # about 0 lose at most a tenth of their digits to its mean (most gradients): then the
-    # second sweep centres only the blocks that hold another tensor.
-    far, moments = [True] * m, None
-    if about_zero:
-        squares = about_zero[0]
-        near = (squares - total * mean >= 0.1 * squares)[:, None]
-        far = (~near).view(-1).tolist()
-        moments = torch.stack([count, mean, squares, total, low, high, zeros], 1)
-    histograms = None if bins is None else _Histograms(blocks, layout, low, high, bins, scratch, cpu)
-    centres, sums, rows = mean.to(dtype)[row_of, None] if any(far) else None, [], []
-    for block in blocks if centres is not None or histograms else ():  # the second sweep
-        if centres is not None and any(far[slice(*block.tensors)]):
-            values = torch.sub(block.x, centres[block.rows], out=block.work)
-            if not block.finite:
-                values.nan_to_num_(0.0, 0.0, 0.0)
-            sums.append(torch.stack([torch.linalg.vector_norm(values, dim=1), values.sum(1)], 1))
-            rows.append(row_of[block.rows])
-        if histograms:
-            histograms.count(block)
-    if sums:
-        per_row = _joined(sums).to(f64)
-        per_row[:, 0].square_()
-        centred_sums = torch.zeros(m, 2, dtype=f64, device=device).index_add_(0, _joined(rows), per_row)
-        centred_moments = torch.stack([count, mean, *centred_sums.unbind(1), low, high, zeros], 1)
-        moments = centred_moments if moments is None else torch.where(near, moments, centred_moments)
-    return moments, None if histograms is None else histograms.counts()
+    moments = torch.stack([count, mean, spread, low, high, zeros], 1)
+    if bins is None:
+        return moments, None
+    histograms = _Histograms(blocks, layout, low, high, bins, scratch)
+    for block in blocks:  # the second sweep
+        histograms.count(block)
+    return moments, histograms.counts()
 
 
-def _row_sums(block: _Block, cpu: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of a block: the count of zeros and non-finite elements (the NaN padding
-    included), the sum and the count of zeros (on the CPU also the norm) of the finite
-    elements, as one tensor of shape ``(rows, 3 or 4)``; the minimum; the maximum. On the CPU,
-    an unpadded block whose range shows no NaN or Inf is read as it is, and marked finite."""
+def _row_sums(block: _Block) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of a block: the finite count (the NaN padding is not finite), the mean of the
+    finite elements in the block's dtype (the pivot), the sum and the root of the sum of
+    squares of the finite elements minus the pivot (the corrected two-pass formula, while the
+    row is in cache), the count of zeros, as one tensor of shape ``(rows, 5)``; the minimum and
+    the maximum of the finite elements.
+
+    Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
+    for the sum and the counts, then as the pivot for the sums about it.
+    """
     x, w = block.x, block.work
-    norm = []
-    if cpu and not block.padded:
-        low, high = x.amin(1), x.amax(1)
-        block.finite = math.isfinite((high - low).sum().item())
-    if block.finite:
-        zeros = torch.eq(x, 0, out=w).sum(1)
-        if cpu:
-            norm.append(torch.linalg.vector_norm(x, dim=1))
-        return torch.stack([zeros, x.sum(1), zeros, *norm], 1), low, high
-    # Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
-    # for the sums; counts are exact over a row.
     low = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
     high = w.nan_to_num_(posinf=-math.inf).amax(1)
     total = w.nan_to_num_(neginf=0.0).sum(1)
-    if cpu:
-        norm.append(torch.linalg.vector_norm(w, dim=1))
-    zeroed = w.eq_(0).sum(1)  # zeros and non-finite elements
-    zeros = torch.eq(x, 0, out=w).sum(1)  # the NaN padding is never zero
-    return torch.stack([zeroed, total, zeros, *norm], 1), low, high
+    finite = x.shape[1] - w.eq_(0).sum(1)  # zeros and non-finite elements
+    zeros = torch.eq(x, 0, out=w).sum(1)
+    finite += zeros
+    pivot = total / finite.clamp(min=1)
+    shifted = torch.sub(x, pivot[:, None], out=w).nan_to_num_(0.0, 0.0, 0.0)
+    norm = torch.linalg.vector_norm(shifted, dim=1)
+    return torch.stack([finite, pivot, shifted.sum(1), norm, zeros], 1), low, high
 
 
 class _Histograms:
     """The histograms of a batch, counted a block at a time over ``(tensor * subs + column %
     subs) * (bins + 1) + bin``, the tensors numbered from the block's first (``subs``
     histograms per tensor, so that runs of one bin do not wait on one counter; non-finite
-    elements and the padding in the extra bin ``bins``)."""
+    elements and the padding in the extra bin ``bins``), with ``index_add`` (``bincount``
+    would read its maximum to the host)."""
 
     def __init__(self, blocks: list[_Block], layout: _Layout, low: Tensor, high: Tensor, bins: int,
-                 scratch: Scratch | None, cpu: bool) -> None:
+                 scratch: Scratch | None) -> None:
         m, device = len(low), low.device
         # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
         # stack), so the shrunk scale keeps every finite element below `bins`.
         scale = _bin_scale(high.double() - low.double(), bins, low.dtype)
-        self.one_step = cpu and not (scale[0] != 1).any().item()
         self.lows, self.factors, self.row_of = low[layout.row_of, None], scale[:, layout.row_of, None], layout.row_of
         local = max(end - first for first, end in (block.tensors for block in blocks))
         self.bins, self.subs = bins, max(1, min(8, (1 << 15) // (local * (bins + 1))))
         self.stride = self.subs * (bins + 1)
-        self.kind = torch.int16 if cpu and local * self.stride <= 1 << 15 else torch.int32  # bincount counts int16
-        self.columns = _columns(self.subs, bins, self.kind, device)
-        self.index = _buffer(scratch, "index", max(block.x.numel() for block in blocks), self.kind, device)
-        self.cpu, self.m = cpu, m
-        self.table = torch.zeros(m * self.stride, dtype=torch.int64 if cpu else torch.float64, device=device)
+        self.columns = _columns(self.subs, bins, device)
+        self.index = _buffer(scratch, "index", max(block.x.numel() for block in blocks), torch.int32, device)
+        self.m = m
+        self.table = torch.zeros(m * self.stride, dtype=torch.float64, device=device)
+        self.ones = torch.ones(1, dtype=torch.float64, device=device)
 
     def count(self, block: _Block) -> None:
         x, rows, bins = block.x, block.rows, self.bins
-        position = torch.sub(x, self.lows[rows], out=block.work)
-        if not self.one_step:
-            position.mul_(self.factors[0, rows])
-        position.mul_(self.factors[1, rows])
-        if not block.finite:
-            position.nan_to_num_(bins, bins, bins)
+        position = torch.sub(x, self.lows[rows], out=block.work).mul_(self.factors[0, rows]).mul_(self.factors[1, rows])
+        position.nan_to_num_(bins, bins, bins)
         index = self.index[: x.numel()].view_as(x).copy_(position)
         first, end = block.tensors
         if end - first > 1:
-            owners = self.row_of[rows] - first if first else self.row_of[rows]
-            index.add_((owners * self.stride).to(self.kind)[:, None])
+            index.add_(((self.row_of[rows] - first) * self.stride).to(torch.int32)[:, None])
         if self.subs > 1:
             index.add_(self.columns)
         window = self.table[first * self.stride : end * self.stride]
-        if self.cpu:
-            window += torch.bincount(index.view(-1), minlength=window.numel())
-        else:  # bincount would read its maximum to the host
-            ones = torch.ones(1, dtype=window.dtype, device=window.device).expand(index.numel())
-            window.index_add_(0, index.view(-1), ones)
+        window.index_add_(0, index.view(-1), self.ones.expand(index.numel()))
 
     def counts(self) -> Tensor:
         """float64, ``(tensors, bins)``."""
-        return self.table.view(self.m, self.subs, self.bins + 1).sum(1)[:, : self.bins].to(torch.float64)
+        return self.table.view(self.m, self.subs, self.bins + 1).sum(1)[:, : self.bins]
 
 
 def _joined(parts: list[Tensor]) -> Tensor:
@@ -605,10 +472,9 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
     Returns:
         float64, shape ``(k, STATS_WIDTH)``.
     """
-    count, mean, squares, offset, low, high, zeros = moments.unbind(1)
+    count, mean, spread, low, high, zeros = moments.unbind(1)
     empty = count == 0  # no finite element: every moment is 0
-    mean, squares, offset, low, high = (v.masked_fill(empty, 0.0) for v in (mean, squares, offset, low, high))
-    spread = (squares - offset * offset / count.clamp(min=1)).clamp_(min=0.0)  # >= 0 despite rounding
+    mean, spread, low, high = (v.masked_fill(empty, 0.0) for v in (mean, spread, low, high))
     std = (spread / (count - 1)).sqrt_().masked_fill_(count <= 1, 0.0)
     norm = (spread + count * mean * mean).sqrt_()
     zero_fraction = (zeros / numels).masked_fill_(numels == 0, 0.0)
@@ -616,18 +482,17 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
     return torch.stack([norm, mean, std, absmax, numels - count, zero_fraction, count, low, high], 1)
 
 
-def reduce(
-    tensors: Sequence[Tensor], bins: int | None = None, *, kernels: bool | None = None
-) -> list[tuple[list[float], list[float] | None]]:
-    """Statistics rows (and histogram counts) of each tensor, read to the host at once
-    (``kernels`` as for :class:`Reducer`).
+
+
+def reduce(tensors: Sequence[Tensor], bins: int | None = None) -> list[tuple[list[float], list[float] | None]]:
+    """Statistics rows (and histogram counts) of each tensor, read to the host at once.
 
     Example:
         >>> (row, counts), = reduce([torch.tensor([3.0, -4.0, float("nan")])], bins=2)
         >>> [round(v, 4) for v in row[:5]], counts
         ([5.0, -0.5, 4.9497, 4.0, 1.0], [1.0, 1.0])
     """
-    reducer = Reducer(bins or 1, kernels=kernels)
+    reducer = Reducer(bins or 1)
     for t in tensors:
         reducer.add(t, bins is not None)
     return reducer.finish()

@@ -1,8 +1,8 @@
 """Shared models and helpers for the tests.
 
 The tests are laid out by the room they test, one file per room of the package:
-``test_monitor`` (monitor.py: choosing modules, the read plan), ``test_stats`` (stats.py: both
-reduction paths against plain torch), ``test_log`` (log.py: plain loops and Fabric),
+``test_monitor`` (monitor.py: choosing modules, the read plan), ``test_stats`` (stats.py: the
+reductions against plain torch, with the CPU's and an accelerator's sizes), ``test_log`` (log.py: plain loops and Fabric),
 ``test_flow`` (flow.py), ``test_report`` / ``test_report_panel`` / ``test_report_cli``
 (report.py and ``python -m lightning_gradhooks``), ``test_checks`` (_checks.py),
 ``test_offload*`` (offload/: engine, budget, in-place truth, signals), ``test_callback*``,

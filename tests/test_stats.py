@@ -1,13 +1,11 @@
 import math
-import sys
 
 import pytest
 import torch
 
 from lightning_gradhooks import stats
 from lightning_gradhooks.stats import (
-    C_KERNELS,
-    CPU_BATCH_ELEMENTS,
+    SIZES,
     STATISTICS,
     Reducer,
     histogram_edges,
@@ -16,15 +14,17 @@ from lightning_gradhooks.stats import (
     reduce,
 )
 
-#: A tensor the C kernels reduce alone (odd: its last row is padded on the torch-ops path).
-BIG = CPU_BATCH_ELEMENTS + 3
-needs_kernels = pytest.mark.skipif(not C_KERNELS, reason="the C kernels are not built")
+#: A tensor read in place on the CPU, block by block, but for its padded last row.
+BIG = (1 << 20) + 3
 
 
-@pytest.fixture(params=[pytest.param(True, id="kernels", marks=needs_kernels), pytest.param(False, id="torch ops")])
-def kernels(request):
-    """The path a test reduces on: float32 CPU tensors by the C kernels, or by torch ops (the
-    accelerator path, and the reference)."""
+@pytest.fixture(params=["cpu", "accelerator"])
+def blocks(request, monkeypatch):
+    """The block sizes a test reduces with: the CPU's (cache-sized blocks, big tensors read in
+    place), or an accelerator's (a block is the whole batch), run here on the CPU. The ops are
+    the same."""
+    if request.param == "accelerator":
+        monkeypatch.setattr(stats, "SIZES", {})
     return request.param
 
 
@@ -41,34 +41,34 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     }
 
 
-def stats_of(t: torch.Tensor, kernels: bool) -> dict[str, float]:
-    return dict(zip(STATISTICS, reduce([t], kernels=kernels)[0][0]))
+def stats_of(t: torch.Tensor) -> dict[str, float]:
+    return dict(zip(STATISTICS, reduce([t])[0][0]))
 
 
-def counts_of(t: torch.Tensor, bins: int, kernels: bool) -> list[float]:
-    return reduce([t], bins, kernels=kernels)[0][1]
+def counts_of(t: torch.Tensor, bins: int) -> list[float]:
+    return reduce([t], bins)[0][1]
 
 
 # Small tensors are batched, big ones reduced alone (the last fills its rows: read in place).
-SIZES = [(1000,), (7, 13, 5), (2, 1), (BIG,), (2 * CPU_BATCH_ELEMENTS,)]
+SHAPES = [(1000,), (7, 13, 5), (2, 1), (BIG,), (2 * SIZES["cpu"].batch,)]
 
 
-@pytest.mark.parametrize("shape", SIZES)
-def test_statistics_match_reference(shape, kernels):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_statistics_match_reference(shape, blocks):
     t = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
-    got = stats_of(t, kernels)
+    got = stats_of(t)
     for name, value in reference(t).items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
-def test_a_batch_of_many_shapes_matches_each_tensor_alone(kernels):
+def test_a_batch_of_many_shapes_matches_each_tensor_alone(blocks):
     g = torch.Generator().manual_seed(5)
     tensors = [torch.randn(n, generator=g) * (k + 1) + k for k, n in enumerate([1, 3, 1023, 1024, 1025, 5000, 64])]
     tensors[3][7] = float("inf")
     tensors[4][:] = float("nan")  # a tensor with no finite element, inside a batch
-    together = reduce(tensors, bins=16, kernels=kernels)
+    together = reduce(tensors, bins=16)
     for t, (row, counts) in zip(tensors, together):
-        alone = reduce([t], bins=16, kernels=kernels)[0]
+        alone = reduce([t], bins=16)[0]
         assert row == pytest.approx(alone[0], rel=1e-6, abs=1e-9)
         assert counts == alone[1]
         want = reference(t) if torch.isfinite(t).any() else {"norm": 0.0, "mean": 0.0, "std": 0.0, "absmax": 0.0}
@@ -78,46 +78,46 @@ def test_a_batch_of_many_shapes_matches_each_tensor_alone(kernels):
 
 
 @pytest.mark.parametrize("count", [100, 700])  # one batch's bins fit int16 indices, or need int32
-def test_histograms_of_a_batch_of_many_tensors_equal_each_alone(count, kernels):
+def test_histograms_of_a_batch_of_many_tensors_equal_each_alone(count, blocks):
     g = torch.Generator().manual_seed(6)
     tensors = [torch.randn(64, generator=g) * (k % 7 + 1) for k in range(count)]
-    for t, (row, counts) in zip(tensors, reduce(tensors, bins=64, kernels=kernels)):
+    for t, (row, counts) in zip(tensors, reduce(tensors, bins=64)):
         alone = torch.histc(t, bins=64, min=t.min().item(), max=t.max().item())
         assert sum(counts) == 64 and (torch.tensor(counts) - alone).abs().sum() <= 2
         assert row[3] == t.abs().max().item()
 
 
-def test_mean_far_from_zero_keeps_the_std_exact(kernels):
+def test_mean_far_from_zero_keeps_the_std_exact(blocks):
     t = 1000.0 + torch.randn(BIG, generator=torch.Generator().manual_seed(6)) * 1e-3
-    assert stats_of(t, kernels)["std"] == pytest.approx(t.double().std().item(), rel=1e-4)
-    assert stats_of(t[:100], kernels)["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
+    assert stats_of(t)["std"] == pytest.approx(t.double().std().item(), rel=1e-4)
+    assert stats_of(t[:100])["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
 
 
 @pytest.mark.parametrize("big", [False, True])
-def test_nonfinite_values_are_counted_and_left_out(big, kernels):
+def test_nonfinite_values_are_counted_and_left_out(big, blocks):
     t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf")])
-    if big:  # the C kernels reduce it alone, then fall back to torch ops
+    if big:  # read in place, a block at a time on the CPU
         t = torch.cat([t, torch.zeros(BIG)])
-    got = stats_of(t, kernels)
+    got = stats_of(t)
     assert got["nonfinite"] == 3
     assert got["norm"] == pytest.approx(math.sqrt(14))
     assert got["mean"] == pytest.approx(0.0, abs=1e-6)
     assert got["absmax"] == 3
-    assert sum(counts_of(t, 4, kernels)) == t.numel() - 3
+    assert sum(counts_of(t, 4)) == t.numel() - 3
 
 
-def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram(kernels):
+def test_all_nonfinite_tensor_gives_zero_statistics_and_empty_histogram(blocks):
     t = torch.full((5,), float("nan"))
-    (row, counts), = reduce([t], bins=8, kernels=kernels)
+    (row, counts), = reduce([t], bins=8)
     assert row[:4] == [0.0, 0.0, 0.0, 0.0]
     assert row[4] == 5
     assert sum(counts) == 0
 
 
 @pytest.mark.parametrize("n", [10_000, BIG])
-def test_histogram_matches_torch_histc(n, kernels):
+def test_histogram_matches_torch_histc(n, blocks):
     t = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    counts = torch.tensor(counts_of(t, 30, kernels))
+    counts = torch.tensor(counts_of(t, 30))
     expected = torch.histc(t, bins=30, min=t.min().item(), max=t.max().item())
     # Elements on a bin edge may fall either side by float rounding.
     assert (counts - expected).abs().sum().item() <= 4 * n / 10_000
@@ -127,11 +127,11 @@ def test_histogram_matches_torch_histc(n, kernels):
 
 
 @pytest.mark.parametrize("n", [100, BIG])
-def test_denormal_and_constant_gradients(n, kernels):
+def test_denormal_and_constant_gradients(n, blocks):
     """A deep stack's vanishing gradients: spans of 1e-42 and runs of equal values."""
     tiny = torch.linspace(0, 1, n) * 1e-42
     for t in (tiny, torch.full((n,), 1e-40), torch.zeros(n)):
-        (row, counts), = reduce([t], bins=8, kernels=kernels)
+        (row, counts), = reduce([t], bins=8)
         assert sum(counts) == n and max(counts) < n or t.max() == t.min()
         assert row[3] == t.abs().max().item()  # squares underflow in float32: std and norm may not
 
@@ -144,43 +144,41 @@ def flush_denormal():
 
 
 @pytest.mark.parametrize("n", [100, BIG])
-def test_histograms_count_every_element_when_the_user_flushes_denormals(n, flush_denormal, kernels):
+def test_histograms_count_every_element_when_the_user_flushes_denormals(n, flush_denormal, blocks):
     """Under ``torch.set_flush_denormal(True)`` a denormal span reads as 0: one full bin, no NaN."""
     g = torch.Generator().manual_seed(3)
     for t in (torch.linspace(0, 1, n) * 1e-42, torch.randn(n, generator=g) * 1e-39, torch.randn(n, generator=g)):
-        together = reduce([t, torch.randn(50, generator=g)], bins=8, kernels=kernels)
+        together = reduce([t, torch.randn(50, generator=g)], bins=8)
         assert [sum(counts) for _, counts in together] == [n, 50]
 
 
 @pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 3])
 @pytest.mark.parametrize("bins", [7, 64, 65, 129])
-def test_big_histograms_of_gradients_crowded_in_a_few_bins(n, bins, kernels):
-    """Half zeros and a heavy tail (a ReLU layer's gradient): the C kernels count big tensors by
-    pairs of elements up to 64 bins, one by one above; an odd length leaves one element out of
-    the pairs."""
+def test_big_histograms_of_gradients_crowded_in_a_few_bins(n, bins, blocks):
+    """Half zeros and a heavy tail (a ReLU layer's gradient): most elements in a few bins."""
     g = torch.Generator().manual_seed(4)
     t = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
-    counts = torch.tensor(counts_of(t, bins, kernels))
+    counts = torch.tensor(counts_of(t, bins))
     low, high = t.min().double(), t.max().double()
     expected = torch.bincount(((t.double() - low) / (high - low) * bins).long().clamp(max=bins - 1), minlength=bins)
     assert counts.sum().item() == n
     assert (counts - expected).abs().sum().item() <= 4 * n / 10_000  # elements on a bin edge may fall either side
 
 
-def test_constant_tensor_histogram_has_one_full_bin(kernels):
-    counts = counts_of(torch.zeros(100), 10, kernels)
+def test_constant_tensor_histogram_has_one_full_bin(blocks):
+    counts = counts_of(torch.zeros(100), 10)
     assert sum(counts) == 100 and max(counts) == 100
 
 
-def test_half_precision_is_reduced_in_float32(kernels):
+def test_half_precision_is_reduced_in_float32(blocks):
     t = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    assert stats_of(t, kernels)["norm"] == pytest.approx(t.float().norm().item(), rel=1e-5)
+    assert stats_of(t)["norm"] == pytest.approx(t.float().norm().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("n", [4097, BIG])
-def test_narrow_range_far_from_zero_keeps_every_element_in_range(n, kernels):
+def test_narrow_range_far_from_zero_keeps_every_element_in_range(n, blocks):
     t = 1000.0 + torch.linspace(0, 1e-3, n)
-    counts = counts_of(t, 64, kernels)
+    counts = counts_of(t, 64)
     assert sum(counts) == t.numel()
     assert counts[0] > 0 and counts[-1] > 0
 
@@ -205,7 +203,7 @@ def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
     low, high, counts = merge_histograms(parts, 16)
     assert (low, high) == (whole.min().item(), whole.max().item())
     assert sum(counts) == pytest.approx(1300)
-    reference_counts = torch.tensor(counts_of(whole, 16, kernels=None))
+    reference_counts = torch.tensor(counts_of(whole, 16))
     # Spreading counts across bins moves mass by at most a bin: the CDFs stay close.
     assert (torch.tensor(counts).cumsum(0) - reference_counts.cumsum(0)).abs().max() < 1300 * 0.05
     # The same range twice merges exactly.
@@ -214,89 +212,37 @@ def test_merged_histograms_keep_every_count_and_equal_ranges_merge_exactly():
     assert merge_histograms([], 3) == (0.0, 0.0, [0.0, 0.0, 0.0])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CI builds the C kernels on Linux")
-def test_the_c_kernels_are_built():
-    assert stats.C_KERNELS, "lightning_gradhooks/_kernels.c was not built: is a C compiler installed?"
-
-
-@needs_kernels
-@pytest.mark.parametrize("n", [BIG, 4099, 64, 1, 0])  # big: alone; small: in one batch
-@pytest.mark.parametrize("bins", [1, 7, 64, 65, 129, 1000])
-def test_c_kernels_give_what_torch_ops_give(bins, n):
-    """Same histograms exactly (the bin is the same float32 arithmetic), same minimum, maximum and
-    zero count exactly, sums to float32 rounding; NaN and Inf counted alike (the kernels hand
-    such a call to torch ops)."""
-    g = torch.Generator().manual_seed(bins)
-    relu = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.5) * torch.randn(n, generator=g).exp()
-    tensors = [
-        relu,
-        torch.randn(n, generator=g) * 1e-3 + 0.5,
-        torch.linspace(0, 1, n) * 1e-42,  # a denormal span: the exact 2**64 step
-        torch.full((n,), -2.5),  # constant: one full bin
-        1000.0 + torch.randn(n, generator=g),  # far from zero: centred again
-        torch.randn(n, generator=g) * 1e20,  # finite, but its squares overflow float32
-    ]
-    for poison in (None, float("nan"), float("inf")):
-        if poison is not None:
-            tensors[0] = relu.clone()
-            tensors[0][::100] = poison
-        fast = reduce(tensors, bins, kernels=True)
-        slow = reduce(tensors, bins, kernels=False)
-        for t, (fast_row, fast_counts), (slow_row, slow_counts) in zip(tensors, fast, slow):
-            assert fast_counts == slow_counts
-            assert sum(fast_counts) == torch.isfinite(t).sum().item()
-            assert fast_row[3:] == slow_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
-            if t.numel() == 0 or t.abs().max() < 1e19:  # else norm and std overflow float32 squares
-                assert [fast_row[0], fast_row[2]] == pytest.approx([slow_row[0], slow_row[2]], rel=1e-5, abs=1e-30)
-                # float32 sums: a mean near 0 is exact to a fraction of the spread, not of itself
-                assert fast_row[1] == pytest.approx(slow_row[1], rel=1e-5, abs=1e-6 * slow_row[2] + 1e-30)
-
-
-@needs_kernels
-def test_float64_and_strided_gradients_go_to_torch_ops_and_the_kernels_refuse_bad_input():
+def test_float64_and_strided_gradients():
     g = torch.Generator().manual_seed(8)
     for n in (100, BIG):
         t = torch.randn(n, dtype=torch.float64, generator=g)
-        (row, counts), = reduce([t], bins=16, kernels=True)
+        (row, counts), = reduce([t], bins=16)
         assert row[0] == pytest.approx(t.norm().item(), rel=1e-12) and sum(counts) == n
-        strided = torch.randn(2 * n, generator=g)[::2]  # flat but not dense: the kernels would read it wrong
-        (row, counts), = reduce([strided], bins=16, kernels=True)
+        strided = torch.randn(2 * n, generator=g)[::2]  # flat but not dense: copied, never read wrong
+        (row, counts), = reduce([strided], bins=16)
         assert row[0] == pytest.approx(strided.double().norm().item(), rel=1e-5) and sum(counts) == n
-    with pytest.raises(ValueError, match="bins must be 0 \\(none\\) or positive, got -1"):
-        stats._kernels.reduce_many([t.data_ptr()], [1], -1, t.data_ptr(), 0)
-    with pytest.raises(ValueError, match="1 addresses but 2 lengths"):
-        stats._kernels.reduce_many([t.data_ptr()], [1, 2], 0, t.data_ptr(), 0)
-
-
-def test_kernels_are_taken_where_built_and_refused_where_not(monkeypatch):
-    assert Reducer(8).kernels == C_KERNELS and Reducer(8, kernels=False).kernels is False
-    monkeypatch.setattr(stats, "_kernels", None)
-    monkeypatch.setattr(stats, "C_KERNELS", False)
-    assert Reducer(8).kernels is False
-    with pytest.raises(ValueError, match="expected kernels=False or None .* got True"):
-        Reducer(8, kernels=True)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 4, 5, 6), (8, 64, 16, 16)])  # the last: 131 k elements
-def test_channels_last_expanded_and_sparse_gradients_give_what_their_contiguous_copy_gives(shape, kernels):
-    """The C kernels read a channels-last gradient in place (order does not matter to statistics),
-    and an expanded one from a dense copy; a sparse one is reduced as its dense tensor."""
+def test_channels_last_expanded_and_sparse_gradients_give_what_their_contiguous_copy_gives(shape, blocks):
+    """A channels-last gradient is read in place (order does not matter to statistics), an
+    expanded one from a dense copy; a sparse one is reduced as its dense tensor."""
     t = torch.randn(shape, generator=torch.Generator().manual_seed(9))
     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     expanded = torch.randn(shape[-1], generator=torch.Generator().manual_seed(10)).expand(shape)
     sparse = (t * (t > 1)).to_sparse()
     for x in (t.to(memory_format=fmt), expanded, sparse):
-        (row, counts), = reduce([x], bins=16, kernels=kernels)
-        (ref_row, ref_counts), = reduce([x.to_dense().contiguous()], bins=16, kernels=kernels)
+        (row, counts), = reduce([x], bins=16)
+        (ref_row, ref_counts), = reduce([x.to_dense().contiguous()], bins=16)
         assert counts == ref_counts
         assert row[3:] == ref_row[3:]
         assert row[:3] == pytest.approx(ref_row[:3], rel=1e-5)
 
 
-def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_host(monkeypatch):
-    """The accelerator path (what torch ops run off the CPU): the same ops whatever the number of
-    tensors in a batch, and no value read to the host before finish (``.item()`` would wait for
-    the device)."""
+def test_a_batch_is_reduced_in_a_fixed_number_of_ops_without_reading_the_host(blocks):
+    """The same ops whatever the number of tensors in a batch (with an accelerator's blocks; the
+    CPU's add a fixed number per cache-sized block), and no value read to the host before
+    finish (``.item()`` would wait for the device)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -305,13 +251,12 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
                 ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(stats, "_on_cpu", lambda device: False)
     g = torch.Generator().manual_seed(11)
     counted = []
     for count in (10, 100):
         tensors = [torch.randn(k % 5 * 300 + 1, generator=g) for k in range(count)]
         tensors[3][0] = float("nan")
-        reducer = Reducer(16, kernels=False)
+        reducer = Reducer(16)
         for k, t in enumerate(tensors):
             reducer.add(t, histogram=k % 2 == 0)
         stats.reduce_batch(tensors, 16)  # layouts are cached per model
@@ -326,17 +271,16 @@ def test_torch_ops_reduce_a_batch_in_a_fixed_number_of_ops_without_reading_the_h
 
 
 @pytest.mark.parametrize("bins", [None, 8, 64])
-def test_torch_ops_give_on_the_cpu_what_they_give_on_accelerators(monkeypatch, bins):
-    """On the CPU torch ops read big tensors in place, in blocks, and skip the masking of finite
-    blocks, the centred sums where the mean is near 0 and a scale factor of 1; the accelerator's
-    sequence (no host read, run here on the CPU) gives the same statistics and histograms."""
-    from lightning_gradhooks.stats import CPU_BLOCK_ELEMENTS
-
+def test_the_cpu_blocks_give_what_an_accelerators_give(monkeypatch, bins):
+    """On the CPU big tensors are read in place, a cache-sized block at a time; with an
+    accelerator's sizes (a block is the whole batch, run here on the CPU) the same ops give the
+    same statistics and histograms."""
+    block = SIZES["cpu"].block
     g = torch.Generator().manual_seed(12)
-    big = CPU_BLOCK_ELEMENTS * 2 + 5  # blocks in place, a padded tail copied
+    big = block * 2 + 5  # blocks in place, a padded tail copied
     tensors = [
         torch.randn(big, generator=g) * (torch.rand(big, generator=g) > 0.5),
-        torch.randn(4 * CPU_BLOCK_ELEMENTS, generator=g) * 1e-3 + 1000.0,  # far from 0: centred
+        torch.randn(4 * block, generator=g) * 1e-3 + 1000.0,  # far from 0
         torch.randn(big, generator=g),
         torch.randn(1023, generator=g),
         torch.randn(1024, generator=g).double(),
@@ -346,12 +290,12 @@ def test_torch_ops_give_on_the_cpu_what_they_give_on_accelerators(monkeypatch, b
         torch.zeros(0),
         torch.randn(5, generator=g),
     ]
-    tensors[2][CPU_BLOCK_ELEMENTS + 7] = float("nan")  # one block in place must mask
-    tensors[2][-1] = float("inf")  # and the copied tail
+    tensors[2][block + 7] = float("nan")  # in a block read in place
+    tensors[2][-1] = float("inf")  # and in the copied tail
     tensors[5][::100] = float("-inf")
-    on_cpu = reduce(tensors, bins, kernels=False)
-    monkeypatch.setattr(stats, "_on_cpu", lambda device: False)
-    accelerator = reduce(tensors, bins, kernels=False)
+    on_cpu = reduce(tensors, bins)
+    monkeypatch.setattr(stats, "SIZES", {})
+    accelerator = reduce(tensors, bins)
     for t, (row, counts), (expected_row, expected_counts) in zip(tensors, on_cpu, accelerator):
         assert counts == expected_counts
         assert row[3:] == expected_row[3:]  # absmax, nonfinite, zero fraction, count, low, high
@@ -369,10 +313,8 @@ def _zero_heavy(n: int, share: float, first_zero: bool, seed: int) -> torch.Tens
     return t
 
 
-@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.skipif(not C_KERNELS, reason="not built")), False])
-def test_zero_fraction_equals_reference_whatever_the_padding(kernels):
-    # Sizes that pad their last row, a NaN that sends the C kernels' batch to torch ops, an
-    # all-zero tensor.
+def test_zero_fraction_equals_reference_whatever_the_padding(blocks):
+    # Sizes that pad their last row, a NaN, an all-zero tensor.
     tensors = [_zero_heavy(n, s, fz, i) for i, (n, s, fz) in enumerate(
         [(5, 0.5, True), (1000, 0.3, True), (1024, 0.9, False), (40_000, 0.7, True), (3, 0.0, False)]
     )]
@@ -380,7 +322,7 @@ def test_zero_fraction_equals_reference_whatever_the_padding(kernels):
     with_nan = _zero_heavy(300, 0.5, True, 9)
     with_nan[7] = float("nan")
     tensors.append(with_nan)
-    rows = reduce(tensors, bins=8, kernels=kernels)
+    rows = reduce(tensors, bins=8)
     index = STATISTICS.index("zero_fraction")
     for t, (row, _) in zip(tensors, rows):
         assert row[index] == pytest.approx((t == 0).double().mean().item(), abs=1e-12)
