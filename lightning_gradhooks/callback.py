@@ -97,6 +97,9 @@ class GradHooksLogic:
             tensors in memory (plus one tensor), the newest, and write the oldest to disk
             (``save_on_disk(budget_bytes=...)``); None (default): every tensor of at least
             ``offload_threshold_bytes`` is written. Needs ``offload_threshold_bytes``.
+        offload_fix_mmap_threshold: with offload of CPU activations, fix glibc's mmap threshold for
+            the process so that offload lowers its peak memory (``save_on_disk(fix_mmap_threshold=...)``;
+            said in one INFO line); False leaves the allocator alone.
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -131,6 +134,7 @@ class GradHooksLogic:
         sync_dist: bool = False,
         report_thresholds: dict[str, float] | None = None,
         offload_budget_bytes: int | None = None,
+        offload_fix_mmap_threshold: bool = True,
     ) -> None:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -147,6 +151,7 @@ class GradHooksLogic:
             "statistics", statistics, list(LOGGED_STATISTICS))
         check_bool("histograms", histograms)
         check_bool("sync_dist", sync_dist)
+        check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
         self.every_n_steps = every_n_steps
         self.include = include
         self.exclude = exclude
@@ -156,6 +161,7 @@ class GradHooksLogic:
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
         self.offload_budget_bytes = offload_budget_bytes
+        self.offload_fix_mmap_threshold = offload_fix_mmap_threshold
         self.sync_dist = sync_dist
         self.report_thresholds = dict(report_thresholds or {})
         self._thresholds = _thresholds(self.report_thresholds)
@@ -252,7 +258,8 @@ class GradHooksLogic:
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
             self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir,
-                                         budget_bytes=self.offload_budget_bytes)
+                                         budget_bytes=self.offload_budget_bytes,
+                                         fix_mmap_threshold=self.offload_fix_mmap_threshold)
             self._offload.keep_in_memory(pl_module)
         if trainer.fast_dev_run:
             pass  # Lightning has switched logging off: nothing to say
