@@ -45,7 +45,14 @@ from lightning_gradhooks.offload._files import (
     _Segment,
     _State,
 )
-from lightning_gradhooks.offload._memory import _buffer, _fix_mmap_threshold, _host_buffer, _PinnedPool
+from lightning_gradhooks.offload._memory import (
+    _buffer,
+    _fix_mmap_threshold,
+    _host_buffer,
+    _to_device,
+    _to_pinned,
+    _use_here,
+)
 
 _STOP = object()  # tells a thread to finish
 _WAIT_S = 1.0  # how often a wait for a thread checks that the threads still run (a slow disk is waited for)
@@ -231,8 +238,7 @@ class _Engine:
         self._step_offloaded = 0  # bytes handed to the writer before this step began
         self._offloaded = self._deduplicated = self._kept = 0
         self._prefetch_seg: _Segment | None = None
-        self._pool: _PinnedPool | None = None
-        self._streams: dict[tuple[str, torch.device], Any] = {}
+        self._streams: dict[torch.device, Any] = {}  # CUDA: one side stream per device, for the copies
         me = self._me = weakref.ref(self, self._writes.put)  # collected: the writer stops (a C call)
         _ENGINES.add(me)
         self._threads = (
@@ -531,27 +537,16 @@ class _Engine:
                 return rec
         return None
 
-    def _stream(self, kind: str, device: torch.device) -> Any:
+    def _stream(self, device: torch.device) -> Any:
         with self._lock:
-            if (kind, device) not in self._streams:
-                self._streams[kind, device] = torch.cuda.Stream(device)
-            if self._pool is None:
-                self._pool = _PinnedPool(self.max_in_flight + self.prefetch_bytes)
-            return self._streams[kind, device]
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
 
     def _copy_to_host(self, rec: _Record, storage: torch.UntypedStorage) -> None:
-        """Start the device-to-host copy on a side stream into a pooled pinned buffer."""
-        stream = self._stream("d2h", rec.device)
-        assert self._pool is not None
-        pinned = self._pool.get(rec.nbytes)
+        """CUDA: start copying the record's bytes to a pinned host buffer, which the writer writes."""
         src = torch.empty(0, dtype=torch.uint8, device=rec.device).set_(storage, rec.byte_start, (rec.nbytes,), (1,))
-        stream.wait_stream(torch.cuda.current_stream(rec.device))  # the tensor is computed
-        with torch.cuda.stream(stream):
-            pinned[: rec.nbytes].copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        src.record_stream(stream)  # the allocator keeps the memory until the copy is done
-        rec.pinned, rec.event = pinned, event
+        rec.pinned, rec.event = _to_pinned(src, self._stream(rec.device))
 
     # -- writer thread
     def _segment_for(self, rec: _Record) -> _Segment:
@@ -609,10 +604,8 @@ class _Engine:
         del src
         with self._lock:
             rec.src = None
-            if pinned is not None:
+            if pinned is not None:  # torch's host allocator keeps it until a skipped write's copy is done
                 rec.pinned = rec.event = None
-                if self._pool is not None:
-                    self._pool.put(pinned, event)  # a skipped write may leave its copy running
             if rec in self._queued:
                 del self._queued[rec]
                 self._in_flight -= n
@@ -705,9 +698,7 @@ class _Engine:
         if src is not None:
             return _view(src.untyped_storage(), h, h.storage_offset)
         if event is not None:
-            stream = torch.cuda.current_stream(buf.device)
-            stream.wait_event(event)  # the host-to-device copy is done
-            buf.record_stream(stream)
+            _use_here(buf, event)
         return _view(buf.untyped_storage(), h, h.rel_offset)
 
     # -- reader thread: deaths, demanded reads, prefetch
@@ -818,19 +809,9 @@ class _Engine:
             buf = _host_buffer(n)
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
             return buf, None
-        stream = self._stream("h2d", rec.device)
-        assert self._pool is not None
-        pinned, event = self._pool.get(n), None
-        try:
-            _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
-            with torch.cuda.device(rec.device), torch.cuda.stream(stream):
-                buf = torch.empty(n, dtype=torch.uint8, device=rec.device)  # allocated on the side stream
-                buf.copy_(pinned[:n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-        finally:
-            self._pool.put(pinned, event)
-        return buf, event
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
+        return _to_device(pinned, rec.device, self._stream(rec.device))
 
     # -- introspection and teardown
     def stats(self) -> OffloadStats:

@@ -1,5 +1,5 @@
-"""Host memory of the disk offload engine: zero-copy byte views of raw addresses, page aligned
-buffers to read into, and the pool of page-locked buffers that stage CUDA copies."""
+"""Host memory of the disk offload engine: glibc's mmap threshold, zero-copy byte views of raw
+addresses, buffers to read into, and the CUDA copies (staged through page-locked buffers)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ import logging
 import mmap
 import os
 import sys
-import threading
 from typing import Any
 
 import torch
 
 from lightning_gradhooks.offload._common import _ALIGN, _round_up
-
-_PINNED_GRANULE = 1 << 20  # pinned host buffers are pooled by size rounded up to this
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 _MMAP_THRESHOLD_MIN, _MMAP_THRESHOLD_MAX = 1 << 20, 32 << 20  # glibc caps it at 32 MiB on 64-bit
@@ -72,26 +69,41 @@ def _host_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
 
-class _PinnedPool:
-    """Page-locked host buffers reused across CUDA copies, pooled by rounded size."""
+# -- CUDA: the only device-specific code of the engine. A CUDA tensor is copied to a pinned host
+# buffer on a side stream and written from there; read back into a pinned buffer and copied to the
+# device on the side stream. Pinned buffers come from torch's caching host allocator: pinned during
+# the first steps (which synchronises), reused after; it keeps a buffer until the copies recorded
+# on it are done, so a buffer dropped early is never reused under a running copy.
 
-    def __init__(self, capacity: int) -> None:
-        self._lock = threading.Lock()
-        self._free: list[tuple[torch.Tensor, Any]] = []
-        self._capacity = capacity
 
-    def get(self, nbytes: int) -> torch.Tensor:
-        size = _round_up(nbytes, _PINNED_GRANULE)
-        with self._lock:
-            for i, (buf, event) in enumerate(self._free):
-                if buf.numel() == size and (event is None or event.query()):
-                    del self._free[i]
-                    return buf
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+def _to_pinned(src: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
+    """Start copying the CUDA byte tensor ``src`` to a new pinned host buffer on the side ``stream``,
+    after the work queued so far on the caller's current stream (which computed ``src``); return the
+    buffer and the event that marks the copy done."""
+    pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(src.device))  # the caller's stream: read before switching
+    with torch.cuda.stream(stream):
+        pinned.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    src.record_stream(stream)  # the caching allocator keeps src's memory until the copy is done
+    return pinned, event
 
-    def put(self, buf: torch.Tensor, event: Any = None) -> None:
-        with self._lock:
-            self._free.append((buf, event))
-            total = sum(b.numel() for b, _ in self._free)
-            while total > self._capacity:  # torch records copy events, so freeing is safe
-                total -= self._free.pop(0)[0].numel()
+
+def _to_device(pinned: torch.Tensor, device: torch.device, stream: Any) -> tuple[torch.Tensor, Any]:
+    """Start copying the pinned host bytes to a new tensor of ``device`` on the side ``stream``; return it
+    and the event that marks the copy done (see :func:`_use_here`)."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        buf = torch.empty(pinned.numel(), dtype=torch.uint8, device=device)  # allocated on the side stream
+        buf.copy_(pinned, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return buf, event
+
+
+def _use_here(buf: torch.Tensor, event: Any) -> None:
+    """Make the current stream (the backward's) wait for ``buf``'s copy, and tell the caching allocator
+    that ``buf``, allocated on the side stream, is used on it."""
+    stream = torch.cuda.current_stream(buf.device)
+    stream.wait_event(event)
+    buf.record_stream(stream)
