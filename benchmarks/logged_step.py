@@ -2,7 +2,7 @@
 on the CPU or a GPU.
 
     python benchmarks/logged_step.py [--device cpu|cuda] [--models resnet18,mlp500,encoder]
-        [--variants "bare,logged,logged, tb writer"] [--rounds 5] [--steps 5] [--ref DIR] [--offload]
+        [--variants "bare,logged,logged_tb"] [--rounds 5] [--steps 5] [--ref DIR] [--offload]
 
 Models: ``resnet18``, ``mlp500`` and ``encoder`` of many_modules.py; ``resnet50`` and ``gpt2``
 (GPT-2 small, 12 x 768, built by transformers from its config: no download). A plain loop, SGD,
@@ -12,7 +12,7 @@ the same batch every step. Variants, each window in a fresh process, interleaved
 - ``logged``: the same with every step logged: ``GradientMonitor.arm``, ``collect`` and
   ``GradientLog.write`` into a ``SummaryWriter`` (the steps go to our own event file,
   checksummed in C);
-- ``logged, tb writer``: the same, each step's event written through the SummaryWriter's own
+- ``logged_tb``: the same, each step's event written through the SummaryWriter's own
   file writer instead (TensorBoard's pure-Python CRC-32C, in its writer thread): the cost of
   leaving the writing to TensorBoard;
 - ``logged@ref`` (with ``--ref DIR``): ``logged`` with the library of the checkout in DIR (main
@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     writer = SummaryWriter(folder)
     logged = variant.startswith("logged")
     monitor = GradientMonitor(model) if logged else None
-    if variant == "logged, tb writer":
+    if variant == "logged_tb":
         from lightning_gradhooks import _tensorboard
 
         def through_summary_writer(writer, metrics, record, step, stats=None):  # noqa: ANN001, ANN202
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,mlp500,encoder")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--variants", default="bare,logged,logged, tb writer",
+    parser.add_argument("--variants", default="bare,logged,logged_tb",
                         help="comma-separated, starting with bare (default: %(default)s)")
     parser.add_argument("--ref", default=None, metavar="DIR", help="also run `logged` with the checkout in DIR")
     parser.add_argument("--offload", action="store_true", help="also run the bare step under save_on_disk")
