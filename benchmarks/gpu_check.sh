@@ -41,6 +41,8 @@ run() {  # run LIMIT_S NAME COMMAND...: a time limit, and the status remembered
 
 run 200 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
     "tests/test_offload.py::test_cuda_roundtrip_and_grads"
-run 260 "GPU figures" python benchmarks/logged_step.py --device cuda --models resnet50,gpt2 \
-    --variants bare,logged --offload --rounds 3 --steps 5
+for model in resnet50 gpt2; do
+    run 130 "GPU figures, $model" python benchmarks/logged_step.py --device cuda --models "$model" \
+        --variants bare,logged --offload --rounds 3 --steps 5
+done
 exit $status

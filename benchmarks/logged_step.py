@@ -24,6 +24,10 @@ A window is 2 untimed steps, then ``--steps`` steps timed together up to ``write
 ``torch.cuda.synchronize()``. Reported: the median over rounds of the window's mean step, its
 ratio to ``bare`` (median of per-round ratios), the event-file bytes per step (all files), and on a
 GPU the peak ``torch.cuda.max_memory_allocated`` of the window.
+
+``--write-only``: the time of writing one logged step's event alone (the same scalars,
+histograms and compact summary, written ``--steps`` times up to ``writer.flush()``), where a
+loaded machine's noise on the step would hide it; ``bare`` then times nothing.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def make_case(name: str, device: str):  # noqa: ANN201
     elif name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel  # GPT2Config() is GPT-2 small
 
-        shape = (8, 512) if device == "cuda" else (2, 128)
+        shape = (4, 512) if device == "cuda" else (2, 128)
         batch = (torch.randint(0, 50257, shape, generator=g),)
         model = GPT2LMHeadModel(GPT2Config())
         loss = lambda m, b: m(input_ids=b[0], labels=b[0]).loss  # noqa: E731
@@ -138,8 +142,23 @@ def worker(args: argparse.Namespace) -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for i in range(2, 2 + args.steps):
-        step(i)
+    if args.write_only and log is None:
+        pass  # bare: nothing to write
+    elif args.write_only:  # one step's event, written again and again
+        monitor.arm()
+        loss_fn(model, batch).backward()
+        record = monitor.collect()
+        from lightning_gradhooks._tensorboard import scalar_metrics
+
+        metrics = scalar_metrics(record, log.statistics, set())
+        stats = {(e.kind, e.name): e.stats for e in record.entries}
+        sync()
+        t0 = time.perf_counter()
+        for i in range(2, 2 + args.steps):
+            log_module.write_step(writer, metrics, record, i, stats)
+    else:
+        for i in range(2, 2 + args.steps):
+            step(i)
     sync()
     mean = (time.perf_counter() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
@@ -165,6 +184,9 @@ def main() -> None:
                         help="comma-separated, starting with bare (default: %(default)s)")
     parser.add_argument("--ref", default=None, metavar="DIR", help="also run `logged` with the checkout in DIR")
     parser.add_argument("--offload", action="store_true", help="also run the bare step under save_on_disk")
+    parser.add_argument("--write-only", action="store_true",
+                        help="time only the writing of one logged step's event (scalars, histograms, summary), "
+                             "up to writer.flush(); bare: 0")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--repo", help=argparse.SUPPRESS)
@@ -190,7 +212,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant, repo in runs:
                 cmd = [sys.executable, __file__, "--worker", variant, "--model", model, "--device", args.device,
-                       "--steps", str(args.steps), *(["--repo", repo] if repo else [])]
+                       "--steps", str(args.steps), *(["--repo", repo] if repo else []),
+                       *(["--write-only"] if args.write_only else [])]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{model} / {label(variant, repo)} failed:\n{done.stderr[-4000:]}")
@@ -199,9 +222,11 @@ def main() -> None:
         print(f"  {'variant':<20}{'step':>10}{'vs bare':>9}{'event':>10}" + (f"{'peak mem':>11}" if args.device == "cuda" else ""))
         for name, res in results.items():
             step = statistics.median(r["mean"] for r in res)
-            ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(res, results["bare"], strict=True))
+            ratio = statistics.median(r["mean"] / max(b["mean"], 1e-9)
+                                      for r, b in zip(res, results["bare"], strict=True))
             event = statistics.median(r["event_bytes"] for r in res)
-            line = f"  {name:<20}{step * 1e3:>8.1f}ms{ratio:>8.3f}x{event / 1024:>7.0f} KiB"
+            shown = "-" if args.write_only else f"{ratio:.3f}x"  # nothing to compare with
+            line = f"  {name:<20}{step * 1e3:>8.1f}ms{shown:>9}{event / 1024:>7.0f} KiB"
             if args.device == "cuda":
                 line += f"{statistics.median(r['peak'] for r in res) / MiB:>7.0f} MiB"
             print(line, flush=True)
