@@ -12,17 +12,21 @@ machine affects all of them alike:
   or more is written);
 - ``budget25``, ``budget50``, ``budget75``: the same with ``budget_bytes`` = 25, 50 and 75 % of
   the bytes saved per step (the newest stay in memory, the oldest are written);
-- optional (``--variants``): ``threshold_drop`` (``drop_page_cache=True``), ``torch_save``
-  (the PyTorch docs' hooks, one ``torch.save`` file per tensor), ``none_mallopt`` (no offload,
-  with the fixed glibc mmap threshold that the engine sets: the cost of that setting alone).
+- optional (``--variants``): ``threshold_nofix`` (``fix_mmap_threshold=False``: the allocator
+  left alone), ``torch_save`` (the PyTorch docs' hooks, one ``torch.save`` file per tensor),
+  ``none_mallopt`` (no offload, with the fixed glibc mmap threshold that the engine sets: the
+  cost of that setting alone).
 
-The engine fixes glibc's mmap threshold when it is created (see docs/offload.md); ``none`` and
-``checkpoint`` run with glibc's defaults.
+The engine fixes glibc's mmap threshold at the first CPU tensor it offloads (see docs/offload.md);
+``none`` and ``checkpoint`` run with glibc's defaults.
+
+``--ref DIR`` also runs the offload variants with the checkout in ``DIR`` (e.g. a worktree of
+``main``), labelled ``<variant>@ref``, interleaved with the others in the same rounds.
 
 ``--bandwidth`` adds the raw sequential write and read bandwidth of the folder (64 MiB
 blocks) and that of the engine alone.
 
-Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [--bandwidth]``.
+Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [--bandwidth] [--ref DIR]``.
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ import torch.utils.checkpoint  # imported before the RSS baseline, not during th
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# A worker of ``--ref DIR`` imports the library from DIR.
+sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(REPO))
 
 from lightning_gradhooks.offload import save_on_disk  # noqa: E402
 
 MiB = 1 << 20
 THRESHOLD = MiB
-VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_drop", "torch_save",
+VARIANTS = ("none", "checkpoint", "threshold", "budget25", "budget50", "budget75", "threshold_nofix", "torch_save",
             "none_mallopt")
 DEFAULT_VARIANTS = VARIANTS[:6]
 
@@ -118,7 +123,8 @@ def worker(args: argparse.Namespace) -> None:
         _fix_mmap_threshold(THRESHOLD)
     if variant.startswith(("threshold", "budget")):
         budget = int(args.saved * int(variant[6:]) / 100) if variant.startswith("budget") else None
-        engine = save_on_disk(THRESHOLD, folder, drop_page_cache=variant == "threshold_drop", budget_bytes=budget)
+        kwargs = {"fix_mmap_threshold": False} if variant == "threshold_nofix" else {}
+        engine = save_on_disk(THRESHOLD, folder, budget_bytes=budget, **kwargs)
     docs_dir = tempfile.mkdtemp(dir=folder) if variant == "torch_save" else None
 
     def forward() -> torch.Tensor:
@@ -253,10 +259,10 @@ class _Keep(torch.autograd.Function):
         return grad, None
 
 
-def engine_bandwidth(folder: str, total: int, drop: bool, block: int = 64 * MiB) -> tuple[float, float]:
+def engine_bandwidth(folder: str, total: int, block: int = 64 * MiB) -> tuple[float, float]:
     """MB/s of the engine alone: pack ``total`` bytes then wait for the writer; unpack all."""
     tensors = [torch.randn(block // 4) for _ in range(total // block)]
-    engine = save_on_disk(THRESHOLD, folder, drop_page_cache=drop, max_bytes_in_flight=total)
+    engine = save_on_disk(THRESHOLD, folder, max_bytes_in_flight=total)
     anchor = torch.zeros(1, requires_grad=True)
     t0 = time.perf_counter()
     with engine:
@@ -273,6 +279,14 @@ def engine_bandwidth(folder: str, total: int, drop: bool, block: int = 64 * MiB)
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def git_head(folder: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def filesystem(folder: str) -> str:
@@ -308,7 +322,10 @@ def main() -> None:
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="run the variants with MALLOC_MMAP_THRESHOLD_=BYTES: a fixed glibc mmap threshold, so "
                              "freed tensors of that size or more go back to the system and RSS follows live memory")
+    parser.add_argument("--ref", default=None, metavar="DIR",
+                        help="also run the offload variants with the library of the checkout in DIR")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--repo", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--saved", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -324,7 +341,13 @@ def main() -> None:
     print(f"workload: {args.depth} x (Linear({args.width}, {args.width}) + GELU), batch {args.batch}, fp32; "
           f"saved for backward in tensors of 1 MiB or more: {saved / MiB:.0f} MiB per step")
 
-    results: dict[str, list[dict]] = {v: [] for v in args.variants}
+    runs = [(v, v, None) for v in args.variants]  # (label, variant, checkout)
+    if args.ref:
+        runs += [(f"{v}@ref", v, args.ref) for v in args.variants
+                 if v.startswith(("threshold", "budget")) and v != "threshold_nofix"]
+        print(f"ref: {args.ref} at {git_head(args.ref)}; this checkout at {git_head(str(REPO))}")
+    labels = [label for label, _, _ in runs]
+    results: dict[str, list[dict]] = {label: [] for label in labels}
     forwarded = ["--batch", str(args.batch), "--width", str(args.width), "--depth", str(args.depth),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--saved", str(saved)]
     forwarded += ["--dir", args.dir] if args.dir else []
@@ -335,27 +358,28 @@ def main() -> None:
     else:
         print("allocator: glibc defaults (dynamic mmap threshold)")
     for r in range(args.rounds):
-        for v in args.variants:
-            proc = subprocess.run([sys.executable, __file__, "--worker", v, *forwarded], capture_output=True,
-                                  text=True, env=env)
+        for v, variant, checkout in runs:
+            repo = ["--repo", checkout] if checkout else []
+            proc = subprocess.run([sys.executable, __file__, "--worker", variant, *repo, *forwarded],
+                                  capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {v} failed:\n{proc.stderr}")
             results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             res = results[v][-1]
-            print(f"  round {r + 1}/{args.rounds} {v:<15} " + " ".join(f"{t:.2f}s" for t in res["times"])
+            print(f"  round {r + 1}/{args.rounds} {v:<18} " + " ".join(f"{t:.2f}s" for t in res["times"])
                   + f"  peak +{res['peak_over_start'] / MiB:.0f} MiB, over the step's start +"
                   f"{res['peak_over_baseline'] / MiB:.0f} MiB", flush=True)
 
-    med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in args.variants}
+    med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in labels}
     # Time ratios: the median over rounds of the ratio within each round (rounds run back to back,
     # so a burst of load on a shared machine hits the variants of one round alike).
     ratio_of = {v: statistics.median(statistics.median(a["times"]) / statistics.median(b["times"])
                                      for a, b in zip(results[v], results["none"], strict=True))
-                for v in args.variants} if "none" in results else {}
-    rss = {v: statistics.median(res["peak_over_start"] for res in results[v]) for v in args.variants}
-    warm = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in args.variants}
-    wrote = {v: statistics.median(res.get("written_per_step", 0) for res in results[v]) for v in args.variants}
-    held = {v: max(res.get("held_peak", 0) for res in results[v]) for v in args.variants}
+                for v in labels} if "none" in results else {}
+    rss = {v: statistics.median(res["peak_over_start"] for res in results[v]) for v in labels}
+    warm = {v: statistics.median(res["peak_over_baseline"] for res in results[v]) for v in labels}
+    wrote = {v: statistics.median(res.get("written_per_step", 0) for res in results[v]) for v in labels}
+    held = {v: max(res.get("held_peak", 0) for res in results[v]) for v in labels}
     ref_rss = rss.get("none")
     print()
     print("peak: the peak RSS (VmHWM) of the measured steps (after the warm-up) over the RSS before the first")
@@ -363,12 +387,12 @@ def main() -> None:
     print("steps (which keeps what the warm-up left in the heap); medians over rounds. step: median step time;")
     print("vs none: the median over rounds of the within-round ratio of median step times.")
     print("written: per step; engine held: the engine's high-water mark (OffloadStats.bytes_in_memory_peak)")
-    print(f"{'variant':<15}{'step':>8}{'vs none':>9}{'peak':>10}{'vs none':>10}{'over step start':>17}{'written':>10}"
+    print(f"{'variant':<18}{'step':>8}{'vs none':>9}{'peak':>10}{'vs none':>10}{'over step start':>17}{'written':>10}"
           f"{'engine held':>13}")
-    for v in args.variants:
+    for v in labels:
         ratio = f"{ratio_of[v]:.3f}x" if ratio_of else "-"
         delta = f"{(rss[v] - ref_rss) / MiB:+.0f} MiB" if ref_rss is not None else "-"
-        print(f"{v:<15}{med[v]:>7.2f}s{ratio:>9}{rss[v] / MiB:>6.0f} MiB{delta:>10}{warm[v] / MiB:>13.0f} MiB"
+        print(f"{v:<18}{med[v]:>7.2f}s{ratio:>9}{rss[v] / MiB:>6.0f} MiB{delta:>10}{warm[v] / MiB:>13.0f} MiB"
               f"{wrote[v] / MiB:>6.0f} MiB{held[v] / MiB:>9.0f} MiB")
         if "files_left" in results[v][-1] and results[v][-1]["files_left"]:
             print(f"  warning: {v} left {results[v][-1]['files_left']} files")
@@ -386,8 +410,13 @@ def main() -> None:
         over_b, over_t = ratio_of["budget50"] - 1, ratio_of["threshold"] - 1
         print(f"  [{verdict(over_b <= 0.6 * over_t)}] overhead <= 0.6x threshold-only's: "
               f"{over_b:+.1%} vs {over_t:+.1%} ({over_b / over_t if over_t > 0 else float('inf'):.2f}x)")
-        print(f"  [{verdict(rss['threshold'] < ref_rss)}] threshold-only (default knobs) lowers the peak: "
-              f"{rss['threshold'] / MiB:.0f} vs {ref_rss / MiB:.0f} MiB")
+        saving = (ref_rss - rss["threshold"]) / wrote["threshold"] if wrote["threshold"] else 0.0
+        print(f"  [{verdict(saving >= 0.85)}] threshold-only (default knobs) takes >= 85% of the bytes written off "
+              f"the peak: {(ref_rss - rss['threshold']) / MiB:.0f} of {wrote['threshold'] / MiB:.0f} MiB ({saving:.0%})")
+        for label in labels:
+            if label.startswith("threshold") and label != "threshold" and wrote.get(label):
+                print(f"  [info] {label}: {(ref_rss - rss[label]) / MiB:.0f} of {wrote[label] / MiB:.0f} MiB written "
+                      f"off the peak ({(ref_rss - rss[label]) / wrote[label]:.0%}), step {ratio_of[label]:.3f}x of none")
 
     if args.bandwidth:
         bandwidth(folder, args)
@@ -396,11 +425,9 @@ def main() -> None:
 def bandwidth(folder: str, args: argparse.Namespace) -> None:
     total = args.io_mib * MiB
     raw = median_of([raw_bandwidth(folder, total) for _ in range(args.io_repeats)])
-    for drop in (False, True):  # warm up: the first huge-page faults may compact memory
-        engine_bandwidth(folder, total, drop)
-    eng = {drop: tuple(statistics.median(x) for x in zip(*[engine_bandwidth(folder, total, drop)
-                                                         for _ in range(args.io_repeats)], strict=True))
-           for drop in (False, True)}
+    engine_bandwidth(folder, total)  # warm up: the first huge-page faults may compact memory
+    eng = tuple(statistics.median(x) for x in zip(*[engine_bandwidth(folder, total) for _ in range(args.io_repeats)],
+                                                  strict=True))
     print()
     print(f"bandwidth: {args.io_mib} MiB in 64 MiB blocks, median of {args.io_repeats}, folder {folder} "
           "(the page cache cannot be dropped here: cached reads are memory copies)")
@@ -408,10 +435,7 @@ def bandwidth(folder: str, args: argparse.Namespace) -> None:
                        ("read_cached_fresh", "raw read"), ("read_device", "raw read"),
                        ("read_device_fresh", "raw read")):
         print(f"  {label:<34}{raw[key][0]:>8.0f} MB/s  ({raw[key][1]})")
-    rows = (("engine write (default)", eng[False][0], "write_cached"),
-            ("engine read (default)", eng[False][1], "read_cached_fresh"),
-            ("engine write (drop_page_cache)", eng[True][0], "write_device"),
-            ("engine read (drop_page_cache)", eng[True][1], "read_device_fresh"))
+    rows = (("engine write", eng[0], "write_cached"), ("engine read", eng[1], "read_cached_fresh"))
     for label, value, key in rows:
         print(f"  {label:<34}{value:>8.0f} MB/s  = {value / raw[key][0]:.0%} of raw {raw[key][1]}")
 

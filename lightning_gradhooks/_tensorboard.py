@@ -17,26 +17,32 @@ A logged step is written as a single event holding every scalar and histogram of
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
 ``add_histogram_raw`` write, but serialised once instead of once per tag (~85 us each).
 
-TensorBoard's event writer (without TensorFlow) checksums every record with a CRC-32C written in
-Python, ~80 ns a byte, in its writer thread, holding the GIL: on 500 modules a logged step's
-event is ~2 MB, and its checksum held the training loop up for ~150 ms.
-:func:`use_fast_checksums` has the writer use ``google-crc32c``'s C implementation instead:
-the same checksums (checked when it is switched on), ~600 times faster.
+These events go to an event file of our own in the writer's folder
+(``events.out.tfevents.<time>.<host>.<pid>.gradhooks``), which TensorBoard reads like the
+writer's own. TensorBoard's writer (without TensorFlow) checksums every record with a CRC-32C
+written in Python, ~80 ns a byte, holding the GIL: on 500 modules a logged step's event is ~2 MB,
+~150 ms. Our file's records are checksummed with ``google-crc32c``'s C code instead, and
+TensorBoard's writer is left as it is. The file is opened, appended to and closed at each logged
+step: nothing of ours stays open between steps, and every step is on disk once written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
+import time
+import weakref
 from collections.abc import Collection
 from typing import Any
 
 import google_crc32c
 from tensorboard.compat.proto import types_pb2
+from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.summary.writer import record_writer
 
 from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
 from lightning_gradhooks.stats import histogram_edges
@@ -68,24 +74,6 @@ def _masked_crc32c(data: bytes) -> int:
     """TensorBoard's record checksum: CRC-32C of ``data``, rotated right by 15 bits, plus a constant."""
     crc = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def use_fast_checksums() -> bool:
-    """Have TensorBoard's record writer (this process, every writer) checksum records in C.
-
-    Only where ``google-crc32c`` has its C implementation and gives the same checksums as
-    TensorBoard's own on a test record; otherwise TensorBoard is left as it is. Idempotent.
-
-    Returns:
-        whether the records are now checksummed in C.
-    """
-    if record_writer.masked_crc32c is _masked_crc32c:
-        return True
-    sample = os.urandom(64) + bytes(range(256))
-    if google_crc32c.implementation != "c" or _masked_crc32c(sample) != record_writer.masked_crc32c(sample):
-        return False
-    record_writer.masked_crc32c = _masked_crc32c
-    return True
 
 
 def scalar_metrics(
@@ -171,19 +159,43 @@ def histogram_values(record: GradientRecord) -> list[Summary.Value]:
     return values
 
 
+def _record(data: bytes) -> bytes:
+    """``data`` framed as a TFRecord: length, its checksum, the data, its checksum."""
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", _masked_crc32c(header)) + data + struct.pack("<I", _masked_crc32c(data))
+
+
+#: The event file of ours beside each SummaryWriter's own (a path: no file stays open).
+_EVENT_FILES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def event_file(writer: Any) -> str:
+    """The path of our event file in ``writer``'s folder; the file is created (holding the
+    ``file_version`` event that every event file starts with) the first time."""
+    path = _EVENT_FILES.get(writer)
+    if path is None:
+        folder = writer.get_logdir()
+        os.makedirs(folder, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.gradhooks"
+        path = _EVENT_FILES[writer] = os.path.join(folder, name)
+        with open(path, "ab") as f:
+            f.write(_record(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))
+    return path
+
+
 def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int,
                stats: dict[tuple[str, str], dict[str, float]] | None = None) -> None:
     """Write the scalars (the histograms of ``record`` and the compact ``stats``, if given) of
-    one step as one event.
+    one step as one event, to our event file in ``writer``'s folder (:func:`event_file`).
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
     """
-    use_fast_checksums()
     values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     if record is not None:
         values += histogram_values(record)
     if stats:
         values.append(stats_value(stats))
-    # The file writer that SummaryWriter.add_scalar and add_histogram_raw write through.
-    writer._get_file_writer().add_summary(Summary(value=values), step)
+    event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+    with open(event_file(writer), "ab") as f:  # one write: a record is whole or cut short, never mixed
+        f.write(_record(event.SerializeToString()))

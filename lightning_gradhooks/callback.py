@@ -103,6 +103,9 @@ class GradHooksLogic:
             the step (its gradients are dropped, so the weights stay finite), name the step and
             the parameters in the report, and log the next step in full. Off by default; under
             a gradient scaler (AMP fp16) the scaler already skips such steps, and it is not run.
+        offload_fix_mmap_threshold: with offload of CPU activations, fix glibc's mmap threshold for
+            the process so that offload lowers its peak memory (``save_on_disk(fix_mmap_threshold=...)``;
+            said in one INFO line); False leaves the allocator alone.
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -138,6 +141,7 @@ class GradHooksLogic:
         report_thresholds: dict[str, float] | None = None,
         offload_budget_bytes: int | None = None,
         catch_nonfinite: bool = False,
+        offload_fix_mmap_threshold: bool = True,
     ) -> None:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -155,6 +159,7 @@ class GradHooksLogic:
         check_bool("histograms", histograms)
         check_bool("sync_dist", sync_dist)
         check_bool("catch_nonfinite", catch_nonfinite)
+        check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
         self.every_n_steps = every_n_steps
         self.include = include
         self.exclude = exclude
@@ -164,6 +169,7 @@ class GradHooksLogic:
         self.offload_threshold_bytes = offload_threshold_bytes
         self.offload_dir = offload_dir
         self.offload_budget_bytes = offload_budget_bytes
+        self.offload_fix_mmap_threshold = offload_fix_mmap_threshold
         self.sync_dist = sync_dist
         self.catch_nonfinite = catch_nonfinite
         self._sentinel: NonfiniteSentinel | None = None
@@ -273,7 +279,8 @@ class GradHooksLogic:
         if self.offload_threshold_bytes is not None:
             # Fails here, before the first step, when the folder cannot be written.
             self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir,
-                                         budget_bytes=self.offload_budget_bytes)
+                                         budget_bytes=self.offload_budget_bytes,
+                                         fix_mmap_threshold=self.offload_fix_mmap_threshold)
             self._offload.keep_in_memory(pl_module)
         if trainer.fast_dev_run:
             pass  # Lightning has switched logging off: nothing to say

@@ -177,3 +177,41 @@ def test_persistent_dataloader_workers_hold_no_offload_file(tmp_path):
 def test_invalid_offload_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GradHooks(**kwargs)
+
+
+GRADHOOKS_MALLOPT = """
+import logging, sys
+import pytorch_lightning as pl
+from lightning_gradhooks import GradHooks
+from lightning_gradhooks.offload import _memory
+from conftest import MLP, loader
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+seen = []
+for fix in (False, True):
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[GradHooks(offload_threshold_bytes=256, offload_fix_mmap_threshold=fix)])
+    trainer.fit(MLP(), loader())
+    seen.append(_memory._mmap_threshold)
+print("thresholds", seen)
+"""
+
+
+def test_offload_fix_mmap_threshold_false_leaves_the_allocator_alone():
+    """In a fresh process: offload_fix_mmap_threshold=False reaches the engine (the allocator is not
+    touched); the default sets the threshold, said in one INFO line."""
+    import ctypes
+    import subprocess
+    import sys
+
+    with pytest.raises(ValueError, match=r"`offload_fix_mmap_threshold` expected a bool \(True or False\), got 1"):
+        GradHooks(offload_threshold_bytes=256, offload_fix_mmap_threshold=1)
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-c", GRADHOOKS_MALLOPT], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-3000:]
+    glibc = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+    assert f"thresholds [None, {1 << 20 if glibc else None}]" in done.stdout
+    info = [line for line in done.stderr.splitlines() if line.startswith("lightning_gradhooks.offload INFO")]
+    assert len(info) == (1 if glibc else 0)

@@ -92,7 +92,7 @@ def test_a_monitor_arm_when_must_be_a_bool():
         (dict(threshold_bytes=1, max_bytes_in_flight=None), "`max_bytes_in_flight` expected a positive int, got None"),
         (dict(threshold_bytes=1, prefetch_bytes=1.0), "`prefetch_bytes` expected a non-negative int, got 1.0"),
         (dict(threshold_bytes=1, segment_bytes=0), "`segment_bytes` expected a positive int, got 0"),
-        (dict(threshold_bytes=1, drop_page_cache="no"), r"`drop_page_cache` expected a bool \(True or False\), got 'no'"),
+        (dict(threshold_bytes=1, fix_mmap_threshold="no"), r"`fix_mmap_threshold` expected a bool \(True or False\), got 'no'"),
         (dict(threshold_bytes=1, directory=b"/tmp"), r"`directory` expected a str, os.PathLike or None, got b'/tmp'"),
     ],
 )

@@ -52,9 +52,10 @@ def run_script(out: Path, script: str, *args: str) -> subprocess.CompletedProces
 @pytest.mark.parametrize("mode", ["local", "sync"])
 def test_ddp_on_two_cpu_processes(tmp_path, mode):
     run_ddp(tmp_path, mode)
-    # Only rank 0 wrote events.
+    # Only rank 0 wrote events: the logger's file and GradHooks' own, in one folder.
     files = [p for p in (tmp_path / "logs").rglob("events.out.tfevents.*")]
-    assert len(files) == 1
+    assert len(files) == 2 and len({p.parent for p in files}) == 1
+    assert len([p for p in files if p.name.endswith(".gradhooks")]) == 1
     events = read_events(str(files[0].parent))
     grads = [torch.load(tmp_path / f"grads-rank{r}.pt") for r in (0, 1)]
     steps = len(grads[0])

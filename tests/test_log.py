@@ -72,6 +72,35 @@ def test_the_documented_loop_runs_verbatim_in_plain_pytorch(tmp_path, capsys):
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
 
 
+def test_steps_go_to_an_event_file_of_ours_checked_by_tensorboards_reader_and_its_writer_is_untouched(tmp_path):
+    """The logged steps are written to our own event file beside the writer's, checksummed with
+    google-crc32c's C code; TensorBoard's writer (its pure-Python checksum) is not replaced, and
+    every record of both files passes TensorBoard's own reader."""
+    import glob
+
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New, masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from lightning_gradhooks._tensorboard import _masked_crc32c
+
+    for data in (b"", b"\x00", os.urandom(1000), os.urandom(100_003)):
+        assert _masked_crc32c(data) == masked_crc32c(data)
+    net = model()
+    run_loop(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(), tmp_path)
+    assert record_writer.masked_crc32c is masked_crc32c  # TensorBoard's own, as imported
+    ours = glob.glob(str(tmp_path / "events.out.tfevents.*.gradhooks"))
+    assert len(ours) == 1 and len(glob.glob(str(tmp_path / "events.out.tfevents.*"))) == 2
+    for path in glob.glob(str(tmp_path / "events.out.tfevents.*")):
+        reader, records = PyRecordReader_New(path), 0
+        with pytest.raises(errors.OutOfRangeError):  # the end of the file, after every record passed
+            while True:
+                reader.GetNext()  # raises DataLossError on a wrong checksum
+                records += 1
+        assert records >= 3  # the file version, then the logged steps (ours) or the rest (the writer's)
+    check_events(tmp_path, [0, 50, 100])  # TensorBoard reads both files as one run
+
+
 def test_the_documented_loop_runs_verbatim_in_lightning_fabric(tmp_path):
     fabric_module = pytest.importorskip("lightning.fabric")
     fabric = fabric_module.Fabric(accelerator="cpu", devices=1)

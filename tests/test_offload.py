@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import gc
 import itertools
 import os
@@ -194,33 +193,6 @@ def test_bitwise_identical_and_retain_graph(engine: save_on_disk) -> None:
     engine.flush()
     s = engine.stats()
     assert s.bytes_written > 0 and s.bytes_read > 0  # really went through the disk
-
-
-def test_drop_page_cache_mode_is_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    direct: list[int] = []
-    real_write, real_read = _offload_engine._pwrite_all, _offload_engine._pread_all
-
-    def spy(real):  # noqa: ANN001, ANN202
-        def call(fd: int, *args: object) -> None:
-            direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)))
-            real(fd, *args)
-        return call
-
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", spy(real_write))
-    monkeypatch.setattr(_offload_engine, "_pread_all", spy(real_read))
-    e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, drop_page_cache=True)
-    model, x = mlp(), batch()
-    ref = train_step(model, x, None)
-    got = train_step(model, x, e)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-    e.flush()
-    assert e.stats().bytes_read > 0 and e.stats().bytes_written > 0 and files(e) == []
-    for v in (torch.randn(300, 301).t()[1:], torch.randint(0, 9, (70001,), dtype=torch.int8)):  # odd sizes
-        (back,) = roundtrip(e, v)
-        assert torch.equal(back, v) and back.stride() == v.stride()
-    e.close()
-    if hasattr(os, "O_DIRECT") and sys.platform == "linux" and os.statvfs(tmp_path).f_bsize == 4096:
-        assert sum(direct) > len(direct) / 4  # the bulk went through O_DIRECT (ext4, xfs; not tmpfs)
 
 
 def test_double_backward(engine: save_on_disk) -> None:
@@ -622,7 +594,7 @@ def test_read_only_folder_fails_at_construction(tmp_path: Path) -> None:
     ({"threshold_bytes": 1, "max_bytes_in_flight": 0}, "`max_bytes_in_flight` expected a positive int, got 0"),
     ({"threshold_bytes": 1, "prefetch_bytes": -5}, "`prefetch_bytes` expected a non-negative int, got -5"),
     ({"threshold_bytes": 1, "segment_bytes": "1G"}, "`segment_bytes` expected a positive int, got '1G'"),
-    ({"threshold_bytes": 1, "drop_page_cache": 1}, r"`drop_page_cache` expected a bool \(True or False\), got 1"),
+    ({"threshold_bytes": 1, "fix_mmap_threshold": 1}, r"`fix_mmap_threshold` expected a bool \(True or False\), got 1"),
 ])
 def test_argument_checks(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -231,21 +231,63 @@ def test_callback_budget_trains_bitwise_identically(tmp_path: Path) -> None:
     assert stats.budget_bytes == 1024 and stats.bytes_written > 0 and stats.bytes_in_memory_peak <= 1024 + 512
 
 
-def test_fixes_glibc_mmap_threshold_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_gradhooks.offload import _memory
+MALLOPT_SCRIPT = """
+import ctypes, json, logging, sys, tempfile
+import torch
+from lightning_gradhooks.offload import _memory, save_on_disk
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+def step(offload):
+    with offload:
+        loss = model(torch.randn(512, 64)).sum()
+    loss.backward()
+seen = {}
+off = save_on_disk(1 << 14, tempfile.gettempdir(), fix_mmap_threshold=False)
+step(off); off.close()
+seen["off"] = _memory._mmap_threshold
+on = save_on_disk(1 << 14, tempfile.gettempdir())
+seen["made"] = _memory._mmap_threshold  # nothing yet: the device of the activations is not known
+step(on); step(on); on.close()
+seen["used"] = _memory._mmap_threshold
+again = save_on_disk(1 << 14, tempfile.gettempdir())
+step(again); again.close()
+seen["glibc"] = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+seen["clamp"] = [_memory._fix_mmap_threshold(64 << 20), _memory._fix_mmap_threshold(1)]
+print(json.dumps(seen))
+"""
 
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
-    assert _memory._fix_mmap_threshold(MiB) is None  # the user's choice stands
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4194304")
-    assert _memory._fix_mmap_threshold(MiB) is None
-    monkeypatch.delenv("GLIBC_TUNABLES")
-    import ctypes
+
+def mallopt_run(**env: str) -> tuple[dict, str]:
+    import json
+    import os
+    import subprocess
     import sys
 
-    glibc = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
-    got = _memory._fix_mmap_threshold(64 << 20)
-    assert (got is not None) == glibc
-    if glibc:  # clamped to glibc's 32 MiB cap, and never raised once lower
-        assert MiB <= got <= 32 * MiB and _memory._fix_mmap_threshold(64 << 20) == got
-        assert _memory._fix_mmap_threshold(1) == MiB == _memory._mmap_threshold
+    environ = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-c", MALLOPT_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**environ, **env})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_the_mmap_threshold_is_set_at_the_first_cpu_tensor_offloaded_said_once_and_can_be_left_alone() -> None:
+    """In a fresh process: fix_mmap_threshold=False never touches the allocator; by default the
+    threshold is set at the first CPU tensor offloaded (not when the engine is made), with one
+    INFO line for the process; clamped to 1-32 MiB and never raised."""
+    seen, err = mallopt_run()
+    assert seen["off"] is None and seen["made"] is None
+    lines = [line for line in err.splitlines() if line.startswith("lightning_gradhooks.offload INFO")]
+    if not seen["glibc"]:
+        assert seen["used"] is None and lines == []
+        return
+    assert seen["used"] == MiB  # threshold_bytes = 16 KiB, clamped to glibc's useful range
+    assert len(lines) == 1 and "mmap threshold to 1048576 bytes" in lines[0] and "fix_mmap_threshold=False" in lines[0]
+    assert seen["clamp"] == [MiB, MiB]  # never raised, and not below 1 MiB
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "4194304"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304"}])
+def test_the_users_own_mmap_threshold_stands(env: dict[str, str]) -> None:
+    seen, err = mallopt_run(**env)
+    assert seen["used"] is None and seen["clamp"] == [None, None] and "mmap threshold" not in err

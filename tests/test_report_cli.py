@@ -61,7 +61,7 @@ def test_a_truncated_events_file_is_read_up_to_the_cut_and_named(dead_run, tmp_p
     log_dir, _ = dead_run
     copy = tmp_path / "run"
     shutil.copytree(log_dir, copy)
-    (events,) = copy.glob("events.out.tfevents.*")
+    (events,) = copy.glob("events.out.tfevents.*.gradhooks")  # the file of ours: the logged steps
     data = events.read_bytes()
     events.write_bytes(data[: len(data) // 2])
     code, out, err = panel.cli("report", str(tmp_path))

@@ -55,7 +55,7 @@ def check_parameters(events, grads: list[dict]) -> None:
 
 def load(tmp_path, ranks=(0, 1)) -> tuple[object, list[dict], list[dict]]:
     files = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
-    assert len(files) == 1  # only rank 0 writes
+    assert len(files) == 2 and len({p.parent for p in files}) == 1  # only rank 0 writes: the logger's and ours
     seen = [torch.load(tmp_path / f"seen-rank{r}.pt") for r in ranks]
     facts = [json.loads((tmp_path / f"facts-rank{r}.json").read_text()) for r in ranks]
     return read_events(str(files[0].parent)), seen, facts

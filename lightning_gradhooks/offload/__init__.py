@@ -61,10 +61,13 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
     written region (per step). CUDA tensors are copied to reused pinned host buffers on a
     side stream and read back the same way.
 
-    On glibc Linux, construction fixes malloc's mmap threshold at ``threshold_bytes``
-    (clamped to 1-32 MiB; process-wide, unless ``MALLOC_MMAP_THRESHOLD_`` is set), so that
-    the memory of written tensors goes back to the system: with glibc's dynamic default the
-    heap keeps it and offload does not lower the process's peak (see docs/offload.md).
+    On glibc Linux, the first CPU tensor offloaded fixes malloc's mmap threshold at
+    ``threshold_bytes`` (clamped to 1-32 MiB; process-wide and for the rest of the process,
+    unless ``MALLOC_MMAP_THRESHOLD_`` is set or ``fix_mmap_threshold=False``; one INFO line of
+    the ``lightning_gradhooks.offload`` logger says so), so that the memory of written tensors
+    goes back to the system: with glibc's dynamic default the heap keeps it and offload does
+    not lower the process's peak. It costs about +10 % on later allocation-heavy CPU work (see
+    docs/offload.md). CUDA tensors never touch it.
 
     Args:
         threshold_bytes: offload a saved tensor if the storage region it spans has at least
@@ -78,10 +81,6 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             0 disables prefetching.
         segment_bytes: a step's file is closed and a new one started past this size, so
             space is returned sooner when a context spans many steps.
-        drop_page_cache: make offloaded bytes leave RAM: write and read them with O_DIRECT
-            where the filesystem allows (else flush them with ``fdatasync`` and drop them
-            from the page cache). Costs device bandwidth. By default writes land in the
-            kernel's page cache, which writes them back when it needs the memory.
         budget_bytes: hold at most this many bytes of offloadable saved tensors (at least
             ``threshold_bytes``, not parameters) at any moment, plus the one being saved:
             tensors kept in memory, writes in flight and reads ahead together. The newest stay
@@ -89,6 +88,9 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
             for room. Inputs the caller still holds (tensors not computed by the graph, such
             as the batch) are not counted and not written under a budget: writing them would
             free nothing. ``None``: every offloadable tensor is written.
+        fix_mmap_threshold: on glibc Linux, fix malloc's mmap threshold (see above) at the first
+            CPU tensor offloaded; False leaves the allocator alone (offload then lowers the peak
+            only where the allocator gives freed memory back).
 
     Raises:
         ValueError: an argument has the wrong type or is out of range (naming it, what is
@@ -129,18 +131,18 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         max_bytes_in_flight: int = 32 << 20,
         prefetch_bytes: int = 32 << 20,
         segment_bytes: int = 1 << 30,
-        drop_page_cache: bool = False,
         budget_bytes: int | None = None,
+        fix_mmap_threshold: bool = True,
     ) -> None:
         check_int("threshold_bytes", threshold_bytes, minimum=0)
         check_int("max_bytes_in_flight", max_bytes_in_flight)
         check_int("prefetch_bytes", prefetch_bytes, minimum=0)
         check_int("segment_bytes", segment_bytes)
         check_int("budget_bytes", budget_bytes, allow_none=True)
-        check_bool("drop_page_cache", drop_page_cache)
+        check_bool("fix_mmap_threshold", fix_mmap_threshold)
         directory = check_folder("directory", directory, pathlike=True) or tempfile.gettempdir()
         self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
-                               drop_page_cache, budget_bytes)
+                               budget_bytes, fix_mmap_threshold)
         self._depth = 0
         super().__init__(self._engine.pack, self._engine.unpack)
 

@@ -45,7 +45,14 @@ from lightning_gradhooks.offload._files import (
     _Segment,
     _State,
 )
-from lightning_gradhooks.offload._memory import _buffer, _fix_mmap_threshold, _host_buffer, _PinnedPool
+from lightning_gradhooks.offload._memory import (
+    _buffer,
+    _fix_mmap_threshold,
+    _host_buffer,
+    _to_device,
+    _to_pinned,
+    _use_here,
+)
 
 _STOP = object()  # tells a thread to finish
 _WAIT_S = 1.0  # how often a wait for a thread checks that the threads still run (a slow disk is waited for)
@@ -195,12 +202,14 @@ class _Engine:
     """Owns the files, threads and records of one :class:`save_on_disk`."""
 
     def __init__(self, threshold: int, directory: str, max_in_flight: int, prefetch_bytes: int,
-                 segment_bytes: int, drop_page_cache: bool, budget: int | None = None) -> None:
-        self.threshold, self.max_in_flight, self.drop_page_cache = threshold, max_in_flight, drop_page_cache
+                 segment_bytes: int, budget: int | None = None, fix_mmap_threshold: bool = True) -> None:
+        self.threshold, self.max_in_flight = threshold, max_in_flight
         self.budget = budget  # bytes of offloadable tensors held in memory at once (None: write all)
         self.prefetch_bytes, self.segment_bytes = prefetch_bytes, segment_bytes
         self.folder = os.path.abspath(directory)
-        self.mmap_threshold = _fix_mmap_threshold(threshold)  # freed offloaded tensors leave the process
+        # Fix glibc's mmap threshold at the first CPU tensor written (never for CUDA tensors), so that
+        # freed offloaded tensors leave the process: False once done or not asked for.
+        self._fix_malloc = fix_mmap_threshold
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
         self._files = _Files(self.folder, dir_fd, tmpfile)
         self._lock = self._files.lock
@@ -229,8 +238,7 @@ class _Engine:
         self._step_offloaded = 0  # bytes handed to the writer before this step began
         self._offloaded = self._deduplicated = self._kept = 0
         self._prefetch_seg: _Segment | None = None
-        self._pool: _PinnedPool | None = None
-        self._streams: dict[tuple[str, torch.device], Any] = {}
+        self._streams: dict[torch.device, Any] = {}  # CUDA: one side stream per device, for the copies
         me = self._me = weakref.ref(self, self._writes.put)  # collected: the writer stops (a C call)
         _ENGINES.add(me)
         self._threads = (
@@ -301,16 +309,16 @@ class _Engine:
                 self._broken = failure
         self.close()
 
-    def _release(self, seg: _Segment | None) -> tuple[int, int]:
-        """Take out the descriptors of a segment no handle needs and no I/O uses (threads close them)."""
+    def _release(self, seg: _Segment | None) -> tuple[int, ...]:
+        """Take out the descriptor of a segment no handle needs and no I/O uses (threads close it)."""
         if seg is None or seg.fd < 0 or seg.io or (seg.live and seg.failed is None):
-            return -1, -1
+            return ()
         self._segments.pop(seg.index, None)
         if self._current is seg:
             self._current = None
         if self._prefetch_seg is seg:
             self._prefetch_seg = None
-        return seg.take_fds()
+        return (seg.take_fd(),)
 
     def _own(self) -> list[_Record]:
         """The parked records that the budget counts, oldest first: all but the inputs that the caller
@@ -442,6 +450,9 @@ class _Engine:
                 return self._new_handle(rec, t, keeper)
         # An interrupt before the record is parked leaves a record that nobody knows; after, its
         # handle dies with the interrupted pack, and the reader thread unparks it.
+        if self._fix_malloc and t.device.type == "cpu":
+            self._fix_malloc = False
+            _fix_mmap_threshold(self.threshold)
         rec = _Record(t, storage, region_start, region_bytes)
         handle = self._new_handle(rec, t, keeper)
         with self._lock:
@@ -526,27 +537,16 @@ class _Engine:
                 return rec
         return None
 
-    def _stream(self, kind: str, device: torch.device) -> Any:
+    def _stream(self, device: torch.device) -> Any:
         with self._lock:
-            if (kind, device) not in self._streams:
-                self._streams[kind, device] = torch.cuda.Stream(device)
-            if self._pool is None:
-                self._pool = _PinnedPool(self.max_in_flight + self.prefetch_bytes)
-            return self._streams[kind, device]
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
 
     def _copy_to_host(self, rec: _Record, storage: torch.UntypedStorage) -> None:
-        """Start the device-to-host copy on a side stream into a pooled pinned buffer."""
-        stream = self._stream("d2h", rec.device)
-        assert self._pool is not None
-        pinned = self._pool.get(rec.nbytes)
+        """CUDA: start copying the record's bytes to a pinned host buffer, which the writer writes."""
         src = torch.empty(0, dtype=torch.uint8, device=rec.device).set_(storage, rec.byte_start, (rec.nbytes,), (1,))
-        stream.wait_stream(torch.cuda.current_stream(rec.device))  # the tensor is computed
-        with torch.cuda.stream(stream):
-            pinned[: rec.nbytes].copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        src.record_stream(stream)  # the allocator keeps the memory until the copy is done
-        rec.pinned, rec.event = pinned, event
+        rec.pinned, rec.event = _to_pinned(src, self._stream(rec.device))
 
     # -- writer thread
     def _segment_for(self, rec: _Record) -> _Segment:
@@ -555,8 +555,8 @@ class _Engine:
         if (seg is not None and seg.fd >= 0 and seg.failed is None and seg.step == rec.step
                 and not (seg.records and seg.size + rec.nbytes > self.segment_bytes)):
             return seg
-        fd, direct_fd, _ = _open_unnamed(self._files.dir_fd, self.drop_page_cache)
-        new = _Segment(next(self._indices), rec.step, fd, direct_fd)
+        fd, _ = _open_unnamed(self._files.dir_fd)
+        new = _Segment(next(self._indices), rec.step, fd)
         self._current = self._segments[new.index] = new
         new.previous = seg if seg is not None and seg.step == rec.step and seg.fd >= 0 else None
         return new
@@ -584,41 +584,28 @@ class _Engine:
                     failure = _failure(exc, f"save_on_disk: could not create a file for {n} bytes in folder "
                                             f"{self.folder!r}")
             if seg is not None:
-                address = rec.src.untyped_storage().data_ptr() + rec.byte_start if rec.src is not None else 0
-                rec.direct = seg.direct_fd >= 0 and rec.device.type == "cpu" and address % 64 == 0
-                # O_DIRECT moves whole aligned blocks: place the record at a file offset congruent to
-                # its address, so that all but a head and a tail can go straight to the device.
-                rec.offset = _round_up(seg.size, _ALIGN) + (address % _ALIGN if rec.direct else 0)
+                rec.offset = _round_up(seg.size, _ALIGN)
                 rec.segment, rec.index = seg, len(seg.records)
                 seg.records.append(rec)
                 seg.size = rec.offset + n
                 seg.live += 1
                 seg.io += 1
-                fd, direct_fd = seg.fd, seg.direct_fd
+                fd = seg.fd
             src, pinned, event = rec.src, rec.pinned, rec.event
         if seg is not None:
             try:
                 if event is not None:
                     event.synchronize()
                 address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
-                head = min(n, -rec.offset % _ALIGN) if rec.direct else n
-                body = (n - head) // _ALIGN * _ALIGN
-                for f, at, length in ((fd, 0, head), (direct_fd, head, body), (fd, head + body, n - head - body)):
-                    if length:
-                        _pwrite_all(f, _buffer(address + at, length), rec.offset + at)
-                if self.drop_page_cache and not rec.direct:
-                    os.fdatasync(fd)
-                    os.posix_fadvise(fd, rec.offset, n, os.POSIX_FADV_DONTNEED)
+                _pwrite_all(fd, _buffer(address, n), rec.offset)
             except Exception as exc:  # noqa: BLE001 - the step fails, the training thread is told
                 failure = _failure(exc, f"save_on_disk: could not write {n} bytes to folder {self.folder!r} "
                                         f"({_where(rec)})")
         del src
         with self._lock:
             rec.src = None
-            if pinned is not None:
+            if pinned is not None:  # torch's host allocator keeps it until a skipped write's copy is done
                 rec.pinned = rec.event = None
-                if self._pool is not None:
-                    self._pool.put(pinned, event)  # a skipped write may leave its copy running
             if rec in self._queued:
                 del self._queued[rec]
                 self._in_flight -= n
@@ -711,9 +698,7 @@ class _Engine:
         if src is not None:
             return _view(src.untyped_storage(), h, h.storage_offset)
         if event is not None:
-            stream = torch.cuda.current_stream(buf.device)
-            stream.wait_event(event)  # the host-to-device copy is done
-            buf.record_stream(stream)
+            _use_here(buf, event)
         return _view(buf.untyped_storage(), h, h.rel_offset)
 
     # -- reader thread: deaths, demanded reads, prefetch
@@ -821,34 +806,12 @@ class _Engine:
         seg, n = rec.segment, rec.nbytes
         fd = seg.fd
         if rec.device.type == "cpu":
-            if rec.direct:  # whole aligned blocks, the record at its offset within the first one
-                skip = rec.offset % _ALIGN
-                buf, address = _host_buffer(n, skip)
-                span = _round_up(skip + n, _ALIGN)
-                _pread_all(seg.direct_fd, _buffer(address, span), rec.offset - skip, skip + n)
-                return buf, None
-            buf, _ = _host_buffer(n)
+            buf = _host_buffer(n)
             _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
-            self._after_read(fd, rec)
             return buf, None
-        stream = self._stream("h2d", rec.device)
-        assert self._pool is not None
-        pinned, event = self._pool.get(n), None
-        try:
-            _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
-            self._after_read(fd, rec)
-            with torch.cuda.device(rec.device), torch.cuda.stream(stream):
-                buf = torch.empty(n, dtype=torch.uint8, device=rec.device)  # allocated on the side stream
-                buf.copy_(pinned[:n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-        finally:
-            self._pool.put(pinned, event)
-        return buf, event
-
-    def _after_read(self, fd: int, rec: _Record) -> None:
-        if self.drop_page_cache:
-            os.posix_fadvise(fd, rec.offset, rec.nbytes, os.POSIX_FADV_DONTNEED)
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
+        return _to_device(pinned, rec.device, self._stream(rec.device))
 
     # -- introspection and teardown
     def stats(self) -> OffloadStats:

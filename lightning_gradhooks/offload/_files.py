@@ -50,16 +50,8 @@ def _free_bytes(fd: int) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _reopen_direct(path: str, dir_fd: int | None = None) -> int:
-    """A second descriptor of the same file with O_DIRECT, or -1 where refused (tmpfs)."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, dir_fd=dir_fd)
-    except (OSError, AttributeError):
-        return -1
-
-
-def _open_unnamed(dir_fd: int, direct: bool) -> tuple[int, int, bool]:
-    """Open a file that has no name in the folder ``dir_fd``: (fd, O_DIRECT fd or -1, O_TMPFILE used).
+def _open_unnamed(dir_fd: int) -> tuple[int, bool]:
+    """Open a file that has no name in the folder ``dir_fd``: (fd, O_TMPFILE used).
 
     ``O_TMPFILE`` (Linux 3.11+; ext4, xfs, btrfs, tmpfs) never gives the file a name. Where it is
     refused, a file with a random name is created exclusively and unlinked at once.
@@ -70,21 +62,16 @@ def _open_unnamed(dir_fd: int, direct: bool) -> tuple[int, int, bool]:
         except OSError:
             pass  # kernel or file system without O_TMPFILE
         else:
-            return fd, _reopen_direct(f"/proc/self/fd/{fd}") if direct else -1, True
+            return fd, True
     name = f".save_on_disk-{os.getpid()}-{secrets.token_hex(8)}"
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-    direct_fd = -1
     try:
-        if direct:
-            direct_fd = _reopen_direct(name, dir_fd)
         os.unlink(name, dir_fd=dir_fd)
     except BaseException:
-        for d in (fd, direct_fd):
-            if d >= 0:
-                os.close(d)
+        os.close(fd)
         raise
-    return fd, direct_fd, False
+    return fd, False
 
 
 def _open_folder(directory: str) -> tuple[int, bool]:
@@ -98,7 +85,7 @@ def _open_folder(directory: str) -> tuple[int, bool]:
         raise DiskOffloadError(exc.errno, f"save_on_disk: expected an existing folder, got {directory!r}: "
                                           f"{exc.strerror or exc}") from None
     try:
-        fd, _, tmpfile = _open_unnamed(dir_fd, direct=False)
+        fd, tmpfile = _open_unnamed(dir_fd)
         try:
             _pwrite_all(fd, memoryview(bytes(_ALIGN)), 0)
         finally:
@@ -146,11 +133,11 @@ def _close_all(fds: list[int] | tuple[int, ...]) -> None:
 class _Segment:
     """One unnamed file receiving a step's tensors, appended sequentially."""
 
-    __slots__ = ("index", "step", "fd", "direct_fd", "size", "records", "live", "io", "failed", "cursor",
+    __slots__ = ("index", "step", "fd", "size", "records", "live", "io", "failed", "cursor",
                  "last_unpacked", "previous")
 
-    def __init__(self, index: int, step: int, fd: int, direct_fd: int) -> None:
-        self.index, self.step, self.fd, self.direct_fd = index, step, fd, direct_fd
+    def __init__(self, index: int, step: int, fd: int) -> None:
+        self.index, self.step, self.fd = index, step, fd
         self.size = 0  # next free offset
         self.records: list[_Record] = []  # in order of saving, for prefetch
         self.live = 0  # records with a live handle
@@ -160,11 +147,10 @@ class _Segment:
         self.last_unpacked = -1
         self.previous: _Segment | None = None  # the same step's earlier file, for prefetch
 
-    def take_fds(self) -> tuple[int, int]:
-        """Take the descriptors out (the caller closes them): a later take gets (-1, -1)."""
-        fds = (self.fd, self.direct_fd)
-        self.fd = self.direct_fd = -1
-        return fds
+    def take_fd(self) -> int:
+        """Take the descriptor out (the caller closes it): a later take gets -1."""
+        fd, self.fd = self.fd, -1
+        return fd
 
 
 class _Files:
@@ -181,7 +167,7 @@ class _Files:
         fds = [self.dir_fd]
         self.dir_fd = -1
         for seg in self.segments.values():
-            fds.extend(seg.take_fds())
+            fds.append(seg.take_fd())
             for rec in seg.records:
                 rec.src = rec.loaded = rec.pinned = None
         self.segments.clear()
@@ -223,7 +209,7 @@ class _Record:
     ``state`` (see :class:`_State`); the other fields are what that state holds."""
 
     __slots__ = ("segment", "index", "offset", "nbytes", "byte_start", "device", "storage_ref", "version",
-                 "direct", "step", "input", "src", "pinned", "event", "refs", "state", "failure", "loaded",
+                 "step", "input", "src", "pinned", "event", "refs", "state", "failure", "loaded",
                  "load_event", "read_error", "asked")
 
     def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage, byte_start: int, nbytes: int) -> None:
@@ -233,7 +219,6 @@ class _Record:
         # A plain weak reference: torch's StorageWeakRef frees itself in a Python ``__del__``, where
         # a Ctrl-C landing as a record dies would be printed and lost.
         self.storage_ref, self.version = weakref.ref(storage), t._version
-        self.direct = False  # written and read with O_DIRECT (but for a head and a tail)
         self.step = -1
         self.input = t.grad_fn is None  # not computed by the graph (the batch): the caller may hold it
         self.src: torch.Tensor | None = t.detach()  # until written (CUDA: until copied to host)
