@@ -328,6 +328,8 @@ class NoiseProbe:
         self._accumulation = 1
         self._first: Tensor | None = None  # the first backward's squared gradient norm
         self._generator: dict[torch.device, torch.Generator] = {}
+        #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
+        self.collectives = 0
 
     @property
     def sources(self) -> list[str]:
@@ -427,6 +429,7 @@ class NoiseProbe:
         if world > 1:  # the one collective: the mean over the ranks of |G_b|²
             local = local.to(torch.float64 if device.type == "cpu" else torch.float32).reshape(1)
             dist.all_reduce(local)
+            self.collectives += 1
             local = local / world
         if self._batch is None:
             return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
