@@ -360,7 +360,7 @@ class GradHooksLogic:
             self._collector.pause()
             monitor.arm(batch_size=_batch_size(batch), accumulation=trainer.accumulate_grad_batches)
         elif monitor is not None and monitor.noise is not None and logged and not monitor.armed \
-                and not monitor.noise.armed and trainer.world_size > 1 and pl_module.automatic_optimization:
+                and not monitor.noise.armed and trainer.world_size > 1:
             # A rank that logs nothing itself measures its local gradient for the noise scale.
             monitor.noise.arm(_batch_size(batch), trainer.accumulate_grad_batches)
         elif monitor is not None and monitor.armed:  # a later micro-batch of a logged step
@@ -390,6 +390,8 @@ class GradHooksLogic:
         record = monitor.collect(params)
         if not pl_module.automatic_optimization:
             monitor.arm()  # later backward passes of this training step are logged too
+            if monitor.noise is not None:
+                monitor.noise.disarm()  # one noise sample a step: that of the first optimizer
         self._write(trainer, record, optimizer)
 
     @override

@@ -412,6 +412,8 @@ class NoiseProbe:
             return None
         try:
             params = [p for p in (self._model.parameters() if parameters is None else parameters) if p.requires_grad]
+            if not params:  # a backward that no optimizer step followed (the end of an epoch)
+                return None
             if any(type(p) is not nn.Parameter and type(p) is not Tensor for p in params):
                 return NoiseSample.none("sharded parameters (DTensor) are not supported")
             world, k = _world(), self._accumulation
@@ -423,6 +425,8 @@ class NoiseProbe:
 
     def _two_batches(self, params: list[Tensor], world: int, k: int) -> NoiseSample:
         source = "+".join(s for s, on in (("accumulation", k > 1), ("data_parallel", world > 1)) if on)
+        if self._batch is None:  # before the collective: every rank decides alike
+            return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
         first = self._first
         device = first.device if first is not None else next((p.device for p in params), torch.device("cpu"))
         local = first if first is not None else torch.full((), math.nan, device=device)
@@ -431,8 +435,6 @@ class NoiseProbe:
             dist.all_reduce(local)
             self.collectives += 1
             local = local / world
-        if self._batch is None:
-            return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
         b = self._batch
         big = b * k * world
         small_sq = float(local.sum()) * k * k  # the micro-batch's loss was divided by k
@@ -456,6 +458,9 @@ class NoiseProbe:
                                     "per_example")
         batch = self._batch or max(batches)
         used = [s for s in used if s.examples == batch]
+        if not used:
+            return NoiseSample.none(f"no per-example layer saw the batch of {batch} along its input's first dimension",
+                                    "per_example", batch)
         if batch < 2:
             return NoiseSample.none("a step of one example has no spread of per-example gradients", "per_example",
                                     batch)

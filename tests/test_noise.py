@@ -29,30 +29,30 @@ from test_ddp import run_script
 NOISE_TAG = "∇1 overview/noise_scale"
 
 
-def per_example(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, names=None) -> torch.Tensor:  # noqa: ANN001
-    """Every example's gradient, flattened: (examples, parameter elements), float64."""
+def per_example(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Every example's gradient, by parameter name: (examples, parameter elements), float64."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
     def one(p, xi, yi):  # noqa: ANN001, ANN202
         return loss(functional_call(model, p, (xi[None],)), yi[None])
 
-    rows = []
-    for i in range(0, len(x), 256):
-        g = vmap(grad(one), in_dims=(None, 0, 0))(params, x[i:i + 256], y[i:i + 256])
-        rows.append(torch.cat([v.reshape(v.shape[0], -1) for k, v in g.items() if names is None or k in names], 1))
-    return torch.cat(rows).double()
+    parts = [vmap(grad(one), in_dims=(None, 0, 0))(params, x[i:i + 256], y[i:i + 256]) for i in range(0, len(x), 256)]
+    return {k: torch.cat([p[k].reshape(p[k].shape[0], -1) for p in parts]).double() for k in params}
 
 
-def truth(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, names=None) -> tuple[float, float]:  # noqa: ANN001
+def flat(grads: dict[str, torch.Tensor], names=None) -> torch.Tensor:  # noqa: ANN001
+    return torch.cat([g for k, g in grads.items() if names is None or k in names], 1)
+
+
+def truth(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:  # noqa: ANN001
     """``(|G|², tr(Σ))`` of the examples as a population: G their mean gradient, Σ their covariance."""
-    g = per_example(model, loss, x, y, names)
+    g = flat(per_example(model, loss, x, y))
     mean = g.mean(0)
     return float(mean.square().sum()), float((g - mean).square().sum(1).mean())
 
 
-def batch_truth(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, names=None) -> tuple[float, float]:  # noqa: ANN001
-    """The unbiased estimates of one batch, from its per-example gradients."""
-    g = per_example(model, loss, x, y, names)
+def batch_truth(g: torch.Tensor) -> tuple[float, float]:
+    """The unbiased estimates of one batch, from its per-example gradients (examples, elements)."""
     b, mean = len(g), g.mean(0)
     trace = float((g - mean).square().sum() / (b - 1))
     return float(mean.square().sum()) - trace / b, trace
@@ -134,8 +134,9 @@ def test_per_example_norms_against_brute_force(name):
         assert sample.source == "per_example" and (sample.small, sample.big) == (1, 32)
         assert probe.hooks == 0 and not any(m._forward_hooks for m in model.modules())
         ours.append(sample.estimates())
-        exact.append(batch_truth(model, mse, xb, yb, covered))
-        whole.append(batch_truth(model, mse, xb, yb))
+        grads = per_example(model, mse, xb, yb)
+        exact.append(batch_truth(flat(grads, covered)))
+        whole.append(batch_truth(flat(grads)))
     if name == "block":  # attention's packed projections give no per-example norms
         assert probe.sources == ["block.linear1", "block.linear2", "block.norm1", "block.norm2", "head"]
         assert 0.3 < sample.coverage < 0.8
