@@ -1,6 +1,6 @@
 """What the gradient noise scale adds to a logged step, on the three models of many_modules.py.
 
-    python benchmarks/noise_cost.py [--models resnet18,mlp500,encoder] [--rounds 7] [--steps 3]
+    python benchmarks/noise_cost.py [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1]
 
 A logged step in a plain loop: ``monitor.arm(...)``, forward and backward (one batch, or the
 same batch as two micro-batches of half its size), ``monitor.collect()``, ``GradientLog.write``
@@ -8,10 +8,11 @@ to a ``SummaryWriter`` in a temporary folder (histograms on, the defaults), SGD 
 Two monitors on the same model, attached together (an unarmed monitor has no hook in): one with
 ``noise_scale=False`` (``off``), one with the default ``noise_scale=True`` (``on``). Variants:
 ``off`` / ``on`` with one backward (the noise probe reads per-example norms) and ``off, k=2`` /
-``on, k=2`` with two micro-batches (the probe reads the first micro-batch's gradient). Each
-window is the mean of ``--steps`` steps after one untimed step; every round runs every window,
-in an order rotated each round. Prints the median window of each variant and the median of the
-per-round ratios ``on / off`` (same model, same k).
+``on, k=2`` with two micro-batches (the probe reads the first micro-batch's gradient). Every
+round runs one step of each variant, in an order rotated each round, after two untimed rounds.
+Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
+threads), which a host shared with other work disturbs less. Prints the median of each
+variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from lightning_gradhooks import GradientLog, GradientMonitor  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet18,mlp500,encoder")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     folder = tempfile.TemporaryDirectory()
     for name in args.models.split(","):
@@ -53,9 +55,9 @@ def main() -> None:
         half = tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)
         step_no = [0]
 
-        def step(key: str, k: int) -> float:
+        def step(key: str, k: int) -> tuple[float, float]:
             monitor = monitors[key]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             with monitor.arm(batch_size=len(batch[0]) // k, accumulation=k):
                 for part in ((batch,) if k == 1 else half):
                     (case.loss(model, part) / k).backward()
@@ -63,21 +65,24 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             step_no[0] += 1
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - cpu
 
         variants = [("off", 1), ("on", 1), ("off", 2), ("on", 2)]
-        times: dict[tuple[str, int], list[float]] = {v: [] for v in variants}
-        for r in range(args.rounds):
+        times: dict[tuple[str, int], list[tuple[float, float]]] = {v: [] for v in variants}
+        for r in range(-2, args.rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             for v in order:
-                step(*v)  # untimed
-                times[v].append(statistics.fmean(step(*v) for _ in range(args.steps)))
+                took = step(*v)
+                if r >= 0:
+                    times[v].append(took)
         for v in variants:
-            print(f"{name:9s} {v[0]:3s} k={v[1]}  {1000 * statistics.median(times[v]):8.1f} ms")
+            wall, cpu = (statistics.median(t[i] for t in times[v]) for i in (0, 1))
+            print(f"{name:9s} {v[0]:3s} k={v[1]}  wall {1000 * wall:8.1f} ms  cpu {1000 * cpu:8.1f} ms")
         for k in (1, 2):
-            ratios = [on / off for on, off in zip(times["on", k], times["off", k])]
-            print(f"{name:9s} on/off k={k}  {statistics.median(ratios):.3f}  (rounds: "
-                  + " ".join(f"{x:.3f}" for x in ratios) + ")")
+            for i, clock in enumerate(("wall", "cpu")):
+                ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
+                print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
+                      f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
         sample = logs["on"].noise_scale.value
         print(f"{name:9s} noise scale of its batch: {sample if sample is None else round(sample, 1)}")
         for h in handles:

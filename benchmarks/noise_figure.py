@@ -1,6 +1,6 @@
 """The figure of docs/usage.md: the noise scale GradHooks logs in a real fit, against brute force.
 
-    python benchmarks/noise_figure.py [--out docs/noise_scale.png] [--steps 600] [--every 5]
+    python benchmarks/noise_figure.py [--out docs/noise_scale.png] [--steps 400] [--every 10]
 
 A Lightning fit (SGD, lr 0.05, batch 32, no accumulation: per-example norms) of an MLP
 classifier on a synthetic task (a random teacher network's labels, 20 % of them flipped), with
@@ -76,16 +76,16 @@ class Truth(pl.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/noise_scale.png")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 20, generator=g)
+    x = torch.randn(2048, 20, generator=g)
     teacher = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 10))
     with torch.no_grad():
         y = teacher(x).argmax(1)
-    flip = torch.rand(4096, generator=g) < 0.2
+    flip = torch.rand(2048, generator=g) < 0.2
     y[flip] = torch.randint(0, 10, (int(flip.sum()),), generator=g)
     truth = Truth(x, y, args.every)
     with tempfile.TemporaryDirectory() as folder:

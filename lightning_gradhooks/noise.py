@@ -236,8 +236,9 @@ class _Source:
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
             return  # called twice: its examples' gradients are sums over calls; left out
         self.examples = x.shape[0]
-        saved = self._saved(x)
-        output.register_hook(lambda grad: self._backward(grad, saved))
+        saved, armed = self._saved(x), self.probe._armings
+        # The tensor hook goes with the graph; a backward after disarming finds it stale.
+        output.register_hook(lambda grad: self._backward(grad, saved) if self.probe._armings == armed else None)
 
     def _saved(self, x: Tensor) -> tuple:
         """What the backward needs of the input, as small as it can be."""
@@ -324,6 +325,7 @@ class NoiseProbe:
         self._sources = [s for s in self._sources if s.parameters]
         self._handles: list[RemovableHandle] = []
         self._armed = False
+        self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
         self._accumulation = 1
         self._first: Tensor | None = None  # the first backward's squared gradient norm
@@ -367,6 +369,7 @@ class NoiseProbe:
         check_int("accumulation", accumulation)
         self.disarm()
         self._armed = True
+        self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
         self._first = None
         if accumulation > 1 or _world() > 1:
@@ -389,6 +392,7 @@ class NoiseProbe:
     def disarm(self) -> None:
         """Take every hook out and drop what was measured."""
         self._armed = False
+        self._armings += 1
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
