@@ -193,7 +193,7 @@ class GradientLog:
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
         self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
-        self._noise_batch = 0.0  # the batch per optimizer step of the latest estimate
+        self._noise_latest: tuple[float, float, int] | None = None  # value, batch per step, step
 
     # -- per step ------------------------------------------------------------------------------
     def write(
@@ -275,7 +275,7 @@ class GradientLog:
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
         # The summary also says how many gradients an entry pools, when more than one.
         stats = {(e.kind, e.name): {**e.stats, "calls": e.calls} if e.calls > 1 else e.stats for e in record.entries}
-        self._write_noise(record.noise, metrics, stats)
+        self._write_noise(record.noise, step, metrics, stats)
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
@@ -297,7 +297,7 @@ class GradientLog:
             warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=3)
         self.in_nonfinite_episode = origin is not None
 
-    def _write_noise(self, sample: NoiseSample | None, metrics: dict[str, float],
+    def _write_noise(self, sample: NoiseSample | None, step: int, metrics: dict[str, float],
                      stats: dict[tuple[str, str], dict[str, float]]) -> None:
         """The noise scale of the step: smoothed in the overview (``noise_scale``), its raw
         estimates in the compact summary (``("noise", "gradient")``); why there is none, once."""
@@ -307,11 +307,11 @@ class GradientLog:
             warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
         self._noise_last = sample
         if sample.reason is None:
-            self._noise_batch = sample.big
             stats[("noise", "gradient")] = sample.stats()
             value = self.noise_scale.update(*sample.estimates())
             if value is not None:
                 metrics[f"{OVERVIEW}/noise_scale"] = value
+                self._noise_latest = (value, sample.big, step)
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -371,8 +371,10 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
-                if self._noise_last is not None:  # the noise scale next to the batch per step
-                    self._echo(advice(self.noise_scale.value, self._noise_batch, self._noise_last.reason))
+                if self._noise_last is not None:  # the latest noise scale next to the batch per step
+                    value, batch, step = self._noise_latest or (None, 0.0, 0)
+                    self._echo(advice(value, batch, self._noise_last.reason,
+                                      None if value is None or value == self.noise_scale.value else step))
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)

@@ -181,13 +181,21 @@ class NoiseScale:
         return self.trace / self.grad_sq
 
 
-def advice(noise_scale: float | None, batch: float, reason: str | None = None) -> str:
-    """One sentence the user can act on: the noise scale next to the batch per optimizer step."""
+def advice(noise_scale: float | None, batch: float, reason: str | None = None, step: int | None = None) -> str:
+    """One sentence the user can act on: the noise scale next to the batch per optimizer step.
+
+    Args:
+        noise_scale: the latest smoothed value; None: there is none (``reason`` says why).
+        batch: the batch per optimizer step.
+        reason: why there is no estimate.
+        step: the step of ``noise_scale`` when the last logged steps gave none (it is named).
+    """
     if noise_scale is None:
-        why = reason or "the smoothed |G|² is not positive yet (the noise drowns the signal at this batch size)"
+        why = reason or "the smoothed |G|² is not positive (the noise drowns the signal at this batch size)"
         return f"GradHooks: no gradient noise scale estimate: {why}."
     n, b = f"{noise_scale:,.0f}", f"{batch:,.0f}"
-    head = f"GradHooks: gradient noise scale ~ {n} examples; your batch per optimizer step is {b}: "
+    at = "" if step is None else f" (at step {step}; the logged steps since gave no estimate)"
+    head = f"GradHooks: gradient noise scale ~ {n} examples{at}; your batch per optimizer step is {b}: "
     if batch < noise_scale / 2:
         return head + (f"a larger batch (up to ~{n}) would cut the number of steps almost in proportion "
                        "(scale the learning rate with it).")

@@ -115,6 +115,7 @@ def test_advice_is_a_sentence_to_act_on():
                                "(scale the learning rate with it).")
     assert "near the critical batch size" in advice(100, 64)
     assert "a smaller one (down to ~10)" in advice(10, 64)
+    assert "~ 900 examples (at step 380; the logged steps since gave no estimate); your batch" in advice(900, 32, step=380)
     assert advice(None, 64, "the gradients are all zero") == \
         "GradHooks: no gradient noise scale estimate: the gradients are all zero."
 
