@@ -218,6 +218,31 @@ def _squares(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.nn.utils.get_total_norm(present, 2.0, foreach=None).float().square()
 
 
+@torch.no_grad()
+def _pairs_total(sources: list[_Source]) -> Tensor | None:
+    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, with a
+    few ops per group of layers of one shape (500 layers of one width: about ten ops)."""
+    groups: dict[tuple, list[_Source]] = {}
+    for s in sources:
+        x, d = s.pair
+        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(s)
+    total = None
+    for members in groups.values():
+        x = torch.stack([s.pair[0] for s in members]).float()  # (layers, B, in)
+        d = torch.stack([s.pair[1] for s in members]).float()  # (layers, B, out)
+        xs, ds = torch.linalg.vecdot(x, x), torch.linalg.vecdot(d, d)  # (layers, B)
+        flags = {(s.weight, s.bias) for s in members}
+        if len(flags) == 1:  # the common case: every layer alike
+            weight, bias = flags.pop()
+            part = (ds * (xs * weight + bias)).sum()
+        else:
+            w = torch.tensor([[float(s.weight)] for s in members], device=x.device)
+            b = torch.tensor([[float(s.bias)] for s in members], device=x.device)
+            part = (ds * (xs * w + b)).sum()
+        total = part if total is None else total + part.to(total.device)
+    return total
+
+
 class _Source:
     """One per-example source layer: its forward hook, its output's tensor hook and the sum of
     its examples' squared gradient norms (a device tensor) on the armed step."""
@@ -235,6 +260,9 @@ class _Source:
         self.grads = 0
         self.examples = 0
         self.total: Tensor | None = None
+        # a Linear on a 2-D input keeps its input and output gradient (small: a row per example)
+        # for the probe to reduce every such layer at once in `collect`: a few ops in all
+        self.pair: tuple[Tensor, Tensor] | None = None
 
     def forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
@@ -244,16 +272,18 @@ class _Source:
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
             return  # called twice: its examples' gradients are sums over calls; left out
         self.examples = x.shape[0]
-        saved, armed = self._saved(x), self.probe._armings
+        if type(module) is nn.Linear and x.dim() == 2:
+            x, saved = args[0], ("pair",)  # no op here; reduced with the others at collect
+        else:
+            saved = self._saved(x)
+        armed = self.probe._armings
         # The tensor hook goes with the graph; a backward after disarming finds it stale.
-        output.register_hook(lambda grad: self._backward(grad, saved) if self.probe._armings == armed else None)
+        output.register_hook(lambda grad: self._backward(grad, saved, x) if self.probe._armings == armed else None)
 
     def _saved(self, x: Tensor) -> tuple:
         """What the backward needs of the input, as small as it can be."""
         m = self.module
         if type(m) is nn.Linear:
-            if x.dim() == 2:
-                return ("exact", x.float().square().sum(1))
             x = x.flatten(1, -2).float()  # (B, positions, in)
             return ("sketch", torch.bmm(x, self.probe._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
         if type(m) is nn.LayerNorm:
@@ -263,14 +293,14 @@ class _Source:
         # GroupNorm: (B, C, *) normalised per example and group; per-channel weight and bias
         return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
 
-    def _backward(self, grad: Tensor, saved: tuple) -> None:
+    def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
         self.grads += 1
+        if saved[0] == "pair":
+            self.pair = (x, grad)
+            return
         how, d = saved[0], grad.detach().float()
         b = d.shape[0]
-        if how == "exact":  # ‖x_i‖²‖δ_i‖² + ‖δ_i‖²
-            ds = d.square().sum(1)
-            total = (ds * saved[1]).sum() * self.weight + ds.sum() * self.bias
-        elif how == "sketch":  # E‖Σ_t δ_t (x_t·v)‖² = ‖Σ_t δ_t x_tᵀ‖²; bias: ‖Σ_t δ_t‖², exact
+        if how == "sketch":  # E‖Σ_t δ_t (x_t·v)‖² = ‖Σ_t δ_t x_tᵀ‖²; bias: ‖Σ_t δ_t‖², exact
             d = d.flatten(1, -2)  # (B, positions, out)
             total = d.new_zeros(())
             if self.weight:
@@ -462,7 +492,7 @@ class NoiseProbe:
                                     f"gradient norms ({', '.join(t.__name__ for t in SOURCE_TYPES)})",
                                     "per_example")
         wanted = {id(p) for p in params}
-        used = [s for s in self._sources if s.calls == 1 and s.grads == 1 and s.total is not None
+        used = [s for s in self._sources if s.calls == 1 and s.grads == 1 and (s.total is not None or s.pair)
                 and all(id(p) in wanted for p in s.parameters)]
         batches = {s.examples for s in used}
         if not used:
@@ -477,7 +507,9 @@ class NoiseProbe:
             return NoiseSample.none("a step of one example has no spread of per-example gradients", "per_example",
                                     batch)
         covered = [p for s in used for p in s.parameters]
-        total = float(torch.stack([s.total.to(used[0].total.device) for s in used]).sum())
+        total = _pairs_total([s for s in used if s.pair is not None])
+        totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
+        total = float(sum(t.to(totals[0].device) for t in totals[1:]) + totals[0])
         big_sq = _squares(p.grad for p in covered)
         big_sq = 0.0 if big_sq is None else float(big_sq)
         all_elements = sum(p.numel() for p in params)
