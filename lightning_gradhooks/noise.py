@@ -230,7 +230,8 @@ def _pairs_total(sources: list[_Source]) -> Tensor | None:
     for members in groups.values():
         x = torch.stack([s.pair[0] for s in members]).float()  # (layers, B, in)
         d = torch.stack([s.pair[1] for s in members]).float()  # (layers, B, out)
-        xs, ds = torch.linalg.vecdot(x, x), torch.linalg.vecdot(d, d)  # (layers, B)
+        # one reduction pass each (vecdot would multiply, then sum)
+        xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
         flags = {(s.weight, s.bias) for s in members}
         if len(flags) == 1:  # the common case: every layer alike
             weight, bias = flags.pop()
@@ -268,14 +269,16 @@ class _Source:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
         self.calls += 1
-        x = args[0].detach() if args and isinstance(args[0], Tensor) else None
+        if self.calls == 1:
+            self.probe._touched.append(self)
+        x = args[0] if args and isinstance(args[0], Tensor) else None
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
             return  # called twice: its examples' gradients are sums over calls; left out
         self.examples = x.shape[0]
         if type(module) is nn.Linear and x.dim() == 2:
-            x, saved = args[0], ("pair",)  # no op here; reduced with the others at collect
+            saved = ("pair",)  # no op here; reduced with the others at collect
         else:
-            saved = self._saved(x)
+            saved = self._saved(x.detach())
         armed = self.probe._armings
         # The tensor hook goes with the graph; a backward after disarming finds it stale.
         output.register_hook(lambda grad: self._backward(grad, saved, x) if self.probe._armings == armed else None)
@@ -362,6 +365,9 @@ class NoiseProbe:
         ]
         self._sources = [s for s in self._sources if s.parameters]
         self._handles: list[RemovableHandle] = []
+        self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
+        # The trainable parameters, looked up once (a deep model's `parameters()` takes ms).
+        self._parameters = [p for p in model.parameters() if p.requires_grad]
         self._armed = False
         self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
@@ -411,12 +417,11 @@ class NoiseProbe:
         self._batch, self._accumulation = batch_size, accumulation
         self._first = None
         if accumulation > 1 or _world() > 1:
-            params = [p for p in self._model.parameters() if p.requires_grad]
+            params = self._parameters
             if params:
                 self._handles.append(register_multi_grad_hook(params, self._first_backward, mode="all"))
             return
         for source in self._sources:
-            source.reset()
             self._handles.append(source.module.register_forward_hook(source.forward))
 
     def _first_backward(self, grads: Sequence[Tensor | None]) -> None:
@@ -435,7 +440,8 @@ class NoiseProbe:
         for handle in handles:
             handle.remove()
         self._first = None
-        for source in self._sources:
+        touched, self._touched = self._touched, []
+        for source in touched:
             source.reset()
 
     remove = disarm
@@ -453,7 +459,7 @@ class NoiseProbe:
         if not self._armed:
             return None
         try:
-            params = [p for p in (self._model.parameters() if parameters is None else parameters) if p.requires_grad]
+            params = self._parameters if parameters is None else [p for p in parameters if p.requires_grad]
             if not params:  # a backward that no optimizer step followed (the end of an epoch)
                 return None
             if any(type(p) is not nn.Parameter and type(p) is not Tensor for p in params):
