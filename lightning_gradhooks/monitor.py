@@ -542,7 +542,7 @@ class GradientMonitor:
         check_bool("noise_scale", noise_scale)
         #: The :class:`~lightning_gradhooks.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
-        self.noise = NoiseProbe(model) if noise_scale else None
+        self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:

@@ -51,7 +51,7 @@ moving averages, and gives the ratio of the smoothed values.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -338,6 +338,8 @@ class NoiseProbe:
 
     Args:
         model: the module whose trainable parameters the gradients are of.
+        skip: ids of modules that get no hook (modules in code compiled by ``torch.compile``,
+            where a module hook would break the graph): they are no per-example source.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -349,7 +351,7 @@ class NoiseProbe:
         ('per_example', 1, 32)
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, skip: Collection[int] = ()) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         self._model = model
@@ -360,7 +362,7 @@ class NoiseProbe:
                     owners[id(p)] = owners.get(id(p), 0) + 1
         self._sources = [
             _Source(self, m) for m in model.modules()
-            if type(m) in SOURCE_TYPES and getattr(m, "weight", None) is not None
+            if type(m) in SOURCE_TYPES and id(m) not in skip and getattr(m, "weight", None) is not None
             and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
         ]
         self._sources = [s for s in self._sources if s.parameters]
