@@ -8,7 +8,7 @@ to a ``SummaryWriter`` in a temporary folder (histograms on, the defaults), SGD 
 Two monitors on the same model, attached together (an unarmed monitor has no hook in): one with
 ``noise_scale=False`` (``off``), one with the default ``noise_scale=True`` (``on``). Variants:
 ``off`` / ``on`` with one backward (the noise probe reads per-example norms) and ``off, k=2`` /
-``on, k=2`` with two micro-batches (the probe reads the first micro-batch's gradient). Every
+``on, k=2`` with two micro-batches (the probe reads each micro-batch's gradient). Every
 round runs one step of each variant, in an order rotated each round, after two untimed rounds.
 Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
 threads), which a host shared with other work disturbs less. Prints the median of each

@@ -15,13 +15,13 @@ of a big one (``B``), which are unbiased: ``E|G_b|² = |G|² + tr(Σ)/b``, so (t
 backward pass and at most one collective:
 
 - gradient accumulation (``accumulation >= 2``) or data parallelism (``torch.distributed``
-  with two or more ranks): the gradient of the first micro-batch's backward on this rank
-  (``b`` = the micro-batch) against the gradient the optimizer is about to step with
-  (``B`` = micro-batch × accumulation × ranks). The first is read by one
-  ``torch.autograd.graph.register_multi_grad_hook`` on the parameters, which sees each
-  parameter's gradient of that backward before it is accumulated into ``.grad`` and before
-  ``DistributedDataParallel`` all-reduces it. With several ranks, one ``all_reduce`` of one
-  number averages the ranks' small-batch norms.
+  with two or more ranks): the gradient of each micro-batch's backward on this rank
+  (``b`` = the micro-batch; the mean of their squared norms, over the micro-batches) against
+  the gradient the optimizer is about to step with (``B`` = micro-batch × accumulation × ranks).
+  Each backward's gradient is read by one ``torch.autograd.graph.register_multi_grad_hook`` on
+  the parameters, which sees each parameter's gradient of that backward before it is
+  accumulated into ``.grad`` and before ``DistributedDataParallel`` all-reduces it. With
+  several ranks, one ``all_reduce`` of one number averages the ranks' small-batch norms.
 - neither: per-example gradient norms (``b`` = 1, ``B`` = the batch) from what forward hooks
   and tensor hooks on some layers see: ``nn.Linear`` (on a 2-D input ``‖∇W_i‖² = ‖x_i‖²‖δ_i‖²``,
   exact; on a 3-D or bigger input, where example ``i``'s gradient ``Σ_t δ_t x_tᵀ`` sums over
@@ -374,7 +374,8 @@ class NoiseProbe:
         self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
         self._accumulation = 1
-        self._first: Tensor | None = None  # the first backward's squared gradient norm
+        self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
+        self._backwards = 0  # ... over this many backward passes (micro-batches)
         self._generator: dict[torch.device, torch.Generator] = {}
         #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
         self.collectives = 0
@@ -417,22 +418,23 @@ class NoiseProbe:
         self._armed = True
         self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
-        self._first = None
+        self._small, self._backwards = None, 0
         if accumulation > 1 or _world() > 1:
             params = self._parameters
             if params:
-                self._handles.append(register_multi_grad_hook(params, self._first_backward, mode="all"))
+                self._handles.append(register_multi_grad_hook(params, self._each_backward, mode="all"))
             return
         for source in self._sources:
             self._handles.append(source.module.register_forward_hook(source.forward))
 
-    def _first_backward(self, grads: Sequence[Tensor | None]) -> None:
-        if self._first is None:
-            self._first = _squares(g.detach() for g in grads if g is not None) if any(
-                g is not None for g in grads) else torch.zeros(())
-            for handle in self._handles:  # the later micro-batches run without it
-                handle.remove()
-            self._handles = []
+    def _each_backward(self, grads: Sequence[Tensor | None]) -> None:
+        """The squared norm of one backward's gradient (one micro-batch's, on this rank), summed
+        over the micro-batches: each is a small-batch sample, and their mean is less noisy."""
+        squares = _squares(g.detach() for g in grads if g is not None)
+        if squares is None:
+            return
+        self._small = squares if self._small is None else self._small + squares
+        self._backwards += 1
 
     def disarm(self) -> None:
         """Take every hook out and drop what was measured."""
@@ -441,7 +443,7 @@ class NoiseProbe:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        self._first = None
+        self._small, self._backwards = None, 0
         touched, self._touched = self._touched, []
         for source in touched:
             source.reset()
@@ -477,7 +479,7 @@ class NoiseProbe:
         source = "+".join(s for s, on in (("accumulation", k > 1), ("data_parallel", world > 1)) if on)
         if self._batch is None:  # before the collective: every rank decides alike
             return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
-        first = self._first
+        first = None if self._small is None else self._small / self._backwards  # the mean over micro-batches
         device = first.device if first is not None else next((p.device for p in params), torch.device("cpu"))
         local = first if first is not None else torch.full((), math.nan, device=device)
         if world > 1:  # the one collective: the mean over the ranks of |G_b|²

@@ -219,6 +219,28 @@ def test_lightning_runs_against_brute_force(tmp_path, accumulation):
                                    "examples; your batch per optimizer step is 32: ")
 
 
+def test_plain_loop_with_accumulation_against_brute_force():
+    # each micro-batch's gradient read by a hook on the parameters, the mean of their squared norms
+    model, x, y = models()["mlp"]
+    grad_sq, trace = truth(model, mse, x, y)
+    monitor, smoothed, raw = GradientMonitor(model), NoiseScale(), []
+    g = torch.Generator().manual_seed(2)
+    order = torch.cat([torch.randperm(len(x), generator=g) for _ in range(3)])  # three epochs
+    with monitor.attach():
+        for step in range(48):
+            rows = order[step * 32:(step + 1) * 32]
+            with monitor.arm(batch_size=8, accumulation=4):
+                for part in rows.view(4, 8):
+                    (mse(model(x[part]), y[part]) / 4).backward()
+                sample = monitor.collect().noise
+            model.zero_grad()
+            assert (sample.source, sample.small, sample.big) == ("accumulation", 8, 32)
+            raw.append(sample.estimates())
+            smoothed.update(*raw[-1])
+    assert not any(p._backward_hooks for p in model.parameters())  # the hook on the parameters is gone
+    assert sum(t for _, t in raw) / sum(g for g, _ in raw) == pytest.approx(trace / grad_sq, rel=0.25)
+
+
 def test_ddp_on_two_cpu_processes_against_brute_force(tmp_path):
     run_script(tmp_path, "noise_ddp.py")
     model, x, y = models()["mlp"]
