@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
+from pytorch_lightning.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_gradhooks._checks import (
@@ -50,6 +51,14 @@ def _loss_scale(trainer: pl.Trainer) -> float | None:
     if scaler is None or not scaler.is_enabled():
         return None
     return float(scaler.get_scale())
+
+
+def _batch_size(batch: Any) -> int | None:
+    """Examples in a batch, as Lightning counts them for logging; None when it cannot tell."""
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # MisconfigurationException: no tensor in the batch
+        return None
 
 
 def _thresholds(overrides: dict[str, float]) -> Thresholds:
@@ -106,6 +115,9 @@ class GradHooksLogic:
         offload_fix_mmap_threshold: with offload of CPU activations, fix glibc's mmap threshold for
             the process so that offload lowers its peak memory (``save_on_disk(fix_mmap_threshold=...)``;
             said in one INFO line); False leaves the allocator alone.
+        noise_scale: estimate the gradient noise scale (the critical batch size) on logged
+            steps, chart it as ``∇1 overview/noise_scale`` and say at the end of fit how it
+            compares with the batch per optimizer step (see :mod:`lightning_gradhooks.noise`).
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -142,6 +154,7 @@ class GradHooksLogic:
         offload_budget_bytes: int | None = None,
         catch_nonfinite: bool = False,
         offload_fix_mmap_threshold: bool = True,
+        noise_scale: bool = True,
     ) -> None:
         check_int("every_n_steps", every_n_steps, allow_none=True)
         check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
@@ -160,6 +173,7 @@ class GradHooksLogic:
         check_bool("sync_dist", sync_dist)
         check_bool("catch_nonfinite", catch_nonfinite)
         check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
+        self.noise_scale = check_bool("noise_scale", noise_scale)
         self.every_n_steps = every_n_steps
         self.include = include
         self.exclude = exclude
@@ -268,6 +282,7 @@ class GradHooksLogic:
             histograms=self.histograms,
             bins=self.histogram_bins,
             forward_checks=True,  # where NaN/Inf are born: the report names it
+            noise_scale=self.noise_scale,
         )
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
         self._pooled = self.sync_dist and trainer.world_size > 1
@@ -376,7 +391,11 @@ class GradHooksLogic:
         self._pieces_due = (self._pooled or self._pieces) and logged
         if monitor is not None and observed and not monitor.armed and logged:
             self._step = trainer.global_step
-            monitor.arm()
+            monitor.arm(batch_size=_batch_size(batch), accumulation=trainer.accumulate_grad_batches)
+        elif monitor is not None and monitor.noise is not None and logged and not monitor.armed \
+                and not monitor.noise.armed and trainer.world_size > 1:
+            # A rank that logs nothing itself measures its local gradient for the noise scale.
+            monitor.noise.arm(_batch_size(batch), trainer.accumulate_grad_batches)
         if self._offload is not None and not self._offload.active:
             self._offload.__enter__()
 
@@ -385,6 +404,8 @@ class GradHooksLogic:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         monitor = self._monitor
+        if monitor is not None and not monitor.armed and monitor.noise is not None and monitor.noise.armed:
+            monitor.noise.collect([p for group in optimizer.param_groups for p in group["params"]])  # its all_reduce
         armed = monitor is not None and monitor.armed
         if monitor is not None and (armed or self._pieces_due):
             self._write_logged(trainer, pl_module, optimizer)
@@ -424,6 +445,8 @@ class GradHooksLogic:
         record = monitor.collect(params)
         if not pl_module.automatic_optimization:
             monitor.arm()  # later backward passes of this training step are logged too
+            if monitor.noise is not None:
+                monitor.noise.disarm()  # one noise sample a step: that of the first optimizer
         self._write(trainer, record, optimizer)
 
     @override
@@ -455,6 +478,8 @@ class GradHooksLogic:
         finally:
             if monitor is not None and (epoch_over or not monitor.pending):
                 monitor.disarm()
+            if epoch_over and monitor is not None and monitor.noise is not None:
+                monitor.noise.disarm()  # armed on its own (a rank that logs nothing), no step came
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -45,6 +45,7 @@ from lightning_gradhooks._tensorboard import (
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.monitor import listed
+from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
@@ -189,6 +190,10 @@ class GradientLog:
         self._reducer: RankReducer | None = None
         self._updates: UpdateTracker | None = None
         self._last_step = 0
+        #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
+        self.noise_scale = NoiseScale()
+        self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
+        self._noise_latest: tuple[float, float, int] | None = None  # value, batch per step, step
 
     # -- per step ------------------------------------------------------------------------------
     def write(
@@ -311,6 +316,7 @@ class GradientLog:
         # The summary also says how many gradients an entry pools, when more than one.
         stats = {(e.kind, e.name): {**e.stats, "calls": e.calls} if e.calls > 1 else e.stats for e in record.entries}
         stats.update(unowned)
+        self._write_noise(record.noise, step, metrics, stats)
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
@@ -327,6 +333,22 @@ class GradientLog:
                 self._draw_flow()
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
+
+    def _write_noise(self, sample: NoiseSample | None, step: int, metrics: dict[str, float],
+                     stats: dict[tuple[str, str], dict[str, float]]) -> None:
+        """The noise scale of the step: smoothed in the overview (``noise_scale``), its raw
+        estimates in the compact summary (``("noise", "gradient")``); why there is none, once."""
+        if sample is None:
+            return
+        if sample.reason is not None and (self._noise_last is None or self._noise_last.reason != sample.reason):
+            warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
+        self._noise_last = sample
+        if sample.reason is None:
+            stats[("noise", "gradient")] = sample.stats()
+            value = self.noise_scale.update(*sample.estimates())
+            if value is not None:
+                metrics[f"{OVERVIEW}/noise_scale"] = value
+                self._noise_latest = (value, sample.big, step)
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -406,6 +428,10 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
+                if self._noise_last is not None:  # the latest noise scale next to the batch per step
+                    value, batch, step = self._noise_latest or (None, 0.0, 0)
+                    self._echo(advice(value, batch, self._noise_last.reason,
+                                      None if value is None or value == self.noise_scale.value else step))
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)

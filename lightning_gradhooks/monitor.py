@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
+from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch
 
@@ -382,6 +383,8 @@ class GradientMonitor:
         bins: int = DEFAULT_BINS,
         parameters: bool = True,
         forward_checks: bool = False,
+        *,
+        noise_scale: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
@@ -441,6 +444,10 @@ class GradientMonitor:
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
         self._hooks: list[_Hook] | None = None  # the hooks of the plan: made again when it changes
+        check_bool("noise_scale", noise_scale)
+        #: The :class:`~lightning_gradhooks.noise.NoiseProbe`, armed and collected with the
+        #: monitor; None with ``noise_scale=False``.
+        self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
 
     # -- lifecycle -------------------------------------------------------------------------
     def attach(self) -> MonitorHandle:
@@ -557,6 +564,8 @@ class GradientMonitor:
 
     def _release(self) -> None:
         self.disarm()
+        if self.noise is not None:
+            self.noise.remove()
         self._scratch = Scratch()
 
     @property
@@ -576,7 +585,7 @@ class GradientMonitor:
         """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
         return bool(self._pending)
 
-    def arm(self, when: bool = True) -> _Armed:
+    def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1) -> _Armed:
         """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
 
         Arm before the forward of the step to log; for gradient accumulation, once before the
@@ -602,6 +611,10 @@ class GradientMonitor:
         Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
         in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
         with a warning, and starts afresh: they are never pooled into the next record.
+
+        ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
+        passes accumulated into the step) tell the noise probe where its two batches come from
+        (see :mod:`lightning_gradhooks.noise`).
         """
         if not check_bool("when", when):
             return _Armed(self, armed=False)
@@ -618,10 +631,14 @@ class GradientMonitor:
         self._armed = True
         if self._handle is not None and self._handle.active:
             self._register()
+            if self.noise is not None:
+                self.noise.arm(batch_size, accumulation)
         return _Armed(self, armed=True)
 
     def disarm(self) -> None:
         """Stop collecting, take the hooks out and drop what was collected but not returned."""
+        if self.noise is not None and self._armed:  # a probe armed on its own stays armed
+            self.noise.disarm()
         self._armed = False
         self._pending.clear()
         self._reducers.clear()
@@ -750,7 +767,10 @@ class GradientMonitor:
             reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
-            return self._described(self._finish(pending, reducers), reduced)
+            record = self._described(self._finish(pending, reducers), reduced)
+            if self.noise is not None:
+                record.noise = self.noise.collect(parameters)
+            return record
         finally:
             self.disarm()  # switches the collector back on
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_gradhooks.stats import _COUNT, STATISTICS, merge_histograms, pool_stats
+
+if TYPE_CHECKING:
+    from lightning_gradhooks.noise import NoiseSample
 
 #: Kinds of the monitor's forward checks (not gradients): a module's output, its inputs, and
 #: the weights when the step began; only their ``nonfinite`` count means something.
@@ -78,6 +81,8 @@ class GradientRecord:
             the ranks in a distributed job).
         skipped: chosen parameters that gave no entry, with the reason.
         bins: the monitor's histogram bin count.
+        noise: what the step's gradient noise scale is estimated from
+            (:class:`~lightning_gradhooks.noise.NoiseSample`); None when not measured.
     """
 
     entries: list[GradientEntry] = field(default_factory=list)
@@ -85,13 +90,15 @@ class GradientRecord:
     sharded: tuple[str, ...] = field(default=(), repr=False, compare=False)
     skipped: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     bins: int = field(default=0, repr=False, compare=False)
+    noise: NoiseSample | None = field(default=None, repr=False, compare=False)
 
     def with_entries(self, entries: list[GradientEntry]) -> GradientRecord:
         """A copy holding ``entries`` instead, with the same monitor facts."""
         return replace(self, entries=entries)
 
     def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
-        """A copy with the gradients of ``kinds`` divided by a mixed-precision loss scale.
+        """A copy with the gradients of ``kinds`` (and the noise sample's hook-seen gradient)
+        divided by a mixed-precision loss scale.
 
         ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
         gradient; ``nonfinite``, ``zero_fraction`` and the bin counts do not.
@@ -103,7 +110,10 @@ class GradientRecord:
                 hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
                 e = replace(e, stats=stats, histogram=hist)
             entries.append(e)
-        return self.with_entries(entries)
+        record = self.with_entries(entries)
+        if record.noise is not None:  # its small-batch gradient is seen by hooks, scaled
+            record.noise = record.noise.unscaled(scale)
+        return record
 
     def prefixed(self, prefix: str) -> GradientRecord:
         """A copy with every name prefixed, as ``f"{prefix}/{name}"``."""

@@ -232,7 +232,7 @@ def test_handle_restores_every_hook_and_flag():
     net = model()
     net[2].register_forward_hook(lambda *a: None)
     before = hook_snapshot(net)
-    monitor = GradientMonitor(net)
+    monitor = GradientMonitor(net, noise_scale=False)  # the noise probe's hooks: test_noise
     handle = monitor.attach()
     assert hook_snapshot(net) == before  # nothing is registered until the monitor is armed
     for _ in range(2):  # the probe step, then a step with the planned hooks
