@@ -405,8 +405,10 @@ class GradientLog:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from :meth:`state_dict` of an earlier log (of the run being resumed)."""
-        self.report.load_state_dict(state["report"])
+        """Go on from :meth:`state_dict` of an earlier log (of the run being resumed); a state of
+        an older version (``{"in_nonfinite_episode": ...}`` alone) restores the episode only."""
+        if state.get("report") is not None:
+            self.report.load_state_dict(state["report"])
         if self._flow is not None and state.get("flow") is not None:
             self._flow.load_state_dict(state["flow"])
         self.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
