@@ -16,7 +16,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both 
 from typing_extensions import override
 
 from lightning_gradhooks import _trainer
-from lightning_gradhooks._checks import MAX_BINS, check_bool, check_choices, check_folder, check_int, check_patterns
+from lightning_gradhooks._checks import check_callback_arguments
 from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, listed
 from lightning_gradhooks.offload import save_on_disk
@@ -114,28 +114,9 @@ class GradHooksLogic:
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
     ) -> None:
-        check_int("every_n_steps", every_n_steps, allow_none=True)
-        for name, value in (("offload_threshold_bytes", offload_threshold_bytes), ("offload_budget_bytes", offload_budget_bytes)):
-            check_int(name, value, allow_none=True)
-        offload_dir = check_folder("offload_dir", offload_dir)
-        for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
-            if value is not None and offload_threshold_bytes is None:
-                raise ValueError(f"`{name}` expected `offload_threshold_bytes` to be set too, got {name}={value!r} "
-                                 "with offload_threshold_bytes=None (offload off)")
-        check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
-        for name, value in (("histograms", histograms), ("sync_dist", sync_dist), ("catch_nonfinite", catch_nonfinite),
-                            ("offload_fix_mmap_threshold", offload_fix_mmap_threshold), ("noise_scale", noise_scale)):
-            check_bool(name, value)
-        self.every_n_steps = every_n_steps
-        self.include = check_patterns("include", include, allow_empty=False)
-        self.exclude = check_patterns("exclude", exclude)
-        self.statistics = list(DEFAULT_STATISTICS) if statistics is None else check_choices(
-            "statistics", statistics, list(LOGGED_STATISTICS))
-        self.histograms, self.histogram_bins, self.sync_dist = histograms, histogram_bins, sync_dist
-        self.offload_threshold_bytes, self.offload_dir = offload_threshold_bytes, offload_dir
-        self.offload_budget_bytes, self.offload_fix_mmap_threshold = offload_budget_bytes, offload_fix_mmap_threshold
-        self.catch_nonfinite, self.noise_scale = catch_nonfinite, noise_scale
-        self.report_thresholds = dict(report_thresholds or {})
+        arguments = check_callback_arguments(locals(), DEFAULT_STATISTICS, LOGGED_STATISTICS)  # checked, converted
+        for name, value in arguments.items():
+            setattr(self, name, value)
         self._thresholds = _trainer.thresholds(self.report_thresholds)
         #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit: its
         #: ``report`` is the health report, kept after fit. None before the first fit.
