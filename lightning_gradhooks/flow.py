@@ -351,7 +351,7 @@ def custom_scalars_layout(
         >>> custom_scalars_layout(["norm"], record)["∇2 grad_output_norm"]
         {'net.0': ['Multiline', ['^∇2 grad_output_norm/(net\\\\.0)$']]}
     """
-    overview = {name: ["Multiline", [f"^{_escape(OVERVIEW)}/{name}"]] for name in ("total_norm", "nonfinite_total", "noise_scale")}
+    overview = {name: ["Multiline", [f"^{_escape(OVERVIEW)}/{name}"]] for name in ("total_norm", "nonfinite_total")}
     layout: dict[str, dict[str, list]] = {OVERVIEW: overview}
     if record is None:
         return layout

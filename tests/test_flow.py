@@ -124,8 +124,7 @@ def test_custom_scalars_charts_hold_a_block_each_and_at_most_max_lines():
     assert sorted(t for ts in lines.values() for t in ts) == sorted(tags[: len(names)])  # each once, exactly
     assert list(layout["∇5 param_update_ratio"]) == ["patch_embed.proj.weight … blocks.0.norm1.weight"]
     assert custom_scalars_layout(["norm"]) == {"∇1 overview": {
-        "total_norm": ["Multiline", ["^∇1 overview/total_norm"]], "nonfinite_total": ["Multiline", ["^∇1 overview/nonfinite_total"]],
-        "noise_scale": ["Multiline", ["^∇1 overview/noise_scale"]]}}
+        "total_norm": ["Multiline", ["^∇1 overview/total_norm"]], "nonfinite_total": ["Multiline", ["^∇1 overview/nonfinite_total"]]}}
 
 
 def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, monkeypatch, caplog):
