@@ -259,11 +259,11 @@ class GradientLog:
             return
         self._write_updates(wait=True)
         stats = {("caught", name): {"nonfinite": 1.0, "checked": float(checked)} for name in names}
+        metrics = {f"{OVERVIEW}/caught_nonfinite": float(len(names))}
         for writer in self._tensorboards:
-            write_step(writer, {f"{OVERVIEW}/caught_nonfinite": float(len(names))}, None, step, stats)
+            write_step(writer, metrics, None, step, stats)
         for other in self._others:
-            other.log_metrics({f"{OVERVIEW}/caught_nonfinite" if _is_wandb(other) else "caught_nonfinite": float(len(names))},
-                              step=step)
+            other.log_metrics(metrics if _is_wandb(other) else _columns(metrics), step=step)
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 

@@ -683,18 +683,19 @@ class HealthReport:
         construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
         if self._pending:
             return self._settled().notes()
-        dead = [f for f in self._flags.values() if f.flag == "dead"]
-        behind_dead = set(map(id, self._dead_inputs(dead)))
+        behind_dead = set(map(id, self._behind_dead()))
         return sorted((f for f in self._notes.values() if id(f) not in behind_dead),
                       key=lambda f: (self._order.get(f.module, 0), f.name))
 
-    def _dead_inputs(self, dead: list) -> list[Flag]:
-        """Notes of parameters whose gradient is exactly zero, when a module is dead."""
-        return [f for f in self._notes.values() if f.name.partition(" ")[2] in self._zero_grads] if dead else []
+    def _behind_dead(self) -> list[Flag]:
+        """Notes of parameters whose gradient is exactly zero, when a module is dead: a weight
+        whose input is zero, not a redundant parameter."""
+        if not any(f.flag == "dead" for f in self._flags.values()):
+            return []
+        return [f for f in self._notes.values() if f.name.partition(" ")[2] in self._zero_grads]
 
     def _stalled_behind_dead(self) -> list[Flag]:
-        dead = [f for f in self._flags.values() if f.flag == "dead"]
-        return [Flag("stalled", f"param {n.name.partition(' ')[2]}", n.since, 0.0, n.module) for n in self._dead_inputs(dead)]
+        return [Flag("stalled", f"param {n.name.partition(' ')[2]}", n.since, 0.0, n.module) for n in self._behind_dead()]
 
     def _note_line(self) -> str | None:
         notes = self.notes()
