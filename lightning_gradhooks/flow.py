@@ -46,7 +46,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._tensorboard import OVERVIEW, UPDATE_SECTIONS, section
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import GRADIENT_KINDS, GradientRecord, Kind
 from lightning_gradhooks.stats import STATISTICS
 
 WIDTH = 720
@@ -137,8 +137,8 @@ class GradientFlow:
         """Take in a logged step's record (its ``grad_output`` entries, in backward order)."""
         values = {}
         for entry in record.entries:
-            if entry.kind == "grad_output" and entry.count > 0:
-                values[entry.name] = entry.stats["norm"] / math.sqrt(entry.count)
+            if entry.kind == Kind.GRAD_OUTPUT and entry.count > 0:
+                values[entry.key.label] = entry.stats.norm / math.sqrt(entry.count)
         if not values:
             return
         order = list(reversed(list(values)))
@@ -328,7 +328,7 @@ def _exact(tag_prefix: str, names: Sequence[str]) -> str:
 def custom_scalars_layout(
     statistics: Collection[str],
     record: GradientRecord | None = None,
-    kinds: tuple[str, ...] = ("grad_output", "grad_input", "param_grad"),
+    kinds: tuple[str, ...] = GRADIENT_KINDS,
 ) -> dict:
     """A layout for ``SummaryWriter.add_custom_scalars``, from a logged step's record.
 
@@ -345,9 +345,10 @@ def custom_scalars_layout(
         kinds: the kinds of gradient to make charts for.
 
     Example:
-        >>> from lightning_gradhooks.records import GradientEntry, GradientRecord
-        >>> stats = dict.fromkeys(STATISTICS, 0.0)
-        >>> record = GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)])
+        >>> from lightning_gradhooks.records import GradientEntry, GradientRecord, Kind
+        >>> from lightning_gradhooks.stats import StatsRow
+        >>> stats = StatsRow(*[0.0] * 6, count=4.0, low=0.0, high=0.0)
+        >>> record = GradientRecord([GradientEntry(Kind.GRAD_OUTPUT, "net.0", stats)])
         >>> custom_scalars_layout(["norm"], record)["∇2 grad_output_norm"]
         {'net.0': ['Multiline', ['^∇2 grad_output_norm/(net\\\\.0)$']]}
     """
@@ -357,11 +358,11 @@ def custom_scalars_layout(
         return layout
     names: dict[str, dict[str, None]] = {}  # kind: names, in order, once each
     for entry in record.entries:
-        names.setdefault(entry.kind, {})[entry.name] = None
-    ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
+        names.setdefault(entry.kind, {})[entry.key.label] = None
+    ordered = {kind: list(reversed(n)) if kind != Kind.PARAM_GRAD else list(n) for kind, n in names.items()}
     # Hook entries come in backward order: reversed, the charts follow the forward order.
     tags = [(section(kind, stat), kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
-    tags += [(tag, "param_grad") for option, tag in UPDATE_SECTIONS.items() if option in statistics]
+    tags += [(tag, Kind.PARAM_GRAD) for option, tag in UPDATE_SECTIONS.items() if option in statistics]
     for tag, kind in sorted(tags):  # in the order of the Time Series sections (one-digit numbers)
         if ordered.get(kind):
             layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}

@@ -49,23 +49,20 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 import statistics as _statistics
 from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary
 
 #: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
-GRADIENT_KINDS = ("grad_output", "grad_input", "param_grad")
 #: A norm whose square is beyond float32: what float32 norms (``clip_grad_norm_``) see as Inf.
 OVERFLOW_NORM = math.sqrt(3.4028234663852886e38)
-_PREFIX = re.compile(r"^(optimizer_\d+/)")
+_STATE_VERSION = 2
 #: Why a parameter that gets gradients is ``stalled`` at once: no optimizer holds it.
-_STATE_VERSION = 1
 UNOWNED = "in no optimizer: it gets gradients, but nothing steps it"
 
 
@@ -202,19 +199,7 @@ class _Track:
     values: list[float] = field(default_factory=list)
     last: float = 0.0  # the value and score at the latest bad step
     score: float = 0.0
-
-
-def module_of(kind: str, name: str) -> str:
-    """The module an entry belongs to: ``grad_output lstm/0`` -> ``lstm``, ``param_grad
-    net.2.bias`` -> ``net.2``, with an ``optimizer_<i>/`` prefix kept."""
-    match = _PREFIX.match(name)
-    prefix = match.group(1) if match else ""
-    rest = name[len(prefix):]
-    if kind in ("param_grad", "param"):
-        module = rest.rpartition(".")[0] or "(model)"
-    else:
-        module = rest.split("/")[0]
-    return prefix + module
+    module: str = ""  # the module of the entry
 
 
 def _f32(stats: Mapping[str, float]) -> dict[str, float]:
@@ -266,7 +251,7 @@ def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
     norm = stats.get("norm")
     if kind in GRADIENT_KINDS and norm is not None and not (norm < OVERFLOW_NORM):
         return f"norm {norm:.3g} overflows float32"
-    if kind == "param":
+    if kind == Kind.PARAM:
         ratio, size = stats.get("update_ratio"), stats.get("param_norm")
         if size is not None and not math.isfinite(size):
             return "weights non-finite after the step"
@@ -275,8 +260,8 @@ def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
     return None
 
 
-def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tuple[str, str, float] | None:
-    """Where the NaN/Inf of one logged step were born, from its entries in record order:
+def nonfinite_origin(stats: Mapping[Key, Mapping[str, float]]) -> tuple[str, str, float] | None:
+    """Where the NaN/Inf of one logged step were born, from its summary (entries in record order):
     ``(module, description, value)``, or None when the step is finite.
 
     In this order: the weights were already non-finite when the step began; a module's inputs
@@ -285,38 +270,36 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
     loss (the first gradient of backward is already bad); the backward of a module (the first
     bad gradient in backward order); the optimizer step (a non-finite update).
     """
-    bad = [(kind, name, why) for kind, name, s in entries if (why := _bad(kind, s)) is not None]
+    bad = [(key, why) for key, s in stats.items() if (why := _bad(key.kind, s)) is not None]
     if not bad:
         return None
-    count = {(k, n): s.get("nonfinite", 0) for k, n, s in entries}
-    stats = {(k, n): s for k, n, s in entries}
-    caught = [name for kind, name, _ in bad if kind == "caught"]
+    count = {key: s.get("nonfinite", 0) for key, s in stats.items()}
+    caught = [key for key, _ in bad if key.kind == Kind.CAUGHT]
     if caught:  # by the sentinel, on a step that may not be logged: the parameters alone tell
-        checked = int(stats[("caught", caught[0])].get("checked", 0))
+        checked = int(stats[caught[0]].get("checked", 0))
         where = ("in every parameter: the loss or the forward pass made them" if len(caught) == checked else
-                 f"nearest the loss `{caught[-1]}`: born in its module's backward or after it")
-        return (module_of("param_grad", caught[-1]),
+                 f"nearest the loss `{caught[-1].label}`: born in its module's backward or after it")
+        return (caught[-1].module,
                 f"caught before the optimizer step, which was skipped (the weights are still finite): non-finite "
                 f"gradients in {counted(len(caught), 'parameter')}, {where}", float(len(caught)))
-    for kind, name, why in bad:
-        if kind == "weights":
-            return name, f"weights already non-finite when the step began ({counted(int(count[kind, name]), 'parameter')})", count[kind, name]
-    for kind, name, why in bad:
-        if kind == "forward_input":
-            module = module_of(kind, name)
-            return module, f"inputs of `{module}` already non-finite: made outside any module (the batch, or functional code before it)", count[kind, name]
-        if kind == "forward":
-            return name, f"born in the forward of `{name}`", count[kind, name]
-    gradients = [(k, n) for k, n, _ in entries if k in GRADIENT_KINDS]
-    for kind, name, why in bad:
-        if kind in GRADIENT_KINDS:
-            module = module_of(kind, name)
-            value = count[kind, name] or stats[kind, name].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
-            if gradients and gradients[0] == (kind, name):
-                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", value
-            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", value
-    kind, name, why = bad[0]
-    return module_of(kind, name), f"the optimizer step: {why} of `{name}`", 0.0
+    for key, why in bad:
+        if key.kind == Kind.WEIGHTS:
+            return key.label, f"weights already non-finite when the step began ({counted(int(count[key]), 'parameter')})", count[key]
+    for key, why in bad:
+        if key.kind == Kind.FORWARD_INPUT:
+            module = key.module
+            return module, f"inputs of `{module}` already non-finite: made outside any module (the batch, or functional code before it)", count[key]
+        if key.kind == Kind.FORWARD:
+            return key.label, f"born in the forward of `{key.label}`", count[key]
+    gradients = [key for key in stats if key.kind in GRADIENT_KINDS]
+    for key, why in bad:
+        if key.kind in GRADIENT_KINDS:
+            value = count[key] or stats[key].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
+            if gradients and gradients[0] == key:
+                return key.module, f"the loss: the first gradient of backward ({key.kind} of `{key.label}`) is already bad: {why}", value
+            return key.module, f"born in backward: first seen in {key.kind} of `{key.label}` ({why})", value
+    key, why = bad[0]
+    return key.module, f"the optimizer step: {why} of `{key.label}`", 0.0
 
 
 class HealthReport:
@@ -341,19 +324,16 @@ class HealthReport:
         self._sizes: dict[str, float] = {}  # parameter -> element count, from its gradient
         self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
         self._notes: dict[str, Flag] = {}  # parameter -> its no-gradient note (while it holds)
-        self._pending: dict[int, dict[tuple[str, str], dict[str, float]]] = {}  # steps not judged yet
+        self._pending: dict[int, Summary] = {}  # steps not judged yet
 
     @property
     def steps(self) -> int:
         """The number of logged steps taken in."""
         return len(self._seen)
 
-    def add(self, step: int, record: GradientRecord) -> None:
-        """Take in the record of one logged step."""
-        self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
-
-    def add_stats(self, step: int, stats: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
-        """Take in statistics of logged step ``step`` as ``{(kind, name): {statistic: value}}``,
+    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
+        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.records.Summary`
+        (:func:`~lightning_gradhooks.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
         in record order. Several calls for one step are merged (one step, counted once); a call
         for a later step judges the earlier ones. Statistics of a step already judged are
         ignored (a resume replays no step the report has seen)."""
@@ -365,7 +345,7 @@ class HealthReport:
             self._seen.append(step)
         merged = self._pending[step]
         for key, s in stats.items():
-            merged.setdefault(key, {}).update(_f32(s))
+            merged.setdefault(key if isinstance(key, Key) else Key(*key), {}).update(_f32(s))
 
     def _judge_pending(self) -> None:
         for step in sorted(self._pending):
@@ -379,37 +359,39 @@ class HealthReport:
         settled._judge_pending()
         return settled
 
-    def _judge(self, step: int, stats: dict[tuple[str, str], dict[str, float]]) -> None:
+    def _judge(self, step: int, entries: Summary) -> None:
         t = self.thresholds
-        entries = [(k, n, s) for (k, n), s in stats.items()]
         first_bad = self._nonfinite is None
         self._check_nonfinite(step, entries)
-        for k, n, s in entries:
-            if k in GRADIENT_KINDS:
-                self._order.setdefault(module_of(k, n), len(self._order))
-            if k == "param_grad" and (size := _size(s)) is not None:
-                self._sizes[n] = size
-            if k == "param_grad" and s.get("zero_fraction") is not None:
-                (self._zero_grads.add if s["zero_fraction"] >= t.dead_zero_fraction else self._zero_grads.discard)(n)
+        for key, s in entries.items():
+            if key.kind in GRADIENT_KINDS:
+                self._order.setdefault(key.module, len(self._order))
+            if key.kind == Kind.PARAM_GRAD and (size := _size(s)) is not None:
+                self._sizes[key.label] = size
+            if key.kind == Kind.PARAM_GRAD and s.get("zero_fraction") is not None:
+                zero = s["zero_fraction"] >= t.dead_zero_fraction
+                (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
         unowned = self._check_unowned(step, entries)
         quiet = self._check_no_gradient(step, entries) | unowned
         moving = self._moving(entries)
-        values = {(k, n): rms(s) for k, n, s in entries if k in GRADIENT_KINDS and not _bad(k, s)}
-        medians = {kind: _median([v for (k, _), v in values.items() if k == kind]) for kind in GRADIENT_KINDS}
-        for (kind, name), value in values.items():
-            if kind == "param_grad" and name in quiet:
+        values = {key: rms(s) for key, s in entries.items() if key.kind in GRADIENT_KINDS and not _bad(key.kind, s)}
+        medians = {kind: _median([v for key, v in values.items() if key.kind == kind]) for kind in GRADIENT_KINDS}
+        for key, value in values.items():
+            if key.kind == Kind.PARAM_GRAD and key.label in quiet:
                 continue
-            label, median = f"{kind} {name}", medians[kind]
+            label, median, module = f"{key.kind} {key.label}", medians[key.kind], key.module
             # Small, and learning stops with it: the update is small too (or not measured).
-            low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(kind, name)
-            self._run("vanishing", label, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
+            low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(key)
+            self._run("vanishing", label, step, low, t.vanishing_steps, value or 0.0, module,
+                      score=median / value if low else 0)
             if value is None:
                 continue
             history = self._track("history", label).values
             baseline = _statistics.median(history) if history else None
             floor = median is not None and value < t.floor_ratio * median
             grown = baseline is not None and not floor and value > t.exploding_factor * baseline
-            self._run("exploding", label, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
+            self._run("exploding", label, step, grown, t.exploding_steps, value, module,
+                      score=value / baseline if grown else 0)
             # The baseline is the gradient at the model's own scale: growth from a near-zero
             # start (attention's query and key at uniform attention, a LoRA adapter) to it is
             # no explosion.
@@ -419,40 +401,42 @@ class HealthReport:
         self._check_dead(step, entries)
         # A step with non-finite gradients is skipped (a gradient scaler, the sentinel): its
         # update says nothing about the parameters.
-        if not any(_bad(k, s) for k, _, s in entries if k in GRADIENT_KINDS or k == "caught"):
-            self._check_updates(step, [(n, s) for k, n, s in entries if k == "param" and n not in quiet])
+        if not any(_bad(key.kind, s) for key, s in entries.items() if key.kind in (*GRADIENT_KINDS, Kind.CAUGHT)):
+            self._check_updates(step, [(key, s) for key, s in entries.items()
+                                       if key.kind == Kind.PARAM and key.label not in quiet])
         if first_bad and self._nonfinite is not None:
             self._promote_explosions()
 
-    def _check_unowned(self, step: int, entries: list) -> set[str]:
+    def _check_unowned(self, step: int, entries: Summary) -> set[str]:
         """Parameters that get a gradient but that no optimizer steps (``in_optimizer`` 0):
         ``stalled`` at once, with that reason. Returns their names."""
-        grads = {n: s for k, n, s in entries if k == "param_grad"}
+        grads = {key.label: s for key, s in entries.items() if key.kind == Kind.PARAM_GRAD}
         unowned = set()
-        for kind, name, s in entries:
-            if kind != "param" or s.get("in_optimizer", 1.0) != 0.0:
+        for key, s in entries.items():
+            if key.kind != Kind.PARAM or s.get("in_optimizer", 1.0) != 0.0:
                 continue
-            unowned.add(name)
-            gradient = grads.get(name, {})
+            unowned.add(key.label)
+            gradient = grads.get(key.label, {})
             gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0
-            self._run("stalled", f"param {name}", step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
+            self._run("stalled", f"param {key.label}", step, gets, 1, gradient.get("norm", 0.0), key.module,
+                      reason=UNOWNED)
         return unowned
 
-    def _check_no_gradient(self, step: int, entries: list) -> set[str]:
+    def _check_no_gradient(self, step: int, entries: Summary) -> set[str]:
         """Parameters whose gradient is float round-off next to the gradient their module
         receives: zero by construction (a bias followed by a normalisation layer). A note while
         it holds, never a flag; returns the parameters that are that way at this step."""
         t = self.thresholds
         outputs: dict[str, float] = {}
-        for kind, name, s in entries:
-            if kind == "grad_output" and not _bad(kind, s) and s.get("norm") is not None:
-                module = module_of(kind, name)
-                outputs[module] = math.hypot(outputs.get(module, 0.0), s["norm"])
+        for key, s in entries.items():
+            if key.kind == Kind.GRAD_OUTPUT and not _bad(key.kind, s) and s.get("norm") is not None:
+                outputs[key.module] = math.hypot(outputs.get(key.module, 0.0), s["norm"])
         quiet = set()
-        for kind, name, s in entries:
-            if kind != "param_grad" or _bad(kind, s) or s.get("norm") is None:
+        for key, s in entries.items():
+            if key.kind != Kind.PARAM_GRAD or _bad(key.kind, s) or s.get("norm") is None:
                 continue
-            arriving = outputs.get(module_of(kind, name), 0.0)
+            name = key.label
+            arriving = outputs.get(key.module, 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
             none = ratio < t.no_gradient_ratio
             track = self._track("no_gradient", name)
@@ -463,29 +447,30 @@ class HealthReport:
             track.start = step if track.start is None else track.start
             track.length += 1
             if track.length >= t.vanishing_steps:
-                self._notes[name] = Flag("note", f"param_grad {name}", track.start, ratio, module_of(kind, name))
+                self._notes[name] = Flag("note", f"param_grad {name}", track.start, ratio, key.module)
             quiet.add(name)
         return quiet
 
-    def _moving(self, entries: list):  # noqa: ANN202
+    def _moving(self, entries: Summary):  # noqa: ANN202
         """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
         least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
         with the gradient). False where no update ratio was measured."""
         t = self.thresholds
-        ratios = {n: s["update_ratio"] for k, n, s in entries
-                  if k == "param" and math.isfinite(s.get("update_ratio", math.nan)) and s.get("in_optimizer", 1.0) != 0.0}
+        ratios = {key: s["update_ratio"] for key, s in entries.items()
+                  if key.kind == Kind.PARAM and math.isfinite(s.get("update_ratio", math.nan))
+                  and s.get("in_optimizer", 1.0) != 0.0}
         median = _median(list(ratios.values()))
         if not median:
-            return lambda kind, name: False
-        fast = {n for n, r in ratios.items() if r >= t.vanishing_update_ratio * median}
+            return lambda key: False
+        fast = {key.label for key, r in ratios.items() if r >= t.vanishing_update_ratio * median}
         by_module: dict[str, list[bool]] = {}
-        for n in ratios:
-            by_module.setdefault(module_of("param", n), []).append(n in fast)
+        for key in ratios:
+            by_module.setdefault(key.module, []).append(key.label in fast)
 
-        def moving(kind: str, name: str) -> bool:
-            if kind == "param_grad":
-                return name in fast
-            module = by_module.get(module_of(kind, name))
+        def moving(key: Key) -> bool:
+            if key.kind == Kind.PARAM_GRAD:
+                return key.label in fast
+            module = by_module.get(key.module)
             return bool(module) and all(module)
 
         return moving
@@ -497,27 +482,28 @@ class HealthReport:
         for (check, label), track in self._tracks.items():
             if check != "exploding" or track.start is None or (check, label) in self._flags:
                 continue
-            kind, _, name = label.partition(" ")
-            self._flags[(check, label)] = Flag(check, label, track.start, track.last, module_of(kind, name), track.score)
+            self._flags[(check, label)] = Flag(check, label, track.start, track.last, track.module, track.score)
 
-    def _check_dead(self, step: int, entries: list) -> None:
+    def _check_dead(self, step: int, entries: Summary) -> None:
         t = self.thresholds
         zeros: dict[str, dict[str, list[float]]] = {}
-        for kind, name, s in entries:
-            if kind in ("grad_output", "param_grad") and s.get("zero_fraction") is not None and not _bad(kind, s):
-                zeros.setdefault(module_of(kind, name), {}).setdefault(kind, []).append(s["zero_fraction"])
+        for key, s in entries.items():
+            if key.kind in (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD) and s.get("zero_fraction") is not None \
+                    and not _bad(key.kind, s):
+                zeros.setdefault(key.module, {}).setdefault(key.kind, []).append(s["zero_fraction"])
         for module, kinds in zeros.items():
             dead = all(z >= t.dead_zero_fraction for values in kinds.values() for z in values)
             value = min(z for values in kinds.values() for z in values)
-            self._run("dead", module, step, dead, t.dead_steps, value, module=module)
+            self._run("dead", module, step, dead, t.dead_steps, value, module)
 
-    def _check_updates(self, step: int, params: list[tuple[str, Mapping[str, float]]]) -> None:
+    def _check_updates(self, step: int, params: list[tuple[Key, Mapping[str, float]]]) -> None:
         t = self.thresholds
-        ratios = {n: s["update_ratio"] for n, s in params if math.isfinite(s.get("update_ratio", math.nan))}
+        modules = {key.label: key.module for key, _ in params}
+        ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
         sizes = {
-            n: s["param_norm"] / math.sqrt(self._sizes[n])
-            for n, s in params
-            if n in self._sizes and math.isfinite(s.get("param_norm", math.nan))
+            key.label: s["param_norm"] / math.sqrt(self._sizes[key.label])
+            for key, s in params
+            if key.label in self._sizes and math.isfinite(s.get("param_norm", math.nan))
         }
         median_size = _median(list(sizes.values()))
         readable = {n for n, size in sizes.items() if median_size is not None and size >= t.floor_ratio * median_size}
@@ -530,17 +516,17 @@ class HealthReport:
             big = name in readable and ratio > t.exploding_update_ratio
             # One such step is enough when it lands the weights far beyond the model's own scale.
             far = big and size >= median_size / max(t.floor_ratio, 1e-12)
-            self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
+            self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, modules[name], score=ratio)
             still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
-            self._run("stalled", label, step, still, t.stalled_steps, ratio)
+            self._run("stalled", label, step, still, t.stalled_steps, ratio, modules[name])
 
-    def _check_nonfinite(self, step: int, entries: list) -> None:
+    def _check_nonfinite(self, step: int, entries: Summary) -> None:
         first = self._nonfinite
         if first is not None and first.since <= step:
             # Caught by the sentinel on a step that was not logged: the next logged step, logged
             # in full, says where it is born when it comes again.
             if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(
-                    k == "caught" for k, _, _ in entries):
+                    key.kind == Kind.CAUGHT for key in entries):
                 again = nonfinite_origin(entries)
                 if again is not None and not again[1].startswith("weights"):
                     first.detail += f"; at step {step}, logged in full after it: {again[1]}"
@@ -568,13 +554,15 @@ class HealthReport:
             "version": _STATE_VERSION,
             "seen": list(self._seen),
             "flags": [asdict(f) for f in self._flags.values()],
-            "tracks": [[c, label, t.start, t.length, list(t.values), t.last, t.score] for (c, label), t in self._tracks.items()],
+            "tracks": [[c, label, t.start, t.length, list(t.values), t.last, t.score, t.module]
+                       for (c, label), t in self._tracks.items()],
             "nonfinite": asdict(self._nonfinite) if self._nonfinite is not None else None,
             "order": dict(self._order),
             "sizes": dict(self._sizes),
             "zero_grads": sorted(self._zero_grads),
             "notes": [asdict(f) for f in self._notes.values()],
-            "pending": [[step, [[k, n, dict(s)] for (k, n), s in stats.items()]] for step, stats in self._pending.items()],
+            "pending": [[step, [[str(key.kind), key.name, key.optimizer, dict(s)] for key, s in stats.items()]]
+                        for step, stats in self._pending.items()],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -588,21 +576,21 @@ class HealthReport:
             raise ValueError(f"HealthReport.load_state_dict expected a state of version {_STATE_VERSION}, got {got!r}")
         self._seen = [int(s) for s in state["seen"]]
         self._flags = {(f["flag"], f["name"]): Flag(**f) for f in state["flags"]}
-        self._tracks = {(c, label): _Track(start, length, list(values), last, score)
-                        for c, label, start, length, values, last, score in state["tracks"]}
+        self._tracks = {(c, label): _Track(start, length, list(values), last, score, module)
+                        for c, label, start, length, values, last, score, module in state["tracks"]}
         row = state["nonfinite"]
         self._nonfinite = None if row is None else Row(**{**row, "consequences": [Flag(**f) for f in row["consequences"]]})
         self._order = dict(state["order"])
         self._sizes = dict(state["sizes"])
         self._zero_grads = set(state["zero_grads"])
         self._notes = {f["name"].partition(" ")[2]: Flag(**f) for f in state["notes"]}
-        self._pending = {int(step): {(k, n): dict(s) for k, n, s in stats} for step, stats in state["pending"]}
+        self._pending = {int(step): {Key(Kind(k), n, o): dict(s) for k, n, o, s in stats} for step, stats in state["pending"]}
 
     def _track(self, check: str, label: str) -> _Track:
         return self._tracks.setdefault((check, label), _Track())
 
-    def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float,
-             module: str | None = None, score: float = 0.0, reason: str = "") -> None:
+    def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float, module: str,
+             score: float = 0.0, reason: str = "") -> None:
         track = self._track(flag, label)
         if not bad:
             track.start, track.length = None, 0
@@ -610,12 +598,9 @@ class HealthReport:
         if track.start is None:
             track.start = step
         track.length += 1
-        track.last, track.score = value, score
+        track.last, track.score, track.module = value, score, module
         if track.length >= needed:
             previous = self._flags.get((flag, label))
-            if module is None:
-                kind, _, name = label.partition(" ")
-                module = module_of(kind, name)
             since = previous.since if previous else track.start
             worst = max(score, previous.score) if previous else score
             self._flags[(flag, label)] = Flag(flag, label, since, value, module, worst, reason)
