@@ -22,8 +22,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c, read_stats_value
+from lightning_gradhooks._text import counted
 from lightning_gradhooks.records import Key, Kind, Summary
-from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds, counted
+from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
 
 # Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
 _KINDS_LONGEST_FIRST = sorted(Kind, key=len, reverse=True)

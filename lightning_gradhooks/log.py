@@ -42,9 +42,9 @@ import torch.distributed as dist
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
+from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
-from lightning_gradhooks.monitor import listed
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
 from lightning_gradhooks.records import GradientRecord, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin

@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
+from lightning_gradhooks._text import listed
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
@@ -217,12 +218,6 @@ def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
 def _full_hook_sees(output: Any) -> bool:
     """Whether a full backward hook sees every tensor of ``output``: a tensor or a flat tuple."""
     return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
-
-
-def listed(names: Sequence[str], limit: int = 8) -> str:
-    """``a, b, c and 5 more``: names for a one-line message."""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def _label(name: str) -> str:
