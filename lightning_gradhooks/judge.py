@@ -37,13 +37,11 @@ The RMS of a gradient is computed from the logged ``norm``, ``mean``, ``std`` an
 report of its log agree. A check whose statistic was not logged is skipped.
 
 Example:
-    >>> report = Judge()
-    >>> for step in range(0, 50, 10):
-    ...     report.add_stats(step, {("grad_output", "a"): {"mean": 0.0, "std": 1.0},
-    ...                             ("grad_output", "b"): {"mean": 0.0, "std": 1e-9},
-    ...                             ("grad_output", "c"): {"mean": 0.0, "std": 2.0}})
-    >>> [(f.flag, f.module, f.since) for f in report.rows()]
-    [('vanishing', 'b', 0)]
+    >>> judge = Judge()
+    >>> for step in (0, 10, 20):  # a ReLU that lets no gradient through
+    ...     judge.add_stats(step, {("grad_output", "relu"): {"zero_fraction": 1.0}})
+    >>> [(f.flag, f.kind, f.entry, f.since) for f in judge.flags()]
+    [('dead', '', 'relu', 0)]
 """
 from __future__ import annotations
 
