@@ -1,12 +1,13 @@
 """The gradient-flow picture and the custom-scalars layout, for TensorBoard.
 
-:class:`GradientFlow` keeps, for every module, the per-element RMS of its ``grad_output``
-(``norm / sqrt(count)``) at each logged step, and draws one image of two panels that share one
+:class:`GradientFlow` keeps, for every module, the RMS of its ``grad_output`` at each logged
+step (:func:`~lightning_gradhooks.records.rms`, over the non-zero elements: the health report's
+RMS, so the picture and the report agree), and draws one image of two panels that share one
 colour scale, ``log10`` of the RMS:
 
 - left, a heatmap: modules in forward order (top to bottom) by logged steps so far (left to
-  right); a module that vanishes is a dark row, an explosion a bright column; black is an RMS of
-  exactly zero, grey no gradient at that step;
+  right); a module that vanishes is a dark row, an explosion a bright column; black is a
+  gradient that is all zero, grey no gradient at that step;
 - right, the current step as bars: each bar ends at the module's ``log10`` RMS, on a linear axis
   that is the colour bar itself (drawn under the bars, labelled "log10 RMS of grad_output"),
   and is coloured like the heatmap's last column. A bar one unit longer is 10x the RMS, as one
@@ -46,7 +47,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._tensorboard import OVERVIEW, UPDATE_SECTIONS, section
-from lightning_gradhooks.records import GRADIENT_KINDS, GradientRecord, Kind
+from lightning_gradhooks.records import GRADIENT_KINDS, GradientRecord, Kind, rms
 from lightning_gradhooks.stats import STATISTICS
 
 WIDTH = 720
@@ -137,8 +138,11 @@ class GradientFlow:
         """Take in a logged step's record (its ``grad_output`` entries, in backward order)."""
         values = {}
         for entry in record.entries:
-            if entry.kind == Kind.GRAD_OUTPUT and entry.count > 0:
-                values[entry.key.label] = entry.stats.norm / math.sqrt(entry.count)
+            if entry.kind != Kind.GRAD_OUTPUT or entry.count == 0:
+                continue
+            value = rms(entry.stats._asdict())
+            if value is not None or entry.stats.absmax == 0:  # all zero: drawn black
+                values[entry.key.label] = value or 0.0
         if not values:
             return
         order = list(reversed(list(values)))

@@ -32,9 +32,9 @@ steps in a row, so a single-step spike is not one; zero- and tiny-initialised pa
 (biases, tokens) move by more than their own size in healthy training, so update ratios are
 read only on parameters at least ``floor_ratio`` of the model's median size.
 
-The RMS of a gradient is computed from the logged ``norm``, ``mean``, ``std`` and
-``zero_fraction`` (rounded to float32 as the log holds them), so the report of a record and the
-report of its log agree. A check whose statistic was not logged is skipped.
+The RMS of a gradient (:func:`~lightning_gradhooks.records.rms`, the gradient-flow picture's
+too) is computed from the logged ``norm``, ``mean``, ``std`` and ``zero_fraction`` (rounded to
+float32 as the log holds them), so the report of a record and the report of its log agree. A check whose statistic was not logged is skipped.
 
 Example:
     >>> judge = Judge()
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._text import counted, listed
-from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary
+from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary, rms
 
 #: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
@@ -223,30 +223,6 @@ def _f32(stats: Mapping[str, float]) -> dict[str, float]:
     """The statistics as the log holds them (float32)."""
     keys = list(stats)
     return dict(zip(keys, array("f", [float(stats[k]) for k in keys]).tolist()))
-
-
-def rms(stats: Mapping[str, float], nonzero: bool = True) -> float | None:
-    """The per-element RMS of a gradient from its logged statistics (over its non-zero elements
-    with ``nonzero``); None when it cannot be told (not logged, not finite, all zero)."""
-    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
-    if mean is None or std is None:
-        return None
-    if not math.isfinite(std):
-        std = 0.0  # a single element
-    if norm is not None and math.isfinite(norm):
-        # sum(x²) = norm² = n·mean² + (n-1)·std²: the element count, then norm/sqrt(n).
-        denominator = norm * norm + std * std
-        value = math.sqrt(norm * norm * (mean * mean + std * std) / denominator) if denominator > 0 else 0.0
-    else:
-        value = math.hypot(mean, std)
-    if not math.isfinite(value):
-        return None
-    zero = stats.get("zero_fraction") if nonzero else None
-    if zero is not None:
-        if zero >= 1.0 or value == 0.0:
-            return None
-        value /= math.sqrt(1.0 - zero)
-    return value if value > 0 else None
 
 
 def _size(stats: Mapping[str, float]) -> float | None:

@@ -15,6 +15,7 @@ one entry, as if they were one concatenated tensor.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -247,6 +248,38 @@ def step_summary(
     if noise is not None:
         summary[Key(Kind.NOISE, "gradient")] = dict(noise)
     return summary
+
+
+def rms(stats: Mapping[str, float]) -> float | None:
+    """The RMS of a gradient over its non-zero finite elements, from its statistics (a summary's
+    ``{statistic: value}``, or ``StatsRow._asdict()``): what the health report judges and the
+    gradient-flow picture draws. Over the non-zero elements, so that embedding rows and
+    timesteps that no example touches do not read as small. None when it cannot be told (not
+    logged, not finite, all zero).
+
+    Example:
+        >>> rms({"norm": 2.0, "mean": 0.5, "std": 1.0, "zero_fraction": 0.75})  # of [2, 0, 0, 0]
+        2.0
+    """
+    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
+    if mean is None or std is None:
+        return None
+    if not math.isfinite(std):
+        std = 0.0  # a single element
+    if norm is not None and math.isfinite(norm):
+        # sum(x²) = norm² = n·mean² + (n-1)·std²: the element count, then norm/sqrt(n).
+        denominator = norm * norm + std * std
+        value = math.sqrt(norm * norm * (mean * mean + std * std) / denominator) if denominator > 0 else 0.0
+    else:
+        value = math.hypot(mean, std)
+    if not math.isfinite(value):
+        return None
+    zero = stats.get("zero_fraction")
+    if zero is not None:
+        if zero >= 1.0 or value == 0.0:
+            return None
+        value /= math.sqrt(1.0 - zero)
+    return value if value > 0 else None
 
 
 def pool_entries(
