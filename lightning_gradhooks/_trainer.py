@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from lightning_gradhooks.report import Thresholds
+from lightning_gradhooks.updates import unheld
 
 
 def tensorboard_loggers(trainer: Any) -> list[Any]:
@@ -68,8 +69,7 @@ def batch_size(batch: Any) -> int | None:
 def unowned(trainer: Any, pl_module: Any) -> list[Any]:
     """Trainable parameters that no optimizer of the trainer holds (a head left out of
     ``configure_optimizers``): they get gradients and never move."""
-    held = {id(p) for o in trainer.optimizers for group in o.param_groups for p in group["params"]}
-    return [p for p in pl_module.parameters() if p.requires_grad and id(p) not in held]
+    return [p for _, p in unheld(pl_module.named_parameters(), trainer.optimizers) if p.requires_grad]
 
 
 def optimizer_params(optimizer: Any) -> list[Any]:

@@ -3,7 +3,7 @@
 The shell decides *when* (logged steps, micro-batches, optimizers) and hands the *what* to the
 core and the log. Its state is of two lifetimes: the fit's (the monitor, the log, the offload
 engine, the sentinel, made in ``setup``/``on_fit_start`` and removed by ``_cleanup``) and the
-batch's, held in one :class:`_Batch`.
+batch's, held in one :class:`_BatchState`.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ from typing_extensions import override
 
 from lightning_gradhooks import _trainer
 from lightning_gradhooks._checks import check_callback_arguments
-from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks._text import listed
+from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.sentinel import NonfiniteSentinel
+from lightning_gradhooks.updates import unwrapped
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
 @dataclass
-class _Batch:
+class _BatchState:
     """The shell's per-batch state, in one place. ``on_train_batch_start`` opens a batch and
     ``_end_batch`` closes it; whether hooks are in the model is the monitor's ``armed``, whether
     offload hooks are set the engine's ``active``."""
@@ -135,7 +136,7 @@ class GradHooksLogic:
         self._unowned: list[Any] = []  # trainable parameters that no optimizer holds
         self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
         # ... and the batch's.
-        self._batch = _Batch()
+        self._batch = _BatchState()
 
     @property
     def monitor(self) -> GradientMonitor | None:
@@ -230,7 +231,7 @@ class GradHooksLogic:
             self._cleanup()
 
     def _cleanup(self) -> None:
-        self._batch = _Batch()
+        self._batch = _BatchState()
         self._sentinel, self._unowned = None, []
         if self.gradient_log is not None and not self.gradient_log.closed:
             self.gradient_log.close()
@@ -297,7 +298,7 @@ class GradHooksLogic:
     def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         monitor = self._monitor
         params = _trainer.optimizer_params(optimizer)
-        if self._unowned and getattr(optimizer, "_optimizer", optimizer) is trainer.optimizers[0]:
+        if self._unowned and unwrapped(optimizer) is trainer.optimizers[0]:
             params += self._unowned
         if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.

@@ -49,7 +49,7 @@ from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
 from lightning_gradhooks.records import GradientRecord, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
-from lightning_gradhooks.updates import UpdateTracker
+from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -86,7 +86,7 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
     return values
 
 
-def _columns(metrics: dict[str, float]) -> dict[str, float]:
+def _table_columns(metrics: dict[str, float]) -> dict[str, float]:
     """What a table of columns (CSV, MLflow, ...) gets: the overview and the norms, named without
     the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
     which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
@@ -168,7 +168,7 @@ class GradientLog:
             raise ValueError(f"`thresholds` expected a Thresholds or None, got {type(thresholds).__name__}")
         self._tensorboards = [w for w in writers if _is_tensorboard(w)]
         self._others = [w for w in writers if not _is_tensorboard(w)]
-        self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning/Fabric wrappers
+        self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers
         self.statistics = statistics
         self.histograms = bool(histograms)
         self.sync_dist = bool(sync_dist)
@@ -264,7 +264,7 @@ class GradientLog:
         for writer in self._tensorboards:
             write_step(writer, metrics, None, step, stats)
         for other in self._others:
-            other.log_metrics(metrics if _is_wandb(other) else _columns(metrics), step=step)
+            other.log_metrics(metrics if _is_wandb(other) else _table_columns(metrics), step=step)
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 
@@ -278,7 +278,7 @@ class GradientLog:
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
         if optimizer is None:
             return None
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped(optimizer)
         for i, o in enumerate(self.optimizers):
             if o is optimizer:
                 return i
@@ -289,8 +289,7 @@ class GradientLog:
         ``param`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
         if not self.optimizers or not record.parameters:
             return []
-        held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
-        return [name for name, p in record.parameters.items() if id(p) not in held and getattr(p, "grad", None) is not None]
+        return [name for name, p in unheld(record.parameters.items(), self.optimizers) if getattr(p, "grad", None) is not None]
 
     def _measure_update(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
                         stepping: bool) -> None:
@@ -318,7 +317,7 @@ class GradientLog:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
             else:  # a table of columns (CSV): the overview and the norms
-                other.log_metrics(_columns(metrics), step=step)
+                other.log_metrics(_table_columns(metrics), step=step)
         for writer in self._tensorboards:
             write_step(writer, metrics, record if self.histograms else None, step, stats)
             if not self._layout_written:

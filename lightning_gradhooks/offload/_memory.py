@@ -55,7 +55,7 @@ def _fix_mmap_threshold(threshold_bytes: int) -> int | None:
     return value
 
 
-def _buffer(address: int, nbytes: int) -> memoryview:
+def _bytes_at(address: int, nbytes: int) -> memoryview:
     """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
