@@ -206,9 +206,10 @@ def pooled_calls(log_dir: str, name: str, kind: str = "grad_output") -> dict[int
     """How many gradients the entry of ``name`` pools at each logged step, read from the compact
     summary as the report command reads it (which names the count when it is more than one)."""
     from lightning_gradhooks.__main__ import read_folder
+    from lightning_gradhooks.records import Key
 
-    steps = read_folder(Path(log_dir)).steps
-    return {step: int(stats[(kind, name)].get("calls", 1)) for step, stats in sorted(steps.items()) if (kind, name) in stats}
+    steps, key = read_folder(Path(log_dir)).steps, Key(kind, name)
+    return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}
 
 
 def read_events(log_dir: str):  # noqa: ANN201

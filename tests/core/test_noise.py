@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks, GradientMonitor
 from lightning_gradhooks.__main__ import read_folder
+from lightning_gradhooks.records import Key, Kind
 from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, advice, noise_estimates
 
 from conftest import hook_snapshot, make_trainer, read_events
@@ -189,7 +190,8 @@ def logged(tmp_path) -> tuple[list[float], list[dict[str, float]]]:  # noqa: ANN
     events = read_events(str(folder))
     charted = [e.value for e in events.Scalars(NOISE_TAG)] if NOISE_TAG in events.Tags()["scalars"] else []
     steps = read_folder(folder).steps
-    return charted, [s[("noise", "gradient")] for _, s in sorted(steps.items()) if ("noise", "gradient") in s]
+    key = Key(Kind.NOISE, "gradient")
+    return charted, [s[key] for _, s in sorted(steps.items()) if key in s]
 
 
 def check_against_truth(tmp_path, model, x, y, batch_per_step) -> tuple[list[float], list[dict]]:  # noqa: ANN001

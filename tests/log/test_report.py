@@ -272,13 +272,34 @@ def test_tiny_values_growing_inside_a_vanishing_stack_are_not_exploding():
 
 
 def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_weight_is_not():
-    report = HealthReport()
     grads = {("param_grad", "w"): {"norm": 2.0, "mean": 0.0, "std": 1.0}, ("param_grad", "b"): {"norm": 1.0, "mean": 0.5, "std": 0.5}}
-    report.add_stats(0, grads)
     # b was all zero before the step: an infinite ratio with finite weights after it is no overflow.
-    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}})
+    zero_b = {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}}
+    report = HealthReport()
+    report.add_stats(0, grads)
+    report.add_stats(0, zero_b)
     assert report.flags() == []
-    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}})
+    report = HealthReport()
+    for stats in (grads, zero_b, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}}):
+        report.add_stats(0, stats)
     (row,) = report.rows()
     assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
     assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
+
+
+def test_a_flag_carries_its_kind_and_entry_and_a_read_judges_the_pending_step_in_place(monkeypatch):
+    import copy
+
+    from lightning_gradhooks.records import Key, Kind
+
+    report = HealthReport()
+    for step in range(0, 50, 10):
+        report.add_stats(step, {Key(Kind.GRAD_OUTPUT, f"m{i}/0", 1): {"mean": 0.0, "std": 1.0 if i else 1e-9}
+                                for i in range(4)})
+    monkeypatch.setattr(copy, "deepcopy", lambda *a, **k: pytest.fail("a read made a deep copy"))
+    (flag,) = report.flags()
+    assert (flag.flag, flag.kind, flag.entry, flag.module) == ("vanishing", "grad_output", "optimizer_1/m0/0", "optimizer_1/m0")
+    assert flag.name == "grad_output optimizer_1/m0/0"
+    # The read judged step 40: what comes for it later is ignored, as for any judged step.
+    report.add_stats(40, {("grad_output", "late"): {"mean": 0.0, "std": 1.0}})
+    assert report.steps == 5 and "late" not in report.table(full=True)

@@ -236,7 +236,7 @@ def test_a_resumed_run_reports_the_whole_run_as_the_cli_does(tmp_path, resume_at
 
 
 def test_a_checkpoint_of_an_unknown_state_version_is_refused_clearly():
-    with pytest.raises(ValueError, match="expected a state of version 1, got 99"):
+    with pytest.raises(ValueError, match="expected a state of version 2, got 99"):
         HealthReport().load_state_dict({"version": 99})
 
 
