@@ -24,9 +24,9 @@ k-th one is written when they do not all fit.
 Drawing needs matplotlib (``pip install lightning-gradhooks[plots]``); :func:`have_matplotlib`
 says whether it is there. Drawing is host work of ~0.1 s, so the picture is not drawn at every
 logged step: :meth:`GradientFlow.due` allows a drawing while the time spent drawing stays within
-:data:`DRAW_BUDGET` of the time since the first logged step, and the callback draws the last
-logged step at the end of fit. The heatmap holds every logged step, so a skipped drawing loses
-no data.
+:data:`DRAW_BUDGET` of the time since the first logged step, and
+:meth:`~lightning_gradhooks.log.GradientLog.close` draws the last logged step (at the end of fit
+with the callback). The heatmap holds every logged step, so a skipped drawing loses no data.
 
 :func:`custom_scalars_layout` is the Custom Scalars tab: per statistic, charts of at most
 :data:`MAX_LINES` modules each, a block of the model per chart (modules grouped by their name's

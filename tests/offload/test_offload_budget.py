@@ -1,4 +1,4 @@
-"""Offload under a memory budget (issue 27): ``save_on_disk(budget_bytes=B)`` keeps the newest
+"""Offload under a memory budget: ``save_on_disk(budget_bytes=B)`` keeps the newest
 offloadable saves in memory and writes the oldest; the engine never holds more than B plus one
 tensor; results stay bitwise equal; the disk-space warning; the callback argument."""
 
@@ -252,7 +252,10 @@ seen["used"] = _memory._mmap_threshold
 again = save_on_disk(1 << 14, tempfile.gettempdir())
 step(again); again.close()
 seen["glibc"] = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
-seen["clamp"] = [_memory._fix_mmap_threshold(64 << 20), _memory._fix_mmap_threshold(1)]
+seen["clamp"] = []
+for asked in (64 << 20, 1):
+    _memory._fix_mmap_threshold(asked)
+    seen["clamp"].append(_memory._mmap_threshold)
 print(json.dumps(seen))
 """
 
