@@ -9,7 +9,6 @@ import logging
 import sys
 from typing import Any
 
-from lightning_gradhooks.report import Thresholds
 from lightning_gradhooks.updates import unheld
 
 
@@ -76,12 +75,10 @@ def optimizer_params(optimizer: Any) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def thresholds(overrides: dict[str, float]) -> Thresholds:
-    """The report's thresholds with ``overrides``, each range-checked."""
-    known = Thresholds.__dataclass_fields__
-    if not isinstance(overrides, dict) or not set(overrides) <= set(known):
-        raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
-    return Thresholds(**overrides)
+def echo(trainer: Any, callback: Any) -> Any:
+    """How the report is printed: through the progress bar (above it, once), else Lightning's log."""
+    bar = trainer.progress_bar_callback
+    return bar.print if bar is not None and getattr(bar, "is_enabled", True) else logger_of(callback).info
 
 
 def logger_of(callback: Any) -> logging.Logger:

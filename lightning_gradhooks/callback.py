@@ -8,7 +8,7 @@ batch's, held in one :class:`_BatchState`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning
@@ -16,12 +16,15 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both 
 from typing_extensions import override
 
 from lightning_gradhooks import _trainer
-from lightning_gradhooks._checks import check_callback_arguments
+from lightning_gradhooks._checks import (
+    MAX_BINS, check_bool, check_choices, check_folder, check_int, check_needs, check_overrides, check_patterns,
+)
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.report import Thresholds
 from lightning_gradhooks.sentinel import NonfiniteSentinel
 from lightning_gradhooks.updates import unwrapped
 
@@ -46,49 +49,38 @@ class GradHooksLogic:
 
     A thin shell over a :class:`~lightning_gradhooks.GradientMonitor` (collects on logged steps),
     a :class:`~lightning_gradhooks.log.GradientLog` (writes, keeps the report) and an optional
-    :class:`~lightning_gradhooks.offload.save_on_disk` engine: it decides when and where, and
-    what only Lightning knows (AMP scale, strategies, checkpoints). Steps that are not logged run
-    as without it; every hook is removed after each logged step, at teardown and when fit
-    raises. Tags and behaviour: README.md and docs/usage.md.
+    :class:`~lightning_gradhooks.offload.save_on_disk` engine: it decides when, and what only
+    Lightning knows (AMP scale, strategies, checkpoints). Steps that are not logged run as
+    without it; every hook is removed after each logged step, at teardown and when fit raises.
 
     Args:
-        every_n_steps: log every this many optimizer steps (``trainer.global_step`` 0, n, 2n,
-            ...); default: the trainer's ``log_every_n_steps``.
-        include: glob patterns on qualified module names to monitor; None: every module that
-            directly owns a trainable parameter. An empty list is refused.
+        every_n_steps: log every this many optimizer steps; default: ``log_every_n_steps``.
+        include: glob patterns of module names to monitor; None: modules owning trainable
+            parameters. An empty list is refused.
         exclude: glob patterns of modules to leave out.
-        statistics: the statistics charted per module, from ``norm``, ``mean``, ``std``,
-            ``absmax``, ``nonfinite``, ``zero_fraction``, ``update_ratio`` and ``param_norm``;
-            default ``["norm", "update_ratio"]``. Every statistic is still written in the
-            compact summary the report and its command read.
-        histograms: log histograms of module output gradients and parameter gradients.
-        histogram_bins: bins of each histogram (1 to 4096).
+        statistics: charted per module, from ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``,
+            ``zero_fraction``, ``update_ratio``, ``param_norm``; default ``["norm", "update_ratio"]``
+            (the report reads every statistic whatever is charted).
+        histograms: log histograms of output and parameter gradients, of ``histogram_bins`` bins
+            (1 to 4096).
         offload_threshold_bytes: offload saved activations of at least this many bytes to disk
-            during training steps; None (default): no offload.
-        offload_dir: an existing folder for the offload engine's unnamed files; None: the
-            system temporary folder. Needs ``offload_threshold_bytes``.
-        sync_dist: under data parallelism, pool the hook statistics of all ranks (one
-            ``all_gather`` per logged step); default: rank 0's own. Sharded parameters always
-            give the full gradient's statistics.
-        report_thresholds: overrides of the health report's thresholds (fields of
-            :class:`~lightning_gradhooks.report.Thresholds`, each range-checked).
-        offload_budget_bytes: keep at most this many bytes of offloadable saved tensors in
-            memory, the newest, and write the oldest to disk; None: write every one.
-        catch_nonfinite: check every step's gradients before the optimizer step (one fused norm,
-            one host read: :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel`); on NaN/Inf
-            skip the step, name it and its parameters in the report and log the next step in
-            full. Off by default; not run under a gradient scaler, which skips such steps.
-        offload_fix_mmap_threshold: with offload of CPU activations, fix glibc's mmap threshold
-            so that offload lowers the peak (one INFO line says so); False leaves it alone.
-        noise_scale: estimate the gradient noise scale (the critical batch size) on logged
-            steps, chart it as ``∇1 overview/noise_scale`` and compare it with the batch per
-            optimizer step at the end of fit (:mod:`lightning_gradhooks.noise`).
+            during training steps (in ``offload_dir``, default the temporary folder; keeping the
+            newest ``offload_budget_bytes`` in memory); None: no offload.
+        sync_dist: pool the hook statistics of all data-parallel ranks (one ``all_gather`` per
+            logged step); default: rank 0's own. Sharded parameters are always pooled.
+        report_thresholds: overrides of :class:`~lightning_gradhooks.report.Thresholds` fields.
+        catch_nonfinite: check every step's gradients before the optimizer step and skip a step
+            with NaN/Inf (:class:`~lightning_gradhooks.sentinel.NonfiniteSentinel`), naming it.
+        offload_fix_mmap_threshold: with CPU offload, fix glibc's mmap threshold so that offload
+            lowers the peak (one INFO line says so).
+        noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
+            (:mod:`lightning_gradhooks.noise`).
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
             the value); at fit start, for an ``include`` pattern that matches no module.
         DiskOffloadError: at fit start, for an offload folder that cannot hold an unnamed file;
-            during a step, when a write or read fails (full disk, I/O error).
+            during a step, when a write or read fails.
 
     One class per Lightning namespace: ``lightning_gradhooks.GradHooks`` for
     ``pytorch_lightning``, ``lightning_gradhooks.lightning.GradHooks`` for ``lightning.pytorch``.
@@ -116,10 +108,24 @@ class GradHooksLogic:
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
     ) -> None:
-        arguments = check_callback_arguments(locals(), DEFAULT_STATISTICS, LOGGED_STATISTICS)  # checked, converted
-        for name, value in arguments.items():
-            setattr(self, name, value)
-        self._thresholds = _trainer.thresholds(self.report_thresholds)
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
+        self.include = check_patterns("include", include, allow_empty=False)
+        self.exclude = check_patterns("exclude", exclude)
+        self.statistics = list(DEFAULT_STATISTICS if statistics is None else
+                               check_choices("statistics", statistics, LOGGED_STATISTICS))
+        self.histograms = check_bool("histograms", histograms)
+        self.histogram_bins = check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
+        self.offload_threshold_bytes = check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
+        self.offload_dir = check_folder("offload_dir", offload_dir)
+        self.sync_dist = check_bool("sync_dist", sync_dist)
+        self.report_thresholds = check_overrides("report_thresholds", report_thresholds, [f.name for f in fields(Thresholds)])
+        self.offload_budget_bytes = check_int("offload_budget_bytes", offload_budget_bytes, allow_none=True)
+        self.catch_nonfinite = check_bool("catch_nonfinite", catch_nonfinite)
+        self.offload_fix_mmap_threshold = check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
+        self.noise_scale = check_bool("noise_scale", noise_scale)
+        for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
+            check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
+        self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked
         #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit: its
         #: ``report`` is the health report, kept after fit. None before the first fit.
         self.gradient_log: GradientLog | None = None
@@ -150,11 +156,6 @@ class GradHooksLogic:
         ``stats()``); None without offload and outside a fit (``offload_stats`` keeps the last)."""
         return self._offload
 
-    def _echo(self, trainer: pl.Trainer) -> Any:
-        """How the report is printed: through the progress bar (above it, once), else Lightning's log."""
-        bar = trainer.progress_bar_callback
-        return bar.print if bar is not None and getattr(bar, "is_enabled", True) else _trainer.logger_of(self).info
-
     # -- checkpoints -----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
@@ -163,9 +164,8 @@ class GradHooksLogic:
                                         offload_threshold_bytes=self.offload_threshold_bytes, sync_dist=self.sync_dist)
 
     def state_dict(self) -> dict[str, Any]:
-        # The logging schedule follows `trainer.global_step`, which Lightning restores; what is
-        # ours is the log's: the health report, the flow picture's history, the NaN episode. A
-        # resumed run reports on the whole run, as `python -m lightning_gradhooks report` does.
+        # The schedule follows `trainer.global_step`, which Lightning restores; ours is the log's
+        # state (report, flow picture, NaN episode): a resumed run reports on the whole run.
         return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -210,7 +210,7 @@ class GradHooksLogic:
         self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
         self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
                                         histograms=self.histograms, thresholds=self._thresholds,
-                                        sync_dist=self.sync_dist, echo=self._echo(trainer))
+                                        sync_dist=self.sync_dist, echo=_trainer.echo(trainer, self))
         if self._restored is not None:
             self.gradient_log.load_state_dict(self._restored)
         # A head left out of `configure_optimizers` gets gradients and never moves: its
@@ -224,25 +224,24 @@ class GradHooksLogic:
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._cleanup()  # Lightning calls no teardown when fit raises
+
+    def _cleanup(self) -> None:
+        """Close the log (printing the report once) and remove everything of the fit; idempotent."""
+        self._batch = _BatchState()
+        self._sentinel, self._unowned = None, []
         try:
             if self.gradient_log is not None:
                 self.gradient_log.close()
         finally:
-            self._cleanup()
-
-    def _cleanup(self) -> None:
-        self._batch = _BatchState()
-        self._sentinel, self._unowned = None, []
-        if self.gradient_log is not None and not self.gradient_log.closed:
-            self.gradient_log.close()
-        if self._monitor is not None:
-            self._monitor.remove()
-            self._monitor = None
-        if self._offload is not None:
-            self._leave_offload(exc_type=RuntimeError)
-            self.offload_stats = self._offload.stats()  # what the engine did, kept after fit
-            self._offload.close()
-            self._offload = None
+            if self._monitor is not None:
+                self._monitor.remove()
+                self._monitor = None
+            if self._offload is not None:
+                self._leave_offload(exc_type=RuntimeError)
+                self.offload_stats = self._offload.stats()  # what the engine did, kept after fit
+                self._offload.close()
+                self._offload = None
 
     def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
         # Not active after an __enter__ that was interrupted: it left no hooks behind.
@@ -263,18 +262,16 @@ class GradHooksLogic:
         if monitor is not None and observed and not monitor.armed and logged:
             state.step = trainer.global_step
             monitor.arm(batch_size=_trainer.batch_size(batch), accumulation=trainer.accumulate_grad_batches)
-        elif monitor is not None and monitor.noise is not None and logged and not monitor.armed \
-                and not monitor.noise.armed and trainer.world_size > 1:
-            # A rank that logs nothing itself measures its local gradient for the noise scale.
-            monitor.noise.arm(_trainer.batch_size(batch), trainer.accumulate_grad_batches)
+        elif monitor is not None and logged and trainer.world_size > 1:  # a rank that logs nothing itself
+            monitor.arm_noise(_trainer.batch_size(batch), trainer.accumulate_grad_batches)
         if self._offload is not None and not self._offload.active:
             self._offload.__enter__()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         monitor = self._monitor
-        if monitor is not None and not monitor.armed and monitor.noise is not None and monitor.noise.armed:
-            monitor.noise.collect(_trainer.optimizer_params(optimizer))  # its all_reduce
+        if monitor is not None and not monitor.armed:
+            monitor.collect_noise(_trainer.optimizer_params(optimizer))  # armed on its own: its all_reduce
         armed = monitor is not None and monitor.armed
         if monitor is not None and (armed or self._batch.pieces_due):
             self._write_logged(trainer, pl_module, optimizer)
@@ -311,9 +308,7 @@ class GradHooksLogic:
         # parameters this optimizer is about to step.
         record = monitor.collect(params)
         if not pl_module.automatic_optimization:
-            monitor.arm()  # later backward passes of this training step are logged too
-            if monitor.noise is not None:
-                monitor.noise.disarm()  # one noise sample a step: that of the first optimizer
+            monitor.arm(noise=False)  # later backward passes of this step are logged too; one noise sample
         self._write(trainer, record, optimizer)
 
     @override
@@ -343,9 +338,7 @@ class GradHooksLogic:
                 self._write(trainer, monitor.collect(parameters=()), None, pool=False)
         finally:
             if monitor is not None and (epoch_over or not monitor.pending):
-                monitor.disarm()
-            if epoch_over and monitor is not None and monitor.noise is not None:
-                monitor.noise.disarm()  # armed on its own (a rank that logs nothing), no step came
+                monitor.disarm(noise=epoch_over)  # at the epoch's end, a noise probe no step collected too
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
@@ -160,12 +161,9 @@ class GradientLog:
                     "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
                     f"those or None, got {type(w).__name__}"
                 )
-        statistics = list(DEFAULT_STATISTICS if statistics is None else statistics)
-        unknown = [s for s in statistics if s not in LOGGED_STATISTICS]
-        if unknown:
-            raise ValueError(f"`statistics` expected names from {list(LOGGED_STATISTICS)}, got {unknown}")
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise ValueError(f"`thresholds` expected a Thresholds or None, got {type(thresholds).__name__}")
+        statistics = list(DEFAULT_STATISTICS if statistics is None else
+                          check_choices("statistics", statistics, LOGGED_STATISTICS))
+        check_instance("thresholds", thresholds, (Thresholds, type(None)), "a Thresholds or None")
         self._tensorboards = [w for w in writers if _is_tensorboard(w)]
         self._others = [w for w in writers if not _is_tensorboard(w)]
         self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers

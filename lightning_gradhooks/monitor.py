@@ -580,7 +580,8 @@ class GradientMonitor:
         """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
         return bool(self._pending)
 
-    def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1) -> _Armed:
+    def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1,
+            noise: bool = True) -> _Armed:
         """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
 
         Arm before the forward of the step to log; for gradient accumulation, once before the
@@ -609,7 +610,8 @@ class GradientMonitor:
 
         ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
         passes accumulated into the step) tell the noise probe where its two batches come from
-        (see :mod:`lightning_gradhooks.noise`).
+        (see :mod:`lightning_gradhooks.noise`); ``noise=False`` leaves the noise probe out of this
+        step (one noise sample a step: that of its first optimizer).
         """
         if not check_bool("when", when):
             return _Armed(self, armed=False)
@@ -626,13 +628,28 @@ class GradientMonitor:
         self._armed = True
         if self._handle is not None and self._handle.active:
             self._register()
-            if self.noise is not None:
+            if self.noise is not None and noise:
                 self.noise.arm(batch_size, accumulation)
         return _Armed(self, armed=True)
 
-    def disarm(self) -> None:
-        """Stop collecting, take the hooks out and drop what was collected but not returned."""
-        if self.noise is not None and self._armed:  # a probe armed on its own stays armed
+    def arm_noise(self, batch_size: int | None = None, accumulation: int = 1) -> None:
+        """Measure this rank's gradient for the noise scale alone, on a step the monitor is not
+        armed for: in a distributed job, a rank that logs nothing itself still takes part in the
+        noise probe's ``all_reduce`` (:meth:`collect_noise`). Nothing when already armed."""
+        if self.noise is not None and not self._armed and not self.noise.armed:
+            self.noise.arm(batch_size, accumulation)
+
+    def collect_noise(self, parameters: Iterable[Tensor] | None = None) -> None:
+        """Collect what :meth:`arm_noise` measured (its ``all_reduce``); nothing when the
+        monitor is armed (:meth:`collect` collects it then) or the noise probe is not."""
+        if self.noise is not None and not self._armed and self.noise.armed:
+            self.noise.collect(parameters)
+
+    def disarm(self, noise: bool = False) -> None:
+        """Stop collecting, take the hooks out and drop what was collected but not returned;
+        ``noise``: also a noise probe armed on its own (:meth:`arm_noise`), which otherwise
+        stays armed until its optimizer step."""
+        if self.noise is not None and (self._armed or noise):
             self.noise.disarm()
         self._armed = False
         self._pending.clear()
