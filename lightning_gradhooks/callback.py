@@ -1,9 +1,9 @@
 """``GradHooks``: the Lightning callback that logs per-module gradient statistics to TensorBoard.
 
 The shell decides *when* (logged steps, micro-batches, optimizers) and hands the *what* to the
-core and the log. Its state is of two lifetimes: the fit's (the monitor, the log, the offload
-engine, the sentinel, made in ``setup``/``on_fit_start`` and removed by ``_cleanup``) and the
-batch's, held in one :class:`_BatchState`.
+core and the log. Its state is of two lifetimes: the fit's (:class:`~lightning_gradhooks._fit.Fit`:
+the monitor, the offload engine, the sentinel; and the log, kept after fit) and the batch's,
+held in one :class:`_BatchState`.
 """
 
 from __future__ import annotations
@@ -12,20 +12,18 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning
-from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 from typing_extensions import override
 
 from lightning_gradhooks import _trainer
 from lightning_gradhooks._checks import (
     MAX_BINS, check_bool, check_choices, check_folder, check_int, check_needs, check_overrides, check_patterns,
 )
-from lightning_gradhooks._text import listed
+from lightning_gradhooks._fit import Fit
 from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.report import Thresholds
-from lightning_gradhooks.sentinel import NonfiniteSentinel
 from lightning_gradhooks.updates import unwrapped
 
 if TYPE_CHECKING:
@@ -132,29 +130,21 @@ class GradHooksLogic:
         #: The offload engine's counters (:class:`~lightning_gradhooks.offload.OffloadStats`)
         #: when the last fit ended; None without offload.
         self.offload_stats: Any = None
-        # The fit's state (made in setup / on_fit_start, let go in _cleanup) ...
-        self._monitor: GradientMonitor | None = None
-        self._offload: save_on_disk | None = None
-        self._sentinel: NonfiniteSentinel | None = None
-        self._interval = 1
-        self._pooled = False  # the hook statistics of every rank are pooled (sync_dist, several ranks)
-        self._pieces = False  # every rank holds pieces of sharded parameters (FSDP, TP)
-        self._unowned: list[Any] = []  # trainable parameters that no optimizer holds
+        self._fit: Fit | None = None  # the fit's resources, from setup to _cleanup
         self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
-        # ... and the batch's.
         self._batch = _BatchState()
 
     @property
     def monitor(self) -> GradientMonitor | None:
         """The :class:`~lightning_gradhooks.GradientMonitor` of the fit under way (its ``plan``,
         ``pending``, ``armed``); None outside a fit."""
-        return self._monitor
+        return self._fit.monitor if self._fit is not None else None
 
     @property
     def offload(self) -> save_on_disk | None:
         """The :class:`~lightning_gradhooks.offload.save_on_disk` engine of the fit under way (its
         ``stats()``); None without offload and outside a fit (``offload_stats`` keeps the last)."""
-        return self._offload
+        return self._fit.offload if self._fit is not None else None
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -182,41 +172,18 @@ class GradHooksLogic:
             return
         self._cleanup()
         self.gradient_log, self._restored = None, None  # the log is made at fit start, when the optimizers exist
-        self._monitor = GradientMonitor(pl_module, include=self.include, exclude=self.exclude, histograms=self.histograms,
-                                        bins=self.histogram_bins, noise_scale=self.noise_scale,
-                                        forward_checks=True)  # where NaN/Inf are born: the report names it
-        self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
-        self._pooled = self.sync_dist and trainer.world_size > 1
-        frozen = self._monitor.frozen
-        if frozen and trainer.is_global_zero:
-            _trainer.logger_of(self).info(
-                f"GradHooks: {len(frozen)} frozen modules (no trainable parameter) are not monitored: {listed(frozen)}")
-        if self.offload_threshold_bytes is not None:
-            # Fails here, before the first step, when the folder cannot be written.
-            self._offload = save_on_disk(self.offload_threshold_bytes, self.offload_dir, budget_bytes=self.offload_budget_bytes,
-                                         fix_mmap_threshold=self.offload_fix_mmap_threshold)
-            self._offload.keep_in_memory(pl_module)
-        warning = _trainer.logger_warning(trainer)
-        if warning is not None:
-            rank_zero_warn(warning)
+        self._fit = Fit(self, trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._monitor is None:
+        if self._fit is None:
             return
-        self._monitor.attach()
-        # After `configure_model`: `fully_shard` and `parallelize_module` have made their DTensor
-        # parameters. Their statistics need every rank's piece, with or without `sync_dist`.
-        self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
+        self._fit.start(trainer, pl_module, self.catch_nonfinite)
         self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
                                         histograms=self.histograms, thresholds=self._thresholds,
                                         sync_dist=self.sync_dist, echo=_trainer.echo(trainer, self))
         if self._restored is not None:
             self.gradient_log.load_state_dict(self._restored)
-        # A head left out of `configure_optimizers` gets gradients and never moves: its
-        # gradients are collected with the first optimizer's, and the log says it is in none.
-        self._unowned = _trainer.unowned(trainer, pl_module)
-        self._sentinel = NonfiniteSentinel(pl_module.named_parameters()) if self.catch_nonfinite else None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -229,53 +196,46 @@ class GradHooksLogic:
     def _cleanup(self) -> None:
         """Close the log (printing the report once) and remove everything of the fit; idempotent."""
         self._batch = _BatchState()
-        self._sentinel, self._unowned = None, []
         try:
             if self.gradient_log is not None:
                 self.gradient_log.close()
         finally:
-            if self._monitor is not None:
-                self._monitor.remove()
-                self._monitor = None
-            if self._offload is not None:
-                self._leave_offload(exc_type=RuntimeError)
-                self.offload_stats = self._offload.stats()  # what the engine did, kept after fit
-                self._offload.close()
-                self._offload = None
-
-    def _leave_offload(self, exc_type: type[BaseException] | None = None) -> None:
-        # Not active after an __enter__ that was interrupted: it left no hooks behind.
-        if self._offload is not None and self._offload.active:
-            self._offload.__exit__(exc_type, None, None)
+            fit, self._fit = self._fit, None
+            if fit is not None and (stats := fit.remove()) is not None:
+                self.offload_stats = stats
 
     # -- steps -----------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        state, monitor = self._batch, self._monitor
+        state, fit = self._batch, self._fit
+        if fit is None:
+            return
+        monitor = fit.monitor
         if state.open:  # the last batch ended without on_train_batch_end (see _end_batch)
             self._end_batch(trainer)
-        logged = trainer.global_step % self._interval == 0 or state.log_next
+        logged = trainer.global_step % fit.interval == 0 or state.log_next
         state.open, state.log_next = True, False
-        state.pieces_due = (self._pooled or self._pieces) and logged
+        state.pieces_due = (fit.pooled or fit.pieces) and logged
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
-        observed = trainer.is_global_zero or self._pooled
-        if monitor is not None and observed and not monitor.armed and logged:
+        observed = trainer.is_global_zero or fit.pooled
+        if observed and not monitor.armed and logged:
             state.step = trainer.global_step
             monitor.arm(batch_size=_trainer.batch_size(batch), accumulation=trainer.accumulate_grad_batches)
-        elif monitor is not None and logged and trainer.world_size > 1:  # a rank that logs nothing itself
+        elif logged and trainer.world_size > 1:  # a rank that logs nothing itself
             monitor.arm_noise(_trainer.batch_size(batch), trainer.accumulate_grad_batches)
-        if self._offload is not None and not self._offload.active:
-            self._offload.__enter__()
+        fit.enter_offload()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        monitor = self._monitor
-        if monitor is not None and not monitor.armed:
-            monitor.collect_noise(_trainer.optimizer_params(optimizer))  # armed on its own: its all_reduce
-        armed = monitor is not None and monitor.armed
-        if monitor is not None and (armed or self._batch.pieces_due):
+        fit = self._fit
+        if fit is None:
+            return
+        if not fit.monitor.armed:
+            fit.monitor.collect_noise(_trainer.optimizer_params(optimizer))  # armed on its own: its all_reduce
+        armed = fit.monitor.armed
+        if armed or self._batch.pieces_due:
             self._write_logged(trainer, pl_module, optimizer)
-        if self._sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
+        if fit.sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
             self._check_finite(trainer, optimizer, recorded=armed)
         # steps that are not logged end here
 
@@ -283,20 +243,21 @@ class GradHooksLogic:
         """The sentinel: a step with a non-finite gradient is skipped (its gradients dropped)
         and, unless its record says it already, written to the log."""
         params = _trainer.optimizer_params(optimizer)
-        bad = self._sentinel.check(params)
+        sentinel = self._fit.sentinel
+        bad = sentinel.check(params)
         if bad is None:
             return
         for p in params:
             p.grad = None  # the optimizer skips parameters without a gradient
         self._batch.log_next = True
         if self.gradient_log is not None and not recorded:
-            self.gradient_log.write_caught(trainer.global_step, bad, self._sentinel.last_checked)
+            self.gradient_log.write_caught(trainer.global_step, bad, sentinel.last_checked)
 
     def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        monitor = self._monitor
+        monitor, unowned = self._fit.monitor, self._fit.unowned
         params = _trainer.optimizer_params(optimizer)
-        if self._unowned and unwrapped(optimizer) is trainer.optimizers[0]:
-            params += self._unowned
+        if unowned and unwrapped(optimizer) is trainer.optimizers[0]:
+            params += unowned
         if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.
             if pl_module.automatic_optimization:
@@ -330,14 +291,16 @@ class GradHooksLogic:
         Statistics waiting for their optimizer step (accumulation) keep the monitor armed, unless
         the epoch is over: then a backward that no step followed is logged as it is."""
         self._batch.open = False
-        monitor = self._monitor
+        if self._fit is None:
+            return
+        monitor = self._fit.monitor
         try:
-            self._leave_offload()
-            if epoch_over and monitor is not None and monitor.pending:
+            self._fit.leave_offload()
+            if epoch_over and monitor.pending:
                 # Ranks may differ here, so this is rank 0's own record, with no collective.
                 self._write(trainer, monitor.collect(parameters=()), None, pool=False)
         finally:
-            if monitor is not None and (epoch_over or not monitor.pending):
+            if epoch_over or not monitor.pending:
                 monitor.disarm(noise=epoch_over)  # at the epoch's end, a noise probe no step collected too
 
     @override

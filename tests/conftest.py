@@ -208,7 +208,7 @@ def pooled_calls(log_dir: str, name: str, kind: str = "grad_output") -> dict[int
     from lightning_gradhooks.__main__ import read_folder
     from lightning_gradhooks.records import Key
 
-    steps, key = read_folder(Path(log_dir)).steps, Key(kind, name)
+    steps, key = read_folder(Path(log_dir)).steps, Key.of_label(kind, name)  # name as written
     return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}
 
 
