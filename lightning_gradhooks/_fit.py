@@ -12,8 +12,10 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both 
 
 from lightning_gradhooks import _trainer
 from lightning_gradhooks._text import listed
+from lightning_gradhooks.log import GradientLog
 from lightning_gradhooks.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
+from lightning_gradhooks.report import Thresholds
 from lightning_gradhooks.sentinel import NonfiniteSentinel
 
 
@@ -48,8 +50,9 @@ class Fit:
         if warning is not None:
             rank_zero_warn(warning)
 
-    def start(self, trainer: Any, pl_module: Any, catch_nonfinite: bool) -> None:
-        """At fit start, after ``configure_model`` and ``configure_optimizers``."""
+    def start(self, hooks: Any, trainer: Any, pl_module: Any, restored: dict[str, Any] | None) -> GradientLog:
+        """At fit start, after ``configure_model`` and ``configure_optimizers``: attach the monitor
+        and make the fit's log (the callback's to keep), from a checkpoint's state if ``restored``."""
         self.monitor.attach()
         # `fully_shard` and `parallelize_module` have made their DTensor parameters: their
         # statistics need every rank's piece, with or without `sync_dist`.
@@ -57,7 +60,23 @@ class Fit:
         # A head left out of `configure_optimizers` gets gradients and never moves: its
         # gradients are collected with the first optimizer's, and the log says it is in none.
         self.unowned = _trainer.unowned(trainer, pl_module)
-        self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if catch_nonfinite else None
+        self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if hooks.catch_nonfinite else None
+        log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=hooks.statistics,
+                          histograms=hooks.histograms, thresholds=Thresholds(**hooks.report_thresholds),
+                          sync_dist=hooks.sync_dist, echo=_trainer.echo(trainer, hooks))
+        if restored is not None:
+            log.load_state_dict(restored)
+        return log
+
+    def skip_nonfinite(self, params: list[Any]) -> list[str] | None:
+        """The sentinel's check: None when every gradient of ``params`` is finite; else their
+        gradients are dropped (the optimizer skips parameters without one) and the names of the
+        non-finite ones returned."""
+        bad = self.sentinel.check(params)
+        if bad is not None:
+            for p in params:
+                p.grad = None
+        return bad
 
     def enter_offload(self) -> None:
         if self.offload is not None and not self.offload.active:

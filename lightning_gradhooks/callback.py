@@ -3,7 +3,8 @@
 The shell decides *when* (logged steps, micro-batches, optimizers) and hands the *what* to the
 core and the log. Its state is of two lifetimes: the fit's (:class:`~lightning_gradhooks._fit.Fit`:
 the monitor, the offload engine, the sentinel; and the log, kept after fit) and the batch's,
-held in one :class:`_BatchState`.
+held in one :class:`_BatchState`. One callback class per Lightning namespace:
+``lightning_gradhooks.GradHooks`` here, ``lightning_gradhooks.lightning.GradHooks`` for ``lightning.pytorch``.
 """
 
 from __future__ import annotations
@@ -53,12 +54,10 @@ class GradHooksLogic:
 
     Args:
         every_n_steps: log every this many optimizer steps; default: ``log_every_n_steps``.
-        include: glob patterns of module names to monitor; None: modules owning trainable
-            parameters. An empty list is refused.
+        include: glob patterns of module names to monitor; None: modules owning trainable parameters.
         exclude: glob patterns of modules to leave out.
-        statistics: charted per module, from ``norm``, ``mean``, ``std``, ``absmax``, ``nonfinite``,
-            ``zero_fraction``, ``update_ratio``, ``param_norm``; default ``["norm", "update_ratio"]``
-            (the report reads every statistic whatever is charted).
+        statistics: charted per module, from :data:`~lightning_gradhooks.log.LOGGED_STATISTICS`; default
+            ``["norm", "update_ratio"]`` (the report reads every statistic whatever is charted).
         histograms: log histograms of output and parameter gradients, of ``histogram_bins`` bins
             (1 to 4096).
         offload_threshold_bytes: offload saved activations of at least this many bytes to disk
@@ -75,13 +74,8 @@ class GradHooksLogic:
             (:mod:`lightning_gradhooks.noise`).
 
     Raises:
-        ValueError: at construction, for an invalid argument (naming it, what is accepted and
-            the value); at fit start, for an ``include`` pattern that matches no module.
-        DiskOffloadError: at fit start, for an offload folder that cannot hold an unnamed file;
-            during a step, when a write or read fails.
-
-    One class per Lightning namespace: ``lightning_gradhooks.GradHooks`` for
-    ``pytorch_lightning``, ``lightning_gradhooks.lightning.GradHooks`` for ``lightning.pytorch``.
+        ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
+        DiskOffloadError: an offload folder that cannot hold an unnamed file, a failed write or read.
 
     Example::
 
@@ -123,12 +117,10 @@ class GradHooksLogic:
         self.noise_scale = check_bool("noise_scale", noise_scale)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
-        self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked
-        #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit: its
-        #: ``report`` is the health report, kept after fit. None before the first fit.
+        Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start
+        #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit (its ``report``).
         self.gradient_log: GradientLog | None = None
-        #: The offload engine's counters (:class:`~lightning_gradhooks.offload.OffloadStats`)
-        #: when the last fit ended; None without offload.
+        #: The offload engine's counters (``OffloadStats``) when the last fit ended; None without offload.
         self.offload_stats: Any = None
         self._fit: Fit | None = None  # the fit's resources, from setup to _cleanup
         self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
@@ -136,17 +128,14 @@ class GradHooksLogic:
 
     @property
     def monitor(self) -> GradientMonitor | None:
-        """The :class:`~lightning_gradhooks.GradientMonitor` of the fit under way (its ``plan``,
-        ``pending``, ``armed``); None outside a fit."""
+        """The :class:`~lightning_gradhooks.GradientMonitor` of the fit under way; None outside a fit."""
         return self._fit.monitor if self._fit is not None else None
 
     @property
     def offload(self) -> save_on_disk | None:
-        """The :class:`~lightning_gradhooks.offload.save_on_disk` engine of the fit under way (its
-        ``stats()``); None without offload and outside a fit (``offload_stats`` keeps the last)."""
+        """The offload engine of the fit under way; None without offload and outside a fit."""
         return self._fit.offload if self._fit is not None else None
 
-    # -- checkpoints -----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
         # Distinct per configuration, so differently configured instances can share a Trainer.
@@ -154,13 +143,11 @@ class GradHooksLogic:
                                         offload_threshold_bytes=self.offload_threshold_bytes, sync_dist=self.sync_dist)
 
     def state_dict(self) -> dict[str, Any]:
-        # The schedule follows `trainer.global_step`, which Lightning restores; ours is the log's
-        # state (report, flow picture, NaN episode): a resumed run reports on the whole run.
+        # The schedule follows `trainer.global_step`; ours is the log's state: a resumed run reports on the whole run.
         return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callback states after `setup` and, with most strategies, before
-        # `on_fit_start`, where the log is made and takes it; an older checkpoint holds the episode.
+        # Restored after `setup` and, with most strategies, before `on_fit_start`, where the log takes it.
         self._restored = state_dict.get("log", state_dict)
         if self.gradient_log is not None:
             self.gradient_log.load_state_dict(self._restored)
@@ -178,12 +165,7 @@ class GradHooksLogic:
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit is None:
             return
-        self._fit.start(trainer, pl_module, self.catch_nonfinite)
-        self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
-                                        histograms=self.histograms, thresholds=self._thresholds,
-                                        sync_dist=self.sync_dist, echo=_trainer.echo(trainer, self))
-        if self._restored is not None:
-            self.gradient_log.load_state_dict(self._restored)
+        self.gradient_log = self._fit.start(self, trainer, pl_module, self._restored)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -237,21 +219,15 @@ class GradHooksLogic:
             self._write_logged(trainer, pl_module, optimizer)
         if fit.sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
             self._check_finite(trainer, optimizer, recorded=armed)
-        # steps that are not logged end here
 
     def _check_finite(self, trainer: pl.Trainer, optimizer: Any, recorded: bool) -> None:
-        """The sentinel: a step with a non-finite gradient is skipped (its gradients dropped)
-        and, unless its record says it already, written to the log."""
-        params = _trainer.optimizer_params(optimizer)
-        sentinel = self._fit.sentinel
-        bad = sentinel.check(params)
-        if bad is None:
-            return
-        for p in params:
-            p.grad = None  # the optimizer skips parameters without a gradient
-        self._batch.log_next = True
-        if self.gradient_log is not None and not recorded:
-            self.gradient_log.write_caught(trainer.global_step, bad, sentinel.last_checked)
+        """The sentinel: a step with a non-finite gradient is skipped and, unless its record says
+        it already, written to the log."""
+        bad = self._fit.skip_nonfinite(_trainer.optimizer_params(optimizer))
+        if bad is not None:
+            self._batch.log_next = True
+            if self.gradient_log is not None and not recorded:
+                self.gradient_log.write_caught(trainer.global_step, bad, self._fit.sentinel.last_checked)
 
     def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         monitor, unowned = self._fit.monitor, self._fit.unowned
@@ -264,9 +240,8 @@ class GradHooksLogic:
                 self._batch.pieces_due = False
             self._write(trainer, monitor.collect_parameters(params), optimizer)
             return
-        # One record per optimizer step: the hook statistics of every backward since the last
-        # one (micro-batches, several manual_backward calls) pooled, and the gradients of the
-        # parameters this optimizer is about to step.
+        # One record per optimizer step: the hook statistics of every backward since the last one
+        # pooled (micro-batches, manual_backward calls), and the gradients this optimizer steps.
         record = monitor.collect(params)
         if not pl_module.automatic_optimization:
             monitor.arm(noise=False)  # later backward passes of this step are logged too; one noise sample
@@ -286,10 +261,9 @@ class GradHooksLogic:
         self._end_batch(trainer)
 
     def _end_batch(self, trainer: pl.Trainer, epoch_over: bool = False) -> None:
-        """End what ``on_train_batch_start`` began (offload hooks, armed monitor), idempotently:
-        Lightning skips ``on_train_batch_end`` when ``on_train_batch_start`` returns -1.
-        Statistics waiting for their optimizer step (accumulation) keep the monitor armed, unless
-        the epoch is over: then a backward that no step followed is logged as it is."""
+        """End what ``on_train_batch_start`` began, idempotently (Lightning skips ``on_train_batch_end``
+        when it returns -1). Statistics waiting for their optimizer step (accumulation) keep the
+        monitor armed, unless the epoch is over: then a backward no step followed is logged as it is."""
         self._batch.open = False
         if self._fit is None:
             return
@@ -310,9 +284,8 @@ class GradHooksLogic:
             self.gradient_log.close()
 
     def _write(self, trainer: pl.Trainer, record: GradientRecord, optimizer: Any, pool: bool = True) -> None:
-        # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
-        # changed since that backward (it is updated after the optimizer step). Parameter
-        # gradients are already unscaled by the time `on_before_optimizer_step` runs.
+        # Under a gradient scaler the hooks saw gradients of the scaled loss, whose scale changes only
+        # after the optimizer step; parameter gradients are unscaled by `on_before_optimizer_step`.
         scale = _trainer.loss_scale(trainer)
         if scale is not None:
             record = record.unscaled(scale)
