@@ -39,8 +39,8 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     tracker.expect(sgd, step=7)
     sgd.step()
-    [(step, _, values)] = tracker.ready()
-    assert step == 7 and sorted(values) == ["bias", "weight"]
+    [(step, index, values)] = tracker.ready()
+    assert (step, index) == (7, None) and sorted(values) == ["bias", "weight"]
     for name, p in model.named_parameters():
         ratio, norm = values[name]
         assert ratio == pytest.approx(0.1 * grads[name].norm().item() / before[name].norm().item(), rel=1e-5)
