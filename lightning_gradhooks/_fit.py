@@ -15,7 +15,6 @@ from lightning_gradhooks._text import listed
 from lightning_gradhooks.log import GradientLog
 from lightning_gradhooks.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.report import Thresholds
 from lightning_gradhooks.sentinel import NonfiniteSentinel
 
 
@@ -62,7 +61,7 @@ class Fit:
         self.unowned = _trainer.unowned(trainer, pl_module)
         self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if hooks.catch_nonfinite else None
         log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=hooks.statistics,
-                          histograms=hooks.histograms, thresholds=Thresholds(**hooks.report_thresholds),
+                          histograms=hooks.histograms, thresholds=hooks._thresholds,
                           sync_dist=hooks.sync_dist, echo=_trainer.echo(trainer, hooks))
         if restored is not None:
             log.load_state_dict(restored)

@@ -117,7 +117,7 @@ class GradHooksLogic:
         self.noise_scale = check_bool("noise_scale", noise_scale)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
-        Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start
+        self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start
         #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit (its ``report``).
         self.gradient_log: GradientLog | None = None
         #: The offload engine's counters (``OffloadStats``) when the last fit ended; None without offload.
