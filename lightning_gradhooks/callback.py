@@ -354,10 +354,11 @@ class GradHooksLogic:
     def _write(self, trainer: pl.Trainer, record: GradientRecord, optimizer: Any, pool: bool = True) -> None:
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
         # changed since that backward (it is updated after the optimizer step). Parameter
-        # gradients are already unscaled by the time `on_before_optimizer_step` runs.
+        # gradients are unscaled by then, unless the optimizer unscales in its own step: then
+        # Lightning skips `scaler.unscale_` and they are divided here too.
         scale = _trainer.loss_scale(trainer)
         if scale is not None:
-            record = record.unscaled(scale)
+            record = record.unscaled(scale, parameters=optimizer is not None and _trainer.optimizer_unscales(optimizer))
         if self.gradient_log is not None:
             # Lightning runs this hook inside `optimizer.step(closure)`, after the step's
             # pre-hook: the log copies the weights now, and the post-hook measures the update.

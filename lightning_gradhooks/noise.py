@@ -113,10 +113,12 @@ class NoiseSample:
         """A sample that holds no estimate, saying why."""
         return cls(math.nan, math.nan, math.nan, big, source, 0.0, reason)
 
-    def unscaled(self, scale: float) -> NoiseSample:
-        """A copy with what the hooks saw divided by a mixed-precision loss scale (``.grad`` is
-        read after the optimizer's unscale)."""
-        return replace(self, small_sq=self.small_sq / (scale * scale))
+    def unscaled(self, scale: float, parameters: bool = False) -> NoiseSample:
+        """A copy with what the hooks saw divided by a mixed-precision loss scale; with
+        ``parameters``, ``.grad`` too (read before any unscale: an optimizer that unscales in
+        its own step)."""
+        big_sq = self.big_sq / (scale * scale) if parameters else self.big_sq
+        return replace(self, small_sq=self.small_sq / (scale * scale), big_sq=big_sq)
 
     def estimates(self) -> tuple[float, float]:
         """``(|G|², tr(Σ))`` of this step, unsmoothed (NaN without an estimate)."""

@@ -7,7 +7,7 @@ one entry, as if they were one concatenated tensor.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -96,13 +96,20 @@ class GradientRecord:
         """A copy holding ``entries`` instead, with the same monitor facts."""
         return replace(self, entries=entries)
 
-    def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
-        """A copy with the gradients of ``kinds`` (and the noise sample's hook-seen gradient)
-        divided by a mixed-precision loss scale.
+    def unscaled(self, scale: float, parameters: bool = False) -> GradientRecord:
+        """A copy with the gradients the hooks saw (``grad_output``, ``grad_input`` and the noise
+        sample's small-batch gradient) divided by a mixed-precision loss scale.
+
+        Args:
+            scale: the scaler's scale at the step's backward (``scaler.get_scale()``).
+            parameters: the parameter gradients are still scaled too: no
+                ``scaler.unscale_(optimizer)`` ran before :meth:`GradientMonitor.collect`, as
+                with an optimizer that unscales inside its own ``step()`` (fused Adam, AdamW).
 
         ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
         gradient; ``nonfinite``, ``zero_fraction`` and the bin counts do not.
         """
+        kinds = ("grad_output", "grad_input", "param_grad") if parameters else ("grad_output", "grad_input")
         entries = []
         for e in self.entries:
             if e.kind in kinds:
@@ -112,7 +119,7 @@ class GradientRecord:
             entries.append(e)
         record = self.with_entries(entries)
         if record.noise is not None:  # its small-batch gradient is seen by hooks, scaled
-            record.noise = record.noise.unscaled(scale)
+            record.noise = record.noise.unscaled(scale, parameters)
         return record
 
     def prefixed(self, prefix: str) -> GradientRecord:
