@@ -193,7 +193,6 @@ class GradientLog:
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
         self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
-        self._noise_latest: tuple[float, float, int] | None = None  # value, batch per step, step
 
     # -- per step ------------------------------------------------------------------------------
     def write(
@@ -345,10 +344,9 @@ class GradientLog:
         self._noise_last = sample
         if sample.reason is None:
             stats[("noise", "gradient")] = sample.stats()
-            value = self.noise_scale.update(*sample.estimates())
+            value = self.noise_scale.update(*sample.estimates(), step=step, batch=sample.big, coverage=sample.coverage)
             if value is not None:
                 metrics[f"{OVERVIEW}/noise_scale"] = value
-                self._noise_latest = (value, sample.big, step)
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -402,6 +400,7 @@ class GradientLog:
             "report": self.report.state_dict(),
             "flow": self._flow.state_dict() if self._flow is not None else None,
             "in_nonfinite_episode": self.in_nonfinite_episode,
+            "noise_scale": self.noise_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -412,6 +411,8 @@ class GradientLog:
         if self._flow is not None and state.get("flow") is not None:
             self._flow.load_state_dict(state["flow"])
         self.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
+        if state.get("noise_scale") is not None:
+            self.noise_scale.load_state_dict(state["noise_scale"])
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> HealthReport | None:
@@ -430,10 +431,10 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
-                if self._noise_last is not None:  # the latest noise scale next to the batch per step
-                    value, batch, step = self._noise_latest or (None, 0.0, 0)
-                    self._echo(advice(value, batch, self._noise_last.reason,
-                                      None if value is None or value == self.noise_scale.value else step))
+                if self._noise_last is not None:  # the run's later noise scale next to the batch per step
+                    history = self.noise_scale.history
+                    self._echo(advice(self.noise_scale.summary(), self._noise_last.reason,
+                                      history[-1][0] if history and self._noise_last.reason is not None else None))
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)
