@@ -3,10 +3,10 @@
 #
 #     bash benchmarks/gpu_check.sh
 #
-# 1. tests/test_gpu.py (statistics against a float64 CPU reference, AMP fp16 with a GradScaler,
+# 1. tests/core/test_gpu.py (statistics against a float64 CPU reference, AMP fp16 with a GradScaler,
 #    offload bitwise equal with a lower torch.cuda.max_memory_allocated, the in-place refusal,
 #    no growth of memory or files over 50 logged and offloaded steps) and the CUDA test of
-#    tests/test_offload.py;
+#    tests/offload/test_offload.py;
 # 2. the figures: benchmarks/logged_step.py --device cuda on ResNet-50 and GPT-2 small (built
 #    from transformers' configs, no download): bare, logged and offloaded steps, their step
 #    time, ratio to bare and peak device memory.
@@ -39,8 +39,8 @@ run() {  # run LIMIT_S NAME COMMAND...: a time limit, and the status remembered
     return 0
 }
 
-run 200 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
-    "tests/test_offload.py::test_cuda_roundtrip_and_grads"
+run 200 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/core/test_gpu.py \
+    "tests/offload/test_offload.py::test_cuda_roundtrip_and_grads"
 for model in resnet50 gpt2; do
     run 130 "GPU figures, $model" python benchmarks/logged_step.py --device cuda --models "$model" \
         --variants bare,logged --offload --rounds 3 --steps 5

@@ -1,4 +1,4 @@
-"""Runs that end badly, for tests/test_offload_signals.py. ``python tests/offload_victim.py MODE DIR``:
+"""Runs that end badly, for tests/offload/test_offload_signals.py. ``python tests/helpers/offload_victim.py MODE DIR``:
 
 - ``kill``: a Lightning fit offloading to DIR prints ``READY <bytes written>`` in the middle of
   step 2 (graph alive, everything on disk) and sleeps; the test kills it with SIGKILL.

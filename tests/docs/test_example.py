@@ -4,7 +4,7 @@ from pathlib import Path
 
 from conftest import read_events
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
 
 def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):

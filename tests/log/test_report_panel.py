@@ -1,6 +1,6 @@
-"""The health report on real training (issue 23): no flag on healthy runs of real architectures,
+"""The health report on real training: no flag on healthy runs of real architectures,
 the right flag on the right module at the right step on broken ones, and the printed report and
-``python -m lightning_gradhooks report`` agree, line for line. Models: tests/report_panel.py."""
+``python -m lightning_gradhooks report`` agree, line for line. Models: tests/helpers/report_panel.py."""
 
 from __future__ import annotations
 
@@ -132,8 +132,8 @@ def test_the_panel_models_are_what_they_claim(tmp_path):
     assert 1 - touched / 30000 > 0.99
 
 
-# -- the bigger panel of issue 31 (tests/report_panel_runs.py): its integrity only. Its outcomes
-# are judged by `python tests/report_panel.py --half tune|heldout|all`.
+# -- the bigger panel (tests/helpers/report_panel_runs.py): its integrity only. Its outcomes
+# are judged by `python tests/helpers/report_panel.py --half tune|heldout|all`.
 
 def test_panel_halves_are_disjoint_varied_and_long_enough():
     import report_panel_runs as runs
@@ -230,8 +230,8 @@ def test_the_runner_judges_rows_it_does_not_know():
     assert not runs.judge(broken, Row(rows=lambda: [note]), [1.0, math.nan])[0]
 
 
-# -- outcomes of the bigger panel (issue 31): the quick runs of both halves, here; every run of
-# both halves, over more seeds: `PYTHONPATH=$PWD python tests/report_panel.py --half all --seeds 0 1`
+# -- outcomes of the bigger panel: the quick runs of both halves, here; every run of
+# both halves, over more seeds: `PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py --half all --seeds 0 1`
 
 QUICK = ["scale_before_layernorm", "dcgan_manual", "relu_rnn_explodes", "orphan_head_resnet", "dead_conv_layer",
          "nan_batch_unlogged_resnet", "unet_bias_bn", "gru_attention_pool", "dead_mlp_resumed", "orphan_head_bert",

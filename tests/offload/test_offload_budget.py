@@ -1,4 +1,4 @@
-"""Offload under a memory budget (issue 27): ``save_on_disk(budget_bytes=B)`` keeps the newest
+"""Offload under a memory budget: ``save_on_disk(budget_bytes=B)`` keeps the newest
 offloadable saves in memory and writes the oldest; the engine never holds more than B plus one
 tensor; results stay bitwise equal; the disk-space warning; the callback argument."""
 

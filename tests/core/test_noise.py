@@ -3,7 +3,7 @@
 Brute force: every example's gradient with ``vmap(grad(...))``, hence the exact ``|G|²`` and
 ``tr(Σ)`` (of one batch, or of the whole data set when the weights do not move, lr 0). The
 runs log every step of a real Lightning Trainer and the test reads the TensorBoard events back.
-DDP on two CPU processes runs ``tests/noise_ddp.py`` (see ``test_ddp.py`` for how).
+DDP on two CPU processes runs ``tests/helpers/noise_ddp.py`` (see ``test_ddp.py`` for how).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_gradhooks.__main__ import read_folder
 from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
 
 from conftest import hook_snapshot, make_trainer, read_events
-from test_ddp import run_script
+from launch import run_script
 
 NOISE_TAG = "∇1 overview/noise_scale"
 

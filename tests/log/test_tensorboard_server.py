@@ -47,8 +47,9 @@ def tensorboard(logdir) -> Iterator[tuple[subprocess.Popen, int]]:  # noqa: ANN0
         yield server, port
     finally:
         server.terminate()
-        server.wait(timeout=30)
-    assert server.returncode is not None
+        server.wait(timeout=30)  # raises if the server does not stop
+    with pytest.raises(ConnectionRefusedError):  # and nothing of it listens on the port any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_tensorboard_server_serves_our_tags(tmp_path):

@@ -1,7 +1,7 @@
 """Plain ``torch.distributed`` on CPU (gloo, two processes): FSDP1 views, HSDP on a 2-D mesh
 (replicated across one dim, sharded across the other) and a Partial gradient.
 
-Run by ``tests/test_sharded.py`` as ``python sharded_ranks.py OUT_DIR``; starts both ranks
+Run by ``tests/shell/test_sharded.py`` as ``python sharded_ranks.py OUT_DIR``; starts both ranks
 with ``torch.multiprocessing``. Rank ``r`` writes ``OUT_DIR/ranks-r.json``: the pooled
 parameter entries of each step, the batches it trained on, and what the monitor skipped.
 """

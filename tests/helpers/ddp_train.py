@@ -1,6 +1,6 @@
 """Trains a small model with ``Trainer(strategy="ddp", accelerator="cpu", devices=2)``.
 
-Run by ``tests/test_ddp.py`` as ``python ddp_train.py OUT_DIR MODE`` (``local`` or ``sync``);
+Run by ``tests/shell/test_ddp.py`` as ``python ddp_train.py OUT_DIR MODE`` (``local`` or ``sync``);
 Lightning starts rank 1 by running this script again. Each rank saves the gradients of ``net.2``'s
 output at every step (captured with a plain tensor hook, the test's reference) to OUT_DIR.
 """

@@ -206,6 +206,7 @@ def test_log_arguments_are_checked_and_a_second_close_is_a_no_op(tmp_path):
     with pytest.raises(ValueError, match="`statistics` expected names from"):
         GradientLog(statistics=["norm", "speed"])
     log = GradientLog(echo=None)
-    assert log.close() is log.close()
+    report = log.close()
+    assert report is not None and log.close() is report  # the second close returns the same report
     with pytest.raises(RuntimeError, match="closed"):
         log.write(GradientMonitor(model()).collect(), 0)

@@ -8,9 +8,10 @@ printed, its text, and the run's log folder; ``cli`` runs ``python -m lightning_
 report`` in this process on that folder.
 
 Run as a script for a sweep of the healthy makers above over more seeds:
-``python tests/report_panel.py 0 1 2 3 4``; the bigger panel of issue 31 (runs of the makers
-below, in two halves, with expected outcomes: tests/report_panel_runs.py):
-``PYTHONPATH=$PWD python tests/report_panel.py --half tune|heldout|all [--seeds 0 1]``.
+``PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py 0 1 2 3 4``; the bigger panel
+(runs of the makers below, in two halves, with expected outcomes:
+tests/helpers/report_panel_runs.py):
+``PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py --half tune|heldout|all [--seeds 0 1]``.
 """
 
 from __future__ import annotations
@@ -403,9 +404,9 @@ def damaged(make, **attributes):  # noqa: ANN001, ANN201
     return made
 
 
-# -- the bigger panel (issue 31): more architectures and practices -----------------------------
+# -- the bigger panel: more architectures and practices -----------------------------
 # Each maker's docstring says what was checked on it, on the code of the day it was written
-# (1 CPU thread, seed 0); tests/report_panel_runs.py holds the runs (maker, fit settings, the
+# (1 CPU thread, seed 0); tests/helpers/report_panel_runs.py holds the runs (maker, fit settings, the
 # expected outcome) and the runner.
 
 def hf_offline() -> None:
@@ -1165,13 +1166,13 @@ def cli_table(log_dir: str, *args: str) -> str:
     return out.split("\n", 1)[1].rstrip("\n")
 
 
-if __name__ == "__main__" and "--half" in sys.argv:  # the panel of issue 31: tests/report_panel_runs.py
+if __name__ == "__main__" and "--half" in sys.argv:  # the bigger panel: tests/helpers/report_panel_runs.py
     sys.path.insert(0, str(Path(__file__).parent))
     import report_panel_runs
 
     sys.exit(report_panel_runs.main(sys.argv[1:]))
 
-if __name__ == "__main__":  # a sweep: python tests/report_panel.py SEED...
+if __name__ == "__main__":  # a sweep: python tests/helpers/report_panel.py SEED...
     import logging
     import tempfile
     import warnings

@@ -1,4 +1,4 @@
-"""The report on what the first panel did not hold (issue 31): parameters whose gradient is zero
+"""The report on cases beyond the validation panel's: parameters whose gradient is zero
 by construction (a note, never a flag), small gradients that Adam still turns into normal steps,
 an explosion seen one logged step before the weights went NaN, a head that no optimizer holds,
 two optimizers stepping in one training step, a resumed run, and the opt-in NaN sentinel.

@@ -1,14 +1,11 @@
 """DDP on CPU (gloo, two processes): rank 0 writes, local or pooled statistics, offload cleaned.
 
 ``strategy="ddp"`` starts rank 1 by running the script again, so each case runs
-``tests/ddp_train.py`` in a fresh process tree (~12 s each on two cores).
+``tests/helpers/ddp_train.py`` in a fresh process tree (~12 s each on two cores).
 """
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,36 +14,11 @@ import torch
 from lightning_gradhooks.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
-
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-                    "MASTER_ADDR", "MASTER_PORT")
+from launch import run_script
 
 
 def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
     return run_script(out, "ddp_train.py", mode)
-
-
-def run_script(out: Path, script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run ``tests/<script> OUT *args`` (a Lightning job that starts its other ranks itself)."""
-    # A leaked launcher variable makes Lightning wait for ranks that never come.
-    env = {
-        k: v for k, v in os.environ.items()
-        if k not in LAUNCH_VARIABLES and not k.startswith(("PL_", "TORCHELASTIC_", "SLURM_"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / script), str(out), *args],
-        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # rank 1 is a grandchild
-        output, _ = process.communicate()
-        pytest.fail(f"{script} timed out:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-4000:]
-    return process
 
 
 @pytest.mark.parametrize("mode", ["local", "sync"])

@@ -27,7 +27,7 @@ from conftest import FailingBackward
 from test_offload_signals import free_bytes, mounted_tmpfs, tmpfs  # noqa: F401 - a fixture
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def mlp(depth: int = 4, width: int = 256, seed: int = 0) -> nn.Sequential:

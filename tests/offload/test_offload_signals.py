@@ -1,5 +1,5 @@
 """Offload under every way a run can end: SIGKILL, a forked DDP worker's ``os._exit``, Ctrl-C at
-random moments. Each case runs tests/offload_victim.py in a subprocess. Free space is measured
+random moments. Each case runs tests/helpers/offload_victim.py in a subprocess. Free space is measured
 on a private tmpfs where one can be mounted (root), else those checks are skipped."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
@@ -46,13 +46,13 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 class Victim:
-    """tests/offload_victim.py in its own session, its output lines readable with a timeout."""
+    """tests/helpers/offload_victim.py in its own session, its output lines readable with a timeout."""
 
     def __init__(self, mode: str, folder: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LOCAL_RANK", "RANK", "WORLD_SIZE",
                                                                           "MASTER_"))}
         env["PYTHONPATH"] = str(REPO)
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "offload_victim.py"), mode, str(folder)],
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "offload_victim.py"), mode, str(folder)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
         self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()

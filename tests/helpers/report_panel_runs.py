@@ -1,6 +1,6 @@
-"""The runs of the health report's validation panel (issue 31) and their runner.
+"""The runs of the health report's validation panel and their runner.
 
-A run is a maker of ``tests/report_panel.py``, a seed, fit settings and the outcome expected of
+A run is a maker of ``tests/helpers/report_panel.py``, a seed, fit settings and the outcome expected of
 the report: none for a healthy run (no ``nonfinite``, ``exploding``, ``vanishing``, ``dead`` or
 ``stalled`` row; ``note`` rows are allowed), or a flag on a module since a step in a range. The
 runs are split into two halves of different architectures and practices: ``TUNE``, on which
@@ -8,7 +8,7 @@ the report's definitions may be tuned, and ``HELDOUT``, run once at the end to j
 
 Run from the repository root::
 
-    PYTHONPATH=$PWD python tests/report_panel.py --half tune|heldout|all [--seeds 0 1] [--runs NAME ...]
+    PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py --half tune|heldout|all [--seeds 0 1] [--runs NAME ...]
 
 One line per run: name, half, seed, seconds, loss first -> last (the mean of the last tenth),
 the first line of the printed report, whether the CLI's report of the log equals it, PASS or
@@ -231,7 +231,7 @@ def main(argv: list[str]) -> int:
     import logging
     import warnings
 
-    parser = argparse.ArgumentParser(prog="python tests/report_panel.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tests/helpers/report_panel.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--half", choices=["tune", "heldout", "all"], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs (names)")
@@ -276,7 +276,7 @@ def _one(run: Run, half: str, seed: int) -> bool:
             cli_text, same = "", f"CLI failed: {type(error).__name__}"
         losses = list(getattr(model, "losses", []))
         ok, why = judge(run, report, losses)
-        # What issue 23 asked for stays: the CLI prints the same report, in at most 40 lines.
+        # The CLI prints the same report, in at most 40 lines.
         if ok and same != "yes":
             ok, why = False, f"{why}, but the CLI's report differs"
         if ok and len(text.splitlines()) > 40:

@@ -1,4 +1,4 @@
-"""Offload never changes what autograd computes or refuses (issue 24, parts 1 and 2).
+"""Offload never changes what autograd computes or refuses.
 
 torch skips its in-place version check whenever saved-tensor hooks are set: ``save_on_disk``
 makes it itself, for tensors kept in memory and for tensors written to disk, before or after

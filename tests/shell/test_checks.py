@@ -1,4 +1,4 @@
-"""One set of argument checks (issue 24, part 5): ``GradHooks``, ``GradientMonitor`` and
+"""Argument checks: ``GradHooks``, ``GradientMonitor`` and
 ``save_on_disk`` refuse a bad argument at construction with a ValueError that names the
 argument, what is accepted and the value received."""
 

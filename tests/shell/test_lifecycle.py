@@ -1,4 +1,4 @@
-"""Nothing of ours stays on, however a step ends (issue 24, parts 3 and 4).
+"""Nothing of ours stays on, however a step ends.
 
 GradHooks: however Lightning ends a training batch or epoch (``on_train_batch_start`` returning
 -1, ``training_step`` returning None, ``trainer.should_stop``, ``max_steps``, a callback that

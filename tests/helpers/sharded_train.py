@@ -1,6 +1,6 @@
 """Trains a small model with Lightning's ``ModelParallelStrategy`` on CPU (gloo, two processes).
 
-Run by ``tests/test_sharded.py`` as ``python sharded_train.py OUT_DIR MODE``: ``fsdp2``
+Run by ``tests/shell/test_sharded.py`` as ``python sharded_train.py OUT_DIR MODE``: ``fsdp2``
 (``fully_shard`` in ``configure_model``, data parallel 2, ``sync_dist=True``, offload on) or
 ``tp`` (``ColwiseParallel``/``RowwiseParallel``, tensor parallel 2, ``sync_dist=False``).
 Lightning starts rank 1 by running this script again. Each rank saves the batches it trained

@@ -1,6 +1,6 @@
 """Sharded training on CPU (gloo, two processes): FSDP2 and tensor parallelism through a real
 Trainer with Lightning's ``ModelParallelStrategy``; FSDP1 views, HSDP on a 2-D mesh and a
-Partial gradient with plain ``torch.distributed`` (``tests/sharded_ranks.py``).
+Partial gradient with plain ``torch.distributed`` (``tests/helpers/sharded_ranks.py``).
 
 The logged ``param_grad_*`` statistics must be those of the same model trained unsharded, in
 this process, on the same global batch.
@@ -15,7 +15,7 @@ from torch import nn
 from lightning_gradhooks.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
-from test_ddp import run_script
+from launch import run_script
 
 STATS = ("norm", "mean", "std", "absmax")
 

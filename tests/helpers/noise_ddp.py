@@ -1,7 +1,7 @@
 """Fits the MLP of ``test_noise.models()`` at learning rate 0 with ``strategy="ddp"`` on two CPU
 processes (gloo), 16 examples a rank, every step logged.
 
-Run by ``tests/test_noise.py`` as ``python noise_ddp.py OUT_DIR``; Lightning starts rank 1 by
+Run by ``tests/core/test_noise.py`` as ``python noise_ddp.py OUT_DIR``; Lightning starts rank 1 by
 running this script again. Rank 0 writes the events and ``facts.json``: how many ``all_reduce``
 calls GradHooks' noise probe made (its ``collectives``) and how many steps were logged.
 """
