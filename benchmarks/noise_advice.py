@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/helpers", "tests/core"]
 from test_noise import truth  # noqa: E402
 
 from lightning_gradhooks import GradHooks  # noqa: E402
