@@ -342,6 +342,10 @@ class GradientLog:
         if sample.reason is not None and (self._noise_last is None or self._noise_last.reason != sample.reason):
             warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
         self._noise_last = sample
+        if sample.nonfinite_ranks:  # which ranks' own gradients were not finite before the all-reduce
+            ranks = sample.nonfinite_ranks
+            stats[("ranks", "gradient")] = {"nonfinite_ranks": float(len(ranks)), "first_rank": float(ranks[0]),
+                                            "own": float(_rank() in ranks)}
         if sample.reason is None:
             stats[("noise", "gradient")] = sample.stats()
             value = self.noise_scale.update(*sample.estimates(), step=step, batch=sample.big, coverage=sample.coverage)

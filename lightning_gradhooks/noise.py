@@ -99,6 +99,8 @@ class NoiseSample:
         coverage: the share of the step's parameter elements the estimate covers (below 1 for
             per-example norms, which only some layers give).
         reason: why there is no estimate (the numbers are then NaN); None when there is one.
+        nonfinite_ranks: under data parallelism, the ranks whose own gradient (each backward's,
+            before the all-reduce) was not finite; ``()`` when all were, or when not known.
     """
 
     small_sq: float
@@ -108,6 +110,7 @@ class NoiseSample:
     source: str
     coverage: float = 1.0
     reason: str | None = None
+    nonfinite_ranks: tuple[int, ...] = ()
 
     @classmethod
     def none(cls, reason: str, source: str = "", big: float = math.nan) -> NoiseSample:
@@ -581,17 +584,25 @@ class NoiseProbe:
             return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
         first = None if self._small is None else self._small / self._backwards  # the mean over micro-batches
         device = first.device if first is not None else next((p.device for p in params), torch.device("cpu"))
-        local = first if first is not None else torch.full((), math.nan, device=device)
-        if world > 1:  # the one collective: the mean over the ranks of |G_b|²
-            local = local.to(torch.float64 if device.type == "cpu" else torch.float32).reshape(1)
-            dist.all_reduce(local)
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        # Each rank's |G_b|² in a slot of its own (and whether a backward reached its parameters),
+        # so that a NaN of one rank says which rank it is and leaves the others' slots finite.
+        slots = torch.zeros(2, world, dtype=dtype, device=device)
+        rank = dist.get_rank() if world > 1 else 0
+        if first is not None:
+            slots[0, rank], slots[1, rank] = first.to(dtype), 1.0
+        if world > 1:  # the one collective
+            dist.all_reduce(slots)
             self.collectives += 1
-            local = local / world
+        values, reached = slots.tolist()
         b = self._batch
         big = b * k * world
-        small_sq = float(local.sum()) * k * k  # the micro-batch's loss was divided by k
-        if math.isnan(small_sq):
+        bad = tuple(r for r, v in enumerate(values) if not math.isfinite(v))
+        if bad:  # before the collective: these ranks' own gradients were not finite
+            return replace(NoiseSample.none("the gradients are not finite", source, big), nonfinite_ranks=bad)
+        if not all(reached):
             return NoiseSample.none("no backward pass reached the parameters on a rank", source, big)
+        small_sq = sum(values) / world * k * k  # the micro-batch's loss was divided by k
         big_sq = _squares(p.grad for p in params)
         big_sq = 0.0 if big_sq is None else float(big_sq)
         return self._checked(NoiseSample(small_sq, big_sq, b, big, source))

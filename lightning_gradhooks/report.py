@@ -308,13 +308,25 @@ def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tup
         if kind == "forward":
             return name, f"born in the forward of `{name}`", count[kind, name]
     gradients = [(k, n) for k, n, _ in entries if k in GRADIENT_KINDS]
+    ranks = stats.get(("ranks", "gradient"))  # ranks whose own gradients were bad before the all-reduce
+    elsewhere = ""
+    if ranks is not None:
+        more = int(ranks.get("nonfinite_ranks", 1)) - 1
+        elsewhere = f"rank {int(ranks.get('first_rank', 0))}" + (f" and {counted(more, 'other')}" if more else "")
     for kind, name, why in bad:
         if kind in GRADIENT_KINDS:
             module = module_of(kind, name)
             value = count[kind, name] or stats[kind, name].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
+            if ranks is not None and not ranks.get("own", 1) and kind == "param_grad":
+                # This rank's own backward was finite (its hooks, its local gradients): the
+                # collective that averages the ranks' gradients brought the NaN.
+                return module, (f"another rank: the gradients of {elsewhere} were already non-finite before the "
+                                f"all-reduce, which brought them here (this rank's forward, loss and own gradients were "
+                                f"finite); first seen in {kind} of `{name}` ({why})"), value
+            on = f" (on {elsewhere}, before the all-reduce)" if ranks is not None else ""
             if gradients and gradients[0] == (kind, name):
-                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", value
-            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", value
+                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}{on}", value
+            return module, f"born in backward: first seen in {kind} of `{name}` ({why}){on}", value
     kind, name, why = bad[0]
     return module_of(kind, name), f"the optimizer step: {why} of `{name}`", 0.0
 

@@ -282,3 +282,24 @@ def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_we
     (row,) = report.rows()
     assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
     assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
+
+
+def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
+    """The noise probe's ("ranks", "gradient") entry: which ranks' own gradients were bad before
+    the all-reduce. Finite hooks on this rank and a bad param_grad: another rank (DDP run:
+    tests/shell/test_ddp.py). Statistics pooled over the ranks (`sync_dist`) that are bad on the
+    hooks: born in backward, on that rank."""
+    from lightning_gradhooks.report import nonfinite_origin
+
+    nan = {"nonfinite": 4.0, "norm": math.nan}
+    finite = {"nonfinite": 0.0, "norm": 1.0}
+    local = [("grad_output", "net.2", finite), ("param_grad", "net.0.weight", nan),
+             ("ranks", "gradient", {"nonfinite_ranks": 2.0, "first_rank": 1.0, "own": 0.0})]
+    module, detail, _ = nonfinite_origin(local)
+    assert module == "net.0" and detail.startswith(
+        "another rank: the gradients of rank 1 and 1 other were already non-finite before the all-reduce")
+    pooled = [("grad_output", "net.4", finite), ("grad_output", "net.2", nan), ("param_grad", "net.0.weight", nan),
+              ("ranks", "gradient", {"nonfinite_ranks": 1.0, "first_rank": 1.0, "own": 0.0})]
+    assert nonfinite_origin(pooled)[1] == ("born in backward: first seen in grad_output of `net.2` (4 NaN/Inf) "
+                                           "(on rank 1, before the all-reduce)")
+    assert "rank" not in nonfinite_origin(local[:2])[1]  # one process, or no probe: as before
