@@ -50,7 +50,7 @@ def test_resnet_block_falls_back_where_needed_and_matches_the_reference():
         monitor.arm()
         block(batch()).sum().backward()
         entries = monitor.collect().entries
-    got = {(e.kind, e.name): e.stats for e in entries}
+    got = {(e.kind, e.name): e.stats._asdict() for e in entries}
     calls = {(e.kind, e.name): e.calls for e in entries}
     assert monitor.fallback == ["bn1", "bn2", "relu"]
     assert all("modified in place" in monitor.plan[name].reason for name in monitor.fallback)

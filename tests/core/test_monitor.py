@@ -49,7 +49,7 @@ def test_statistics_equal_autograd_reference():
         monitor.arm()
         (net(x) ** 2).sum().backward()
         record = monitor.collect()
-    got = {(e.kind, e.name): e.stats for e in record.entries}
+    got = {(e.kind, e.name): e.stats._asdict() for e in record.entries}
 
     # Independent reference: capture each module's input and output, differentiate the same loss.
     captured = {}
@@ -107,13 +107,13 @@ def test_grad_input_and_grad_output_equal_what_full_backward_hooks_receive():
     for name, calls in seen.items():
         outputs = [go[0] for _, go in calls]
         assert got["grad_output", name].calls == len(calls)
-        assert_stats(got["grad_output", name].stats, pooled(outputs))
+        assert_stats(got["grad_output", name].stats._asdict(), pooled(outputs))
         n_inputs = len(calls[0][0])
         for i in range(n_inputs):
             label = name if n_inputs == 1 else f"{name}/{i}"
-            assert_stats(got["grad_input", label].stats, pooled([gi[i] for gi, _ in calls]))
+            assert_stats(got["grad_input", label].stats._asdict(), pooled([gi[i] for gi, _ in calls]))
     # inner's share, not the input's total gradient (which a hook on x itself would see)
-    assert got["grad_input", "inner"].stats["norm"] != pytest.approx(total.norm().item(), rel=1e-2)
+    assert got["grad_input", "inner"].stats.norm != pytest.approx(total.norm().item(), rel=1e-2)
     assert {k for k, _ in got} == {"grad_output", "grad_input"}
 
 
@@ -173,7 +173,7 @@ def test_every_planned_module_reads_grad_input_through_a_view_as_a_full_backward
             nodes = graph_nodes(loss)
             assert [len(getattr(net, n)._forward_pre_hooks) for n in names] == [1] * 4
             loss.backward()
-            got = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+            got = {(e.kind, e.name): e.stats._asdict() for e in monitor.collect().entries}
             expected = set(want) if step else {k for k in want if k[0] == "grad_output"}
             assert set(got) == expected
             for key in expected:
@@ -195,7 +195,7 @@ def test_parametrized_linear_is_still_read_exactly():
             (net(x) ** 2).sum().backward()
             record = monitor.collect()
     want = full_hook_reference(net, x, ["2"])
-    got = {(e.kind, e.name): e.stats for e in record.entries}
+    got = {(e.kind, e.name): e.stats._asdict() for e in record.entries}
     assert_stats(got["grad_input", "2"], ref_stats(want["grad_input", "2"]))
     assert_stats(got["grad_output", "2"], ref_stats(want["grad_output", "2"]))
 
@@ -214,7 +214,7 @@ def test_backward_order_and_histograms():
             assert e.histogram is None
         else:
             assert len(e.histogram.counts) == 16
-            assert sum(e.histogram.counts) == pytest.approx(e.stats["norm"] * 0 + sum(e.histogram.counts))
+            assert sum(e.histogram.counts) == pytest.approx(e.stats.norm * 0 + sum(e.histogram.counts))
     first_input = [e for e in record.entries if e.kind == "grad_input"]
     assert "0" not in [e.name for e in first_input]  # its input needs no grad
 
@@ -268,7 +268,7 @@ def test_modules_with_legacy_or_full_backward_hooks_of_their_own_are_monitored_t
     assert {e.name for e in record.entries if e.kind == "grad_input"} == {"2", "3", "4"}
     assert [f if isinstance(f, str) else f[0] for f in fired] == ["full", "legacy"] * 2
     entry = next(e for e in record.entries if e.kind == "grad_output" and e.name == "2")
-    assert entry.stats["norm"] == pytest.approx(fired[-2][1].norm().item(), rel=1e-6)
+    assert entry.stats.norm == pytest.approx(fired[-2][1].norm().item(), rel=1e-6)
 
 
 def test_no_warning_when_first_input_needs_no_grad_and_no_filter_is_added():
@@ -355,7 +355,7 @@ def test_modules_called_several_times_give_one_pooled_entry_with_the_call_count(
     # Reference: the gradients of the three outputs, concatenated.
     loss = net(x).square().sum()
     grads = torch.autograd.grad(loss, net.outputs)
-    assert_stats(out.stats, ref_stats(torch.cat([g.flatten() for g in grads])))
+    assert_stats(out.stats._asdict(), ref_stats(torch.cat([g.flatten() for g in grads])))
     assert sum(out.histogram.counts) == pytest.approx(sum(g.numel() for g in grads))
 
 
@@ -402,7 +402,7 @@ def test_every_output_tensor_of_nested_outputs_is_labelled_by_key_or_position():
             monitor.arm()
             loss_of(net(x)).backward()
             record = monitor.collect()
-    got = {e.name: e.stats for e in record.entries if e.kind == "grad_output"}
+    got = {e.name: e.stats._asdict() for e in record.entries if e.kind == "grad_output"}
     assert set(got) == {
         "body/logits", "body/state/0", "body/state/1/0", "body/extra/hidden", "body.lstm/0", "body.lstm/1/0",
         "body.lstm/1/1", "body.proj",
@@ -569,11 +569,12 @@ def test_hooks_stay_in_through_every_backward_until_collect():
         entry = next(e for e in monitor.collect().entries if e.kind == "grad_output")
     want = torch.cat([g.flatten() for g in grads]).double()
     assert entry.calls == 3
-    assert entry.stats["norm"] == pytest.approx(want.norm().item(), rel=1e-5)
-    assert entry.stats["std"] == pytest.approx(want.std().item(), rel=1e-5)
+    assert entry.stats.norm == pytest.approx(want.norm().item(), rel=1e-5)
+    assert entry.stats.std == pytest.approx(want.std().item(), rel=1e-5)
 
 
 def test_forward_checks_name_the_module_where_nan_is_born():
+    from lightning_gradhooks.records import step_summary
     from lightning_gradhooks.report import nonfinite_origin
 
     net = model()
@@ -596,7 +597,7 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert [e.name for e in record.entries if e.kind == "forward_input"] in (["0"], ["0", "2"])
             assert [e.kind for e in record.entries[:3]] == ["weights", "forward_input", "forward"]
             assert (first.kind, first.name) == ("forward", "2")
-            assert nonfinite_origin([(e.kind, e.name, e.stats) for e in record.entries])[:2] == (
+            assert nonfinite_origin(step_summary(record))[:2] == (
                 "2", "born in the forward of `2`"
             )
         else:
@@ -668,7 +669,7 @@ def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remo
         for e in record.entries:
             if e.kind == "param_grad":
                 (row, counts), = reduce([params[e.name].grad], bins=monitor.bins)
-                assert [e.stats[s] for s in STATISTICS] == row[: len(STATISTICS)]
+                assert e.stats == row
                 assert e.histogram.counts == counts
         model.zero_grad()
     handle.remove()

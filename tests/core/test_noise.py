@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_gradhooks import GradHooks, GradientMonitor
 from lightning_gradhooks.__main__ import read_folder
 from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
+from lightning_gradhooks.records import Key, Kind
 
 from conftest import hook_snapshot, make_trainer, read_events
 from launch import run_script
@@ -223,7 +224,8 @@ def logged(tmp_path) -> tuple[list[float], list[dict[str, float]]]:  # noqa: ANN
     events = read_events(str(folder))
     charted = [e.value for e in events.Scalars(NOISE_TAG)] if NOISE_TAG in events.Tags()["scalars"] else []
     steps = read_folder(folder).steps
-    return charted, [s[("noise", "gradient")] for _, s in sorted(steps.items()) if ("noise", "gradient") in s]
+    key = Key(Kind.NOISE, "gradient")
+    return charted, [s[key] for _, s in sorted(steps.items()) if key in s]
 
 
 def trace_over_grad_sq(model, x, y) -> float:  # noqa: ANN001

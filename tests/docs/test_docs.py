@@ -108,3 +108,32 @@ def test_a_marked_block_is_recognised(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "DOCUMENTS", [tmp_path / "README.md"])
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [(line, reason) for _, line, _, reason in snippets()] == [(4, "a signature"), (8, None)]
+
+
+def readme_table(heading: str) -> dict[str, list[str]]:
+    """The rows of the first table under ``## heading`` of README.md, by the first cell's name."""
+    section = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip(" `"): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_the_readme_is_short_and_its_test_command_is_the_one_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert first_block[1] == ci[-1] == 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q'
+
+
+def test_the_readme_table_gives_every_argument_of_gradhooks_with_its_default():
+    import inspect
+
+    from lightning_gradhooks import GradHooks
+
+    table = readme_table("Arguments")
+    parameters = {name: p.default for name, p in inspect.signature(GradHooks.__init__).parameters.items() if name != "self"}
+    assert list(table) == list(parameters)  # every argument, in the constructor's order
+    for name, default in parameters.items():
+        cell = table[name][0]
+        assert cell.startswith(f"`{default!r}`"), (name, cell)
+        assert len(table[name][1]) > 20, name  # says what it does

@@ -50,7 +50,7 @@ def fsdp1(rank: int) -> dict:
 
 
 def entries(record) -> dict:  # noqa: ANN001
-    return {e.name: [e.stats, sum(e.histogram.counts)] for e in record.entries if e.kind == "param_grad"}
+    return {e.name: [e.stats._asdict(), sum(e.histogram.counts)] for e in record.entries if e.kind == "param_grad"}
 
 
 def hsdp(rank: int) -> dict:

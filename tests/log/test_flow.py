@@ -54,8 +54,39 @@ def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp
 
 def _entry(kind, name, rms, count=4):  # noqa: ANN001, ANN202
     from lightning_gradhooks.records import GradientEntry
+    from lightning_gradhooks.stats import StatsRow
 
-    return GradientEntry(kind, name, dict.fromkeys(STATISTICS, 0.0) | {"norm": rms * count**0.5}, count=count)
+    # Elements of mean 0 and root mean square `rms`, none zero.
+    stats = StatsRow(norm=rms * count**0.5, mean=0.0, std=rms * (count / (count - 1)) ** 0.5, absmax=rms, nonfinite=0.0,
+                     zero_fraction=0.0, count=float(count), low=-rms, high=rms)
+    return GradientEntry(kind, name, stats)
+
+
+def test_the_picture_and_the_report_take_one_rms_of_the_same_module():
+    import torch
+
+    from lightning_gradhooks import GradientMonitor
+    from lightning_gradhooks.flow import GradientFlow
+    from lightning_gradhooks.judge import _f32
+    from lightning_gradhooks.records import Key, Kind, rms, step_summary
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    into_relu = []  # the gradient the ReLU sends back: Linear 0's grad_output, zero where the ReLU is off
+    model[1].register_full_backward_hook(lambda m, gi, go: into_relu.append(gi[0].clone()))
+    monitor = GradientMonitor(model)
+    with monitor.attach(), monitor.arm():
+        model(torch.randn(32, 8)).square().mean().backward()
+        record = monitor.collect()
+    picture = GradientFlow()
+    picture.add(0, record)
+    summary = step_summary(record)  # what the report judges, as the log holds it (float32)
+    assert {"0", "2"} <= set(picture.rms[0])
+    for name in picture.rms[0]:
+        assert picture.rms[0][name] == pytest.approx(rms(_f32(summary[Key(Kind.GRAD_OUTPUT, name)])), rel=1e-5), name
+    grad = into_relu[0]
+    assert (grad == 0).double().mean() > 0.2  # the zeros would halve a plain norm / sqrt(count)
+    assert picture.rms[0]["0"] == pytest.approx(grad[grad != 0].double().square().mean().sqrt().item(), rel=1e-5)
 
 
 def test_gradient_flow_bars_are_the_heatmaps_last_column_on_its_colour_scale():
@@ -143,16 +174,15 @@ def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, mon
 
 def test_gradient_flow_is_drawn_within_its_time_budget(monkeypatch):
     from lightning_gradhooks import flow
-    from lightning_gradhooks.records import GradientEntry, GradientRecord
+    from lightning_gradhooks.records import GradientRecord
 
     clock = [100.0]
     monkeypatch.setattr(flow.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(flow.GradientFlow, "_draw", lambda self: clock.__setitem__(0, clock[0] + 1.0))
     picture = flow.GradientFlow()
-    stats = dict.fromkeys(STATISTICS, 0.0) | {"norm": 2.0}
     drawn = []
     for step in range(0, 2000, 10):  # 200 logged steps
-        picture.add(step, GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)]))
+        picture.add(step, GradientRecord([_entry("grad_output", "net.0", 1.0)]))
         if picture.due():
             picture.image()
             drawn.append(step)

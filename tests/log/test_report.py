@@ -272,16 +272,37 @@ def test_tiny_values_growing_inside_a_vanishing_stack_are_not_exploding():
 
 
 def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_weight_is_not():
-    report = HealthReport()
     grads = {("param_grad", "w"): {"norm": 2.0, "mean": 0.0, "std": 1.0}, ("param_grad", "b"): {"norm": 1.0, "mean": 0.5, "std": 0.5}}
-    report.add_stats(0, grads)
     # b was all zero before the step: an infinite ratio with finite weights after it is no overflow.
-    report.add_stats(0, {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}})
+    zero_b = {("param", "b"): {"update_ratio": math.inf, "param_norm": 0.1}}
+    report = HealthReport()
+    report.add_stats(0, grads)
+    report.add_stats(0, zero_b)
     assert report.flags() == []
-    report.add_stats(0, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}})
+    report = HealthReport()
+    for stats in (grads, zero_b, {("param", "w"): {"update_ratio": math.inf, "param_norm": math.inf}}):
+        report.add_stats(0, stats)
     (row,) = report.rows()
     assert (row.flag, row.module, row.since) == ("nonfinite", "(model)", 0)
     assert row.detail == "the optimizer step: weights non-finite after the step of `w`; no clean logged step before it"
+
+
+def test_a_flag_carries_its_kind_and_entry_and_a_read_judges_the_pending_step_in_place(monkeypatch):
+    import copy
+
+    from lightning_gradhooks.records import Key, Kind
+
+    report = HealthReport()
+    for step in range(0, 50, 10):
+        report.add_stats(step, {Key(Kind.GRAD_OUTPUT, f"m{i}/0", 1): {"mean": 0.0, "std": 1.0 if i else 1e-9}
+                                for i in range(4)})
+    monkeypatch.setattr(copy, "deepcopy", lambda *a, **k: pytest.fail("a read made a deep copy"))
+    (flag,) = report.flags()
+    assert (flag.flag, flag.kind, flag.entry, flag.module) == ("vanishing", "grad_output", "optimizer_1/m0/0", "optimizer_1/m0")
+    assert flag.name == "grad_output optimizer_1/m0/0"
+    # The read judged step 40: what comes for it later is ignored, as for any judged step.
+    report.add_stats(40, {("grad_output", "late"): {"mean": 0.0, "std": 1.0}})
+    assert report.steps == 5 and "late" not in report.table(full=True)
 
 
 def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
@@ -289,17 +310,20 @@ def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
     the all-reduce. Finite hooks on this rank and a bad param_grad: another rank (DDP run:
     tests/shell/test_ddp.py). Statistics pooled over the ranks (`sync_dist`) that are bad on the
     hooks: born in backward, on that rank."""
+    from lightning_gradhooks.records import Key
     from lightning_gradhooks.report import nonfinite_origin
 
     nan = {"nonfinite": 4.0, "norm": math.nan}
     finite = {"nonfinite": 0.0, "norm": 1.0}
-    local = [("grad_output", "net.2", finite), ("param_grad", "net.0.weight", nan),
-             ("ranks", "gradient", {"nonfinite_ranks": 2.0, "first_rank": 1.0, "own": 0.0})]
+    local = {Key("grad_output", "net.2"): finite, Key("param_grad", "net.0.weight"): nan,
+             Key("ranks", "gradient"): {"nonfinite_ranks": 2.0, "first_rank": 1.0, "own": 0.0}}
     module, detail, _ = nonfinite_origin(local)
     assert module == "net.0" and detail.startswith(
         "another rank: the gradients of rank 1 and 1 other were already non-finite before the all-reduce")
-    pooled = [("grad_output", "net.4", finite), ("grad_output", "net.2", nan), ("param_grad", "net.0.weight", nan),
-              ("ranks", "gradient", {"nonfinite_ranks": 1.0, "first_rank": 1.0, "own": 0.0})]
+    pooled = {Key("grad_output", "net.4"): finite, Key("grad_output", "net.2"): nan,
+              Key("param_grad", "net.0.weight"): nan,
+              Key("ranks", "gradient"): {"nonfinite_ranks": 1.0, "first_rank": 1.0, "own": 0.0}}
     assert nonfinite_origin(pooled)[1] == ("born in backward: first seen in grad_output of `net.2` (4 NaN/Inf) "
                                            "(on rank 1, before the all-reduce)")
-    assert "rank" not in nonfinite_origin(local[:2])[1]  # one process, or no probe: as before
+    alone = {key: s for key, s in local.items() if key.kind != "ranks"}
+    assert "rank" not in nonfinite_origin(alone)[1]  # one process, or no probe: as before

@@ -116,12 +116,12 @@ def test_read_ahead_failure_is_raised_at_the_unpack_that_needs_it(tmp_path: Path
             raise MemoryError(f"cannot map {nbytes} bytes")
         return real_buffer(nbytes, *a)
 
-    def read(fd: int, data: memoryview, offset: int, *a: Any) -> None:
+    def read(fd: int, data: memoryview, offset: int) -> None:
         if len(calls) > 1 and fault == "eio":
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         if len(calls) > 1 and fault == "short":
             os.ftruncate(fd, offset + len(data) // 2)  # the file lost its tail: half of the record is there
-        real_read(fd, data, offset, *a)
+        real_read(fd, data, offset)
 
     monkeypatch.setattr(_offload_engine, "_pread_all", read)
     monkeypatch.setattr(_offload_engine, "_host_buffer", buffer)

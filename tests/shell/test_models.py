@@ -271,7 +271,7 @@ def test_checkpointed_blocks_report_what_the_plain_model_reports():
             for _ in range(2):  # the first backward after attach settles the hooks
                 monitor.arm()
                 net(x).square().sum().backward()
-                records.append({(e.kind, e.name): (e.stats, e.calls) for e in monitor.collect().entries})
+                records.append({(e.kind, e.name): (e.stats._asdict(), e.calls) for e in monitor.collect().entries})
     checkpointed, plain = records[1], records[3]
     assert checkpointed.keys() == plain.keys() and ("grad_input", "blocks.0.2") in plain
     for key, (stats, calls) in plain.items():
