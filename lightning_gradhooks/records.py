@@ -51,6 +51,9 @@ class Kind(enum.StrEnum):
     #: In the summary only: under data parallelism, the ranks whose own gradients were not
     #: finite before the all-reduce (``nonfinite_ranks``, ``first_rank``, ``own``).
     RANKS = "ranks"
+    #: In the summary only: the relative precision (``eps``) of the gradients the hooks see,
+    #: when not float32's (autocast to bfloat16 or float16): what round-off means.
+    PRECISION = "precision"
 
 
 #: The kinds that are gradients, in the order of the docs.
@@ -223,7 +226,7 @@ def step_summary(
     *,
     optimizer: int | None = None,
     unowned: Iterable[str] = (),
-    updates: Mapping[str, tuple[float, float]] | None = None,
+    updates: Mapping[str, tuple[float, ...]] | None = None,
     caught: Sequence[str] = (),
     checked: int = 0,
     noise: Mapping[str, float] | None = None,
@@ -236,7 +239,9 @@ def step_summary(
         record: the monitor's record of the step.
         optimizer: the optimizer index of the names below (``record``'s entries carry their own).
         unowned: parameters that get a gradient but that no optimizer holds (``in_optimizer`` 0).
-        updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``.
+        updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``, or
+            :class:`~lightning_gradhooks.updates.Update` with its param group, the group's
+            learning rate and whether it had a gradient (``no_gradient`` 1 when not).
         caught: parameters whose non-finite gradient the sentinel caught, of ``checked``.
         noise: the noise scale's raw estimates (:meth:`NoiseSample.stats`).
         ranks: which ranks' own gradients were not finite before the all-reduce.
@@ -253,8 +258,14 @@ def step_summary(
         summary[e.key] = values
     for name in unowned:
         summary[Key(Kind.PARAM, name, optimizer)] = {"in_optimizer": 0.0}
-    for name, (ratio, norm) in (updates or {}).items():
-        summary[Key(Kind.PARAM, name, optimizer)] = {"update_ratio": ratio, "param_norm": norm}
+    for name, (ratio, norm, *facts) in (updates or {}).items():
+        values = {"update_ratio": ratio, "param_norm": norm}
+        if facts:
+            group, lr, gradient = facts
+            values.update(group=float(group), lr=lr)
+            if not gradient:
+                values["no_gradient"] = 1.0
+        summary[Key(Kind.PARAM, name, optimizer)] = values
     for name in caught:
         summary[Key(Kind.CAUGHT, name, optimizer)] = {"nonfinite": 1.0, "checked": float(checked)}
     if noise is not None:

@@ -1145,25 +1145,17 @@ def tiny_tanh_cnn(seed: int) -> tuple[Lit, TensorDataset]:
 
 class EncoderHead(nn.Module):
     """``head(encoder(x))``; ``detach``: the encoder's output is detached (by mistake), so no
-    gradient reaches the encoder; ``no_grad``: the side branch ``proj`` runs under
-    ``torch.no_grad()`` and is added to the logits."""
+    gradient reaches the encoder."""
 
-    def __init__(self, detach: bool = False, no_grad: bool = False) -> None:
+    def __init__(self, detach: bool = False) -> None:
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
         self.head = nn.Linear(64, 3)
-        self.proj = nn.Linear(64, 3)
-        self.detach, self.no_grad = detach, no_grad
+        self.detach = detach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(x)
-        out = self.head(h.detach() if self.detach else h)
-        if self.no_grad:
-            with torch.no_grad():
-                side = self.proj(h)
-        else:
-            side = self.proj(h)
-        return out + side
+        return self.head(h.detach() if self.detach else h)
 
 
 def detached_encoder(seed: int) -> tuple[Lit, TensorDataset]:

@@ -137,7 +137,7 @@ TUNE = {r.name: r for r in [
     Run("lr_to_zero_resnet", panel.lr_cut_resnet, "ResNet (bias=False, frozen stem)",
         "SGD momentum, warmup + cosine; the scheduler sets lr 0 from step 120", 200, 10, schedule=True,
         expect=Expect("stalled", None, (120, 130), "learning rate"), forbid=("follows from it",)),
-    Run("detached_encoder", panel.detached_encoder, "MLP encoder + head (+ side head)",
+    Run("detached_encoder", panel.detached_encoder, "MLP encoder + linear head",
         "Adam; the encoder's output is .detach()ed by mistake", 60, 5,
         expect=Expect("stalled", "net.encoder", (0, 5), "no gradient"), forbid=("follows from it",)),
 ]}

@@ -267,8 +267,8 @@ def test_catch_nonfinite_is_checked_at_construction():
 
 
 def test_new_thresholds_are_range_checked():
-    with pytest.raises(ValueError, match=r"Thresholds.no_gradient_ratio expected a number in \[0, 1\), got 2"):
-        Thresholds(no_gradient_ratio=2)
+    with pytest.raises(ValueError, match=r"Thresholds.round_off_factor expected a number > 0, got 0"):
+        Thresholds(round_off_factor=0)
     with pytest.raises(ValueError, match=r"Thresholds.vanishing_update_ratio"):
         Thresholds(vanishing_update_ratio=-1)
-    assert math.isclose(Thresholds().no_gradient_ratio, 1e-3)
+    assert math.isclose(Thresholds().round_off_factor, 4.0)
