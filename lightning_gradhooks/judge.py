@@ -65,6 +65,8 @@ UNOWNED = "in no optimizer: it gets gradients, but nothing steps it"
 #: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
 #: unless a step's summary says the gradients were of another precision (``precision`` entry).
 FLOAT32_EPS = 2.0 ** -23
+#: A noted parameter keeps its note while its gradient is below this share of its module's.
+NOTE_HOLD_RATIO = 1e-3
 #: A learning rate at most this share of its group's highest so far is cut (0, or tiny).
 LR_CUT = 1e-6
 #: The kind of a flag on a param group (its learning rate).
@@ -108,7 +110,7 @@ class Thresholds:
     vanishing_ratio: float = 1e-3
     vanishing_steps: int = 3
     vanishing_update_ratio: float = 1e-2
-    round_off_factor: float = 4.0
+    round_off_factor: float = 64.0
     exploding_factor: float = 100.0
     exploding_window: int = 5
     exploding_steps: int = 2
@@ -416,7 +418,7 @@ class Judge:
         # update says nothing about the parameters.
         if not any(_bad(key.kind, s) for key, s in entries.items() if key.kind in (*GRADIENT_KINDS, Kind.CAUGHT)):
             self._check_updates(step, [(key, s) for key, s in entries.items()
-                                       if key.kind == Kind.PARAM and key.label not in quiet | explained])
+                                       if key.kind == Kind.PARAM and key.label not in quiet], explained)
         if first_bad and self._nonfinite is not None:
             self._promote_explosions()
 
@@ -459,13 +461,16 @@ class Judge:
             elements = self._sizes.get(key.label, 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
             limit = t.round_off_factor * eps * math.sqrt(size / elements) if size and elements else 0.0
-            found[key.label] = (key, ratio, elements, ratio < limit)
+            found[key.label] = (key, ratio, elements, ratio == 0 or ratio < limit)
         quiet = set()
         for name, (key, ratio, elements, none) in found.items():
             if none and any(not other[3] and 0 < other[2] < elements for other in found.values()
                             if other[0].module == key.module):
                 none = False  # a weight whose input is small, beside a bias that gets its gradient
             track = self._track("no_gradient", name)
+            # Once noted, a parameter stays noted while its gradient stays far below its module's
+            # (a scale before a LayerNorm, whose eps lets a little through as training goes).
+            none = none or (name in self._notes and ratio < NOTE_HOLD_RATIO)
             if not none:
                 track.start, track.length = None, 0
                 self._notes.pop(name, None)
@@ -581,7 +586,10 @@ class Judge:
             value = min(z for values in kinds.values() for z in values)
             self._run("dead", _Subject("", module, module), step, dead, t.dead_steps, value)
 
-    def _check_updates(self, step: int, params: list[tuple[Key, Mapping[str, float]]]) -> None:
+    def _check_updates(self, step: int, params: list[tuple[Key, Mapping[str, float]]], explained: set[str]) -> None:
+        """``exploding`` and ``stalled`` from the update ratios; parameters whose stall has a
+        cause of its own (``explained``: a cut learning rate, no gradient) count towards the
+        model's medians but are not judged ``stalled`` here."""
         t = self.thresholds
         subjects = {key.label: _subject(key) for key, _ in params}
         ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
@@ -602,7 +610,7 @@ class Judge:
             far = big and size >= median_size / max(t.floor_ratio, 1e-12)
             self._run("exploding", subjects[name], step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
             still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
-            self._run("stalled", subjects[name], step, still, t.stalled_steps, ratio)
+            self._run("stalled", subjects[name], step, still and name not in explained, t.stalled_steps, ratio)
 
     def _check_nonfinite(self, step: int, entries: Summary) -> None:
         first = self._nonfinite

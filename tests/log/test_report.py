@@ -203,7 +203,11 @@ def test_huge_learning_rate_is_flagged_exploding_and_a_frozen_lr_group_stalled(t
     _, report = fit_report(tmp_path, Net(net, groups=groups), steps=6)
     exploding, stalled = flags_of(report, "exploding"), flags_of(report, "stalled")
     assert exploding.get("param net.2.weight") == 0
-    assert stalled == {"param net.0.weight": 0, "param net.0.bias": 0}
+    # The frozen group is one row: the group and its learning rate, read from the optimizer.
+    assert stalled == {"param_group param_groups[0]": 0}
+    row = next(r for r in report.rows() if r.flag == "stalled")
+    assert (row.module, row.since) == ("net.0", 0) and row.detail.startswith(
+        "learning rate 0 (`param_groups[0]['lr']`, its highest so far 0): the 2 parameters of the group do not move")
     assert not [n for n in exploding if "net.0" in n or "net.4" in n]
 
 
