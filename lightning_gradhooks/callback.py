@@ -209,7 +209,8 @@ class GradHooksLogic:
         self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
         self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
                                         histograms=self.histograms, thresholds=self._thresholds,
-                                        sync_dist=self.sync_dist, echo=self._echo(trainer))
+                                        sync_dist=self.sync_dist, echo=self._echo(trainer),
+                                        precision=_trainer.gradient_dtype(trainer))
         if self._restored is not None:
             self.gradient_log.load_state_dict(self._restored)
         # A head left out of `configure_optimizers` gets gradients and never moves: its

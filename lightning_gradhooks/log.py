@@ -46,7 +46,7 @@ from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
-from lightning_gradhooks.records import GradientRecord, Summary, step_summary
+from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker
@@ -137,6 +137,9 @@ class GradientLog:
             the global batch (one ``all_gather`` per logged step); default: rank 0's own.
         echo: how the report (and a note when matplotlib is missing) is printed: a function of
             one string; None: nothing is printed.
+        precision: the dtype the hooks' gradients are computed in when not float32
+            (``torch.bfloat16`` or ``torch.float16`` under autocast): what float round-off means
+            for the report's notes of parameters that get no gradient by construction.
 
     Raises:
         ValueError: an argument of the wrong type or out of range.
@@ -152,6 +155,7 @@ class GradientLog:
         thresholds: Thresholds | None = None,
         sync_dist: bool = False,
         echo: Callable[[str], Any] | None = print,
+        precision: torch.dtype | None = None,
     ) -> None:
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         for w in writers:
@@ -173,6 +177,9 @@ class GradientLog:
         self.histograms = bool(histograms)
         self.sync_dist = bool(sync_dist)
         self._echo = echo
+        if precision is not None and (not isinstance(precision, torch.dtype) or not precision.is_floating_point):
+            raise ValueError(f"`precision` expected a floating-point torch.dtype or None, got {precision!r}")
+        self._eps = None if precision in (None, torch.float32) else torch.finfo(precision).eps
         #: The health report of the steps written so far (kept after :meth:`close`).
         self.report = HealthReport(thresholds)
         #: Collectives made to pool records over the ranks (for tests and the curious).
@@ -318,6 +325,8 @@ class GradientLog:
             bad = record.noise.nonfinite_ranks
             ranks = {"nonfinite_ranks": float(len(bad)), "first_rank": float(bad[0]), "own": float(_rank() in bad)}
         stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise, ranks=ranks)
+        if self._eps is not None:  # round-off of the gradients the hooks saw
+            stats[Key(Kind.PRECISION, "gradient")] = {"eps": self._eps}
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)

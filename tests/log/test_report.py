@@ -331,3 +331,27 @@ def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
                                            "(on rank 1, before the all-reduce)")
     alone = {key: s for key, s in local.items() if key.kind != "ranks"}
     assert "rank" not in nonfinite_origin(alone)[1]  # one process, or no probe: as before
+
+
+def test_round_off_is_that_of_the_precision_the_gradients_were_computed_in():
+    """A bias gradient at 1e-4 of its module's: far above float32 round-off (no note), at
+    bfloat16 round-off (a note) when the step's summary says the hooks saw bfloat16 gradients."""
+    from lightning_gradhooks import GradientLog
+    from lightning_gradhooks.records import Key
+
+    def fill(report: HealthReport, eps: float | None) -> None:
+        for step in range(3):
+            stats = {Key("grad_output", "m"): {"norm": 1.0, "mean": 0.0, "std": 1 / 32, "zero_fraction": 0.0},
+                     Key("param_grad", "m.weight"): {"norm": 0.5, "mean": 0.0, "std": 0.5 / 32, "zero_fraction": 0.0},
+                     Key("param_grad", "m.bias"): {"norm": 1e-4, "mean": 0.0, "std": 1e-4 / 32 ** 0.5,
+                                                   "zero_fraction": 0.0}}
+            if eps is not None:
+                stats[Key("precision", "gradient")] = {"eps": eps}
+            report.add_stats(step, stats)
+
+    for eps, noted in [(None, []), (torch.finfo(torch.bfloat16).eps, ["param_grad m.bias"])]:
+        report = HealthReport()
+        fill(report, eps)
+        assert [f.name for f in report.notes()] == noted
+    with pytest.raises(ValueError, match=r"`precision` expected a floating-point torch.dtype or None, got 'bf16'"):
+        GradientLog(precision="bf16")
