@@ -610,7 +610,8 @@ class Judge:
             far = big and size >= median_size / max(t.floor_ratio, 1e-12)
             self._run("exploding", subjects[name], step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
             still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
-            self._run("stalled", subjects[name], step, still and name not in explained, t.stalled_steps, ratio)
+            if name not in explained:  # (their own check keeps their run of stalled steps)
+                self._run("stalled", subjects[name], step, still, t.stalled_steps, ratio)
 
     def _check_nonfinite(self, step: int, entries: Summary) -> None:
         first = self._nonfinite

@@ -1355,7 +1355,7 @@ def clip_towers(seed: int) -> tuple[Lit, TensorDataset]:
     g = torch.Generator().manual_seed(seed + 7)
     x, y = data.tensors
     tokens = y[:, None] * 8 + torch.randint(0, 8, (len(y), 12), generator=g)
-    tokens[:, :4] = (x.mean((2, 3)) > 0).long() @ torch.tensor([1, 2, 4]) + 40  # the colour, in words
+    tokens[:, :4] = ((x.mean((2, 3)) > 0).long() @ torch.tensor([1, 2, 4]) + 40)[:, None]  # the colour, in words
     return Lit(TwoTowers(), "adamw", 1e-3, task="contrastive", schedule="cosine", warmup=10,
                weight_decay=0.1), TensorDataset(x, tokens)
 

@@ -235,7 +235,8 @@ def test_the_runner_judges_rows_it_does_not_know():
 
 QUICK = ["scale_before_layernorm", "dcgan_manual", "relu_rnn_explodes", "orphan_head_resnet", "dead_conv_layer",
          "nan_batch_unlogged_resnet", "unet_bias_bn", "gru_attention_pool", "dead_mlp_resumed", "orphan_head_bert",
-         "mobilenet_block_lr0", "mlp_dies_mid_run"]
+         "mobilenet_block_lr0", "mlp_dies_mid_run", "tiny_init_tanh_mlp", "detached_encoder", "ema_layernorm_mlp",
+         "no_grad_side_branch"]
 
 
 @pytest.mark.parametrize("name", QUICK)
