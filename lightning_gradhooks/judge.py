@@ -495,7 +495,13 @@ class Judge:
         for name in list(self._no_grad):
             if name not in none:
                 del self._no_grad[name]
-        modules = [key.module for key, _ in measured]
+        # Every module: are all the measured parameters under it without a gradient?
+        whole: dict[str, bool] = {}
+        for key, _ in measured:
+            for module in _ancestors(key.module):
+                whole[module] = whole.get(module, True) and key.label in none
+        roots = {key.label: next(m for m in _ancestors(key.module) if whole[m]) for key, _ in measured if key.label in none}
+        nearest = {root: module for root, module in ((roots[k.label], k.module) for k, _ in measured if k.label in roots)}
         for key, s in measured:
             if key.label not in none:
                 continue
@@ -504,10 +510,9 @@ class Judge:
             still = before == norm and start < step  # unmoved since the first logged step without it
             if not still:
                 self._no_grad[key.label] = [float(step), norm]
-            root = _outermost(key.module, modules, {m for k, m in zip(measured, modules) if k[0].label in none})
-            members = [k for k, _ in measured if k.label in none and _under(k.module, root)]
+            root = roots[key.label]
             reason = (f"gets no gradient (`.grad` is None when its optimizer steps, and nothing else moves it): its "
-                      f"output (nearest the loss: `{members[-1].module}`) does not reach the loss through autograd: a "
+                      f"output (nearest the loss: `{nearest[root]}`) does not reach the loss through autograd: a "
                       f"`.detach()`, `torch.no_grad()`, or a branch the loss does not use")
             self._run("stalled", _Subject(str(key.kind), key.label, root), step, still, max(1, t.stalled_steps - 1),
                       0.0, reason=reason)
@@ -784,19 +789,10 @@ class Judge:
         return present if flags is None else present & flags
 
 
-def _under(module: str, root: str) -> bool:
-    return module == root or module.startswith(root + ".")
-
-
-def _outermost(module: str, modules: list[str], cut: set[str]) -> str:
-    """The outermost ancestor of ``module`` (itself included) all of whose measured parameters'
-    modules (``modules``) are in ``cut``."""
+def _ancestors(module: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``: outermost first."""
     parts = module.split(".")
-    for depth in range(1, len(parts) + 1):
-        root = ".".join(parts[:depth])
-        if all(m in cut for m in modules if _under(m, root)):
-            return root
-    return module
+    return [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
 
 
 def _common_module(modules: list[str]) -> str:

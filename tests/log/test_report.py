@@ -355,3 +355,27 @@ def test_round_off_is_that_of_the_precision_the_gradients_were_computed_in():
         assert [f.name for f in report.notes()] == noted
     with pytest.raises(ValueError, match=r"`precision` expected a floating-point torch.dtype or None, got 'bf16'"):
         GradientLog(precision="bf16")
+
+
+def test_a_learning_rate_cut_to_zero_is_one_row_naming_the_group_since_the_cut():
+    """Every parameter of a group stops at once: one row, the group and its learning rate, since
+    the first logged step at 0; the tail of a cosine schedule (1e-4 of the peak) is no cut, and a
+    parameter whose .grad is None but that something else moves (an EMA copy) is no problem."""
+    from lightning_gradhooks.records import Key
+
+    def fill(lrs: list[float]) -> HealthReport:
+        report = HealthReport()
+        for i, lr in enumerate(lrs):
+            stats = {Key("param", f"net.{m}.weight"): {"update_ratio": 1e-3 if lr else 0.0, "param_norm": 1.0,
+                                                         "group": 0.0, "lr": lr} for m in range(4)}
+            stats[Key("param", "ema.weight")] = {"update_ratio": 0.0, "param_norm": 1.0 + i, "group": 0.0, "lr": lr,
+                                                 "no_gradient": 1.0}
+            report.add_stats(10 * i, stats)
+        return report
+
+    report = fill([0.1, 0.1, 0.05, 0.0, 0.0, 0.0, 0.0])
+    (row,) = report.rows()
+    assert (row.flag, row.module, row.since) == ("stalled", "(model)", 30)
+    assert row.detail == ("learning rate 0 (`param_groups[0]['lr']`, its highest so far 0.1): the 5 parameters of the "
+                          "group do not move") and not row.consequences
+    assert fill([0.1, 0.1, 0.05, 1e-5, 1e-5, 1e-5]).rows() == []  # 1e-4 of the peak: a schedule's tail
