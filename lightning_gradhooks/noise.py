@@ -288,7 +288,8 @@ def advice(summary: NoiseSummary | None, reason: str | None = None, step: int | 
     spread = (f"over the run's second half: {summary.values} logged steps since step {summary.since}; 80% "
               f"interval {_examples(summary.low)} to {_examples(summary.high)}")
     if summary.coverage < 0.995:
-        spread += (f"; from per-example norms covering {summary.coverage:.0%} of the parameters (the "
+        share = f"{summary.coverage:.0%}" if summary.coverage >= 0.01 else "under 1%"
+        spread += (f"; from per-example norms covering {share} of the parameters (the "
                    f"{', '.join(t.__name__ for t in SOURCE_TYPES)} layers): the noise scale of those")
     at = "" if step is None else f"; the logged steps after step {step} gave no estimate"
     head = f"GradHooks: gradient noise scale ~ {n} examples ({spread}{at}); your batch per optimizer step is {b}: "

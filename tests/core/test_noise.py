@@ -150,6 +150,7 @@ def test_advice_only_where_the_interval_allows_it():
     partial = advice(summary_of([900.0] * 16, coverage=0.354))
     assert "from per-example norms covering 35% of the parameters (the Linear, LayerNorm, RMSNorm, GroupNorm " \
            "layers): the noise scale of those" in partial
+    assert "covering under 1% of the parameters" in advice(summary_of([900.0] * 16, coverage=0.004))
     assert "; the logged steps after step 150 gave no estimate)" in advice(summary_of([900.0] * 16), step=150)
     assert advice(None, "the gradients are all zero") == \
         "GradHooks: no gradient noise scale estimate: the gradients are all zero."
