@@ -39,8 +39,8 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     tracker.expect(sgd, step=7)
     sgd.step()
-    [(step, _, values)] = tracker.ready()
-    assert step == 7 and sorted(values) == ["bias", "weight"]
+    [(step, index, values)] = tracker.ready()
+    assert (step, index) == (7, None) and sorted(values) == ["bias", "weight"]
     for name, p in model.named_parameters():
         ratio, norm = values[name][:2]
         assert ratio == pytest.approx(0.1 * grads[name].norm().item() / before[name].norm().item(), rel=1e-5)
@@ -49,7 +49,7 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     tracker.remove()
 
 
-def test_only_marked_steps_and_watched_parameters_are_measured_with_the_prefix():
+def test_only_marked_steps_and_watched_parameters_are_measured_with_the_optimizer_index():
     model = layer()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = UpdateTracker({"weight": model.weight})  # the bias is stepped, not watched
@@ -124,7 +124,7 @@ def test_a_step_that_never_came_is_dropped_and_the_next_one_is_measured():
     assert tracker.ready() == []
     tracker.expect(sgd, step=1)
     sgd.step()
-    assert [step for step, *_ in tracker.ready()] == [1]
+    assert [step for step, _, _ in tracker.ready()] == [1]
     tracker.remove()
 
 
