@@ -284,11 +284,11 @@ class GradHooksLogic:
             self.gradient_log.close()
 
     def _write(self, trainer: pl.Trainer, record: GradientRecord, optimizer: Any, pool: bool = True) -> None:
-        # Under a gradient scaler the hooks saw gradients of the scaled loss, whose scale changes only
-        # after the optimizer step; parameter gradients are unscaled by `on_before_optimizer_step`.
+        # Under a gradient scaler the hooks saw gradients of the scaled loss (its scale changes only after
+        # the optimizer step); parameter gradients too when the optimizer unscales in its own step.
         scale = _trainer.loss_scale(trainer)
         if scale is not None:
-            record = record.unscaled(scale)
+            record = record.unscaled(scale, parameters=optimizer is not None and _trainer.optimizer_unscales(optimizer))
         if self.gradient_log is not None:
             # Lightning runs this hook inside `optimizer.step(closure)`, after the step's
             # pre-hook: the log copies the weights now, and the post-hook measures the update.
