@@ -378,6 +378,7 @@ class GradientMonitor:
             _label(name): _decide(module, id(module) in compiled, None) for name, module in self.modules.items()
         }
         self._hooked = {_label(name): module for name, module in self.modules.items() if id(module) not in compiled}
+        self._hooked_ids = frozenset(id(module) for module in self._hooked.values())  # they feed the noise probe
         if self.compiled:
             warnings.warn(
                 "torch.compile: module hooks would split the compiled graph into eager pieces, so "
@@ -598,7 +599,7 @@ class GradientMonitor:
         if self._handle is not None and self._handle.active:
             self._register()
             if self.noise is not None and noise:
-                self.noise.arm(batch_size, accumulation)
+                self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
         return _Armed(self, armed=True)
 
     def arm_noise(self, batch_size: int | None = None, accumulation: int = 1) -> None:
@@ -648,31 +649,37 @@ class GradientMonitor:
             return
         if isinstance(output, Tensor):
             if output.requires_grad:
-                self._hook(output, Kind.GRAD_OUTPUT, name, self.histograms)
+                noise = None if self.noise is None else self.noise.saw(module, args, output)
+                self._hook(output, Kind.GRAD_OUTPUT, name, self.histograms, noise)
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
         if self._checks is not None and module.training:
             self._checks.check(name, args, output)
 
-    def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool) -> None:
-        """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made
-        ``t`` fires with the gradient of this version of ``t``, even if ``t`` is modified in place
-        later, and lives as long as the step's graph."""
+    def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool,
+              noise: Callable[[Tensor], None] | None = None) -> None:
+        """Reduce the gradient of ``t`` when backward computes it (and hand it to ``noise``, the
+        noise probe's). A hook on the node that made ``t`` fires with the gradient of this version
+        of ``t``, even if ``t`` is modified in place later, and lives as long as the step's graph."""
         node = t.grad_fn
         if node is None:  # a leaf: a module that returns a parameter
-            t.register_hook(functools.partial(self._leaf_grad, kind, label, histogram))
+            t.register_hook(functools.partial(self._leaf_grad, kind, label, histogram, noise))
         else:
-            node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr))
+            node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr, noise))
 
-    def _node_grad(self, kind: Kind, label: str, histogram: bool, index: int, grads: tuple) -> None:
+    def _node_grad(self, kind: Kind, label: str, histogram: bool, index: int,
+                   noise: Callable[[Tensor], None] | None, grads: tuple) -> None:
         if self._probe is not None:
             self._finish_probe()
+        if noise is not None and grads[index] is not None:
+            noise(grads[index])  # stale after the probe's disarm: it checks that itself
         if self._armed:
             self._reduce(kind, label, grads[index], histogram)
 
-    def _leaf_grad(self, kind: Kind, label: str, histogram: bool, grad: Tensor) -> None:
-        self._node_grad(kind, label, histogram, 0, (grad,))
+    def _leaf_grad(self, kind: Kind, label: str, histogram: bool, noise: Callable[[Tensor], None] | None,
+                   grad: Tensor) -> None:
+        self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
     def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():

@@ -31,6 +31,9 @@ backward pass and at most one collective:
   only (:attr:`NoiseSample.coverage`); other layers (convolutions, embeddings, attention's
   packed projections, batch norm, whose examples are coupled) are left out. A layer called
   more than once in a step, or whose parameter another module shares, is left out too.
+  On a monitor's logged step, the monitor's own forward and ``grad_output`` hooks feed these
+  layers (:meth:`NoiseProbe.saw`): one set of hooks per module; the probe hooks only the layers
+  the monitor leaves out.
 
 Where none applies, the sample says why (:attr:`NoiseSample.reason`): a step of one example,
 no per-example layer, gradients that are all zero, an unknown batch size.
@@ -52,7 +55,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -370,22 +373,30 @@ class _Source:
         self.pair: tuple[Tensor, Tensor] | None = None
 
     def forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
+        backward = self.seen(args, output)
+        if backward is not None:
+            output.register_hook(backward)
+
+    def seen(self, args: tuple, output: object) -> Callable[[Tensor], None] | None:
+        """Take in one forward of the module; returns what to call with its output's gradient
+        (None: nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
-            return
+            return None
         self.calls += 1
         if self.calls == 1:
             self.probe._touched.append(self)
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
-            return  # called twice: its examples' gradients are sums over calls; left out
+            return None  # called twice: its examples' gradients are sums over calls; left out
         self.examples = x.shape[0]
-        if type(module) is nn.Linear and x.dim() == 2:
+        if type(self.module) is nn.Linear and x.dim() == 2:
             saved = ("pair",)  # no op here; reduced with the others at collect
         else:
             saved = self._saved(x.detach())
         armed = self.probe._armings
-        # The tensor hook goes with the graph; a backward after disarming finds it stale.
-        output.register_hook(lambda grad: self._backward(grad, saved, x) if self.probe._armings == armed else None)
+        # The hook goes with the graph; a backward after disarming finds it stale.
+        return lambda grad: self._backward(grad, saved, x) if self.probe._armings == armed else None
 
     def _saved(self, x: Tensor) -> tuple:
         """What the backward needs of the input, as small as it can be."""
@@ -438,7 +449,8 @@ class NoiseProbe:
     Nothing of it runs until :meth:`arm`; :meth:`collect` and :meth:`disarm` remove every hook
     it put in (``removable handles`` of torch's public hook APIs), so a step that is not armed
     runs exactly as without it. :class:`~lightning_gradhooks.GradientMonitor` makes one
-    (``noise_scale=True``, the default) and arms, collects and removes it with itself.
+    (``noise_scale=True``, the default) and arms, collects and removes it with itself; its
+    hooks feed the per-example layers it watches (``fed``), so the probe hooks only the others.
 
     Args:
         model: the module whose trainable parameters the gradients are of.
@@ -471,6 +483,7 @@ class NoiseProbe:
         ]
         self._sources = [s for s in self._sources if s.parameters]
         self._handles: list[RemovableHandle] = []
+        self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
         self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
         # The trainable parameters, looked up once (a deep model's `parameters()` takes ms).
         self._parameters = [p for p in model.parameters() if p.requires_grad]
@@ -508,13 +521,16 @@ class NoiseProbe:
             generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
         return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
 
-    def arm(self, batch_size: int | None = None, accumulation: int = 1) -> None:
+    def arm(self, batch_size: int | None = None, accumulation: int = 1, fed: Collection[int] = ()) -> None:
         """Put the hooks in for the coming step; what an armed probe measured is dropped.
 
         Args:
             batch_size: examples in each micro-batch on this rank (needed with accumulation or
                 several ranks; the per-example layers see it themselves).
             accumulation: micro-batches (backward passes) accumulated into the step's gradient.
+            fed: ids of modules whose forward hook of another owner (the monitor's) passes each
+                forward to :meth:`saw` and calls what it returns with the output's gradient: the
+                probe puts no hook of its own on them.
         """
         check_int("batch_size", batch_size, allow_none=True)
         check_int("accumulation", accumulation)
@@ -529,7 +545,17 @@ class NoiseProbe:
                 self._handles.append(register_multi_grad_hook(params, self._each_backward, mode="all"))
             return
         for source in self._sources:
-            self._handles.append(source.module.register_forward_hook(source.forward))
+            if id(source.module) in fed:
+                self._fed[id(source.module)] = source
+            else:
+                self._handles.append(source.module.register_forward_hook(source.forward))
+
+    def saw(self, module: nn.Module, args: tuple, output: object) -> Callable[[Tensor], None] | None:
+        """One forward of a module the caller's hook feeds (``fed`` when arming): returns what to
+        call with the gradient of ``output`` in backward; None when the probe needs nothing of it
+        (not a source, not armed for per-example norms, a second call)."""
+        source = self._fed.get(id(module))
+        return None if source is None else source.seen(args, output)
 
     def _each_backward(self, grads: Sequence[Tensor | None]) -> None:
         """The squared norm of one backward's gradient (one micro-batch's, on this rank), summed
@@ -544,6 +570,7 @@ class NoiseProbe:
         """Take every hook out and drop what was measured."""
         self._armed = False
         self._armings += 1
+        self._fed = {}
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()

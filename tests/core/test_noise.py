@@ -189,6 +189,39 @@ def test_per_example_norms_against_brute_force(name):
     assert ratio(ours) == pytest.approx(ratio(whole), rel=0.25)
 
 
+@pytest.mark.parametrize("include", [None, ["0", "1"]])
+def test_a_logged_step_puts_one_set_of_hooks_in_each_module(include):
+    # The monitor's forward hook and grad_output hook feed the probe's per-example layers; the
+    # probe hooks only the layers the monitor leaves out, and measures the same as on its own.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 1))
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+    alone = NoiseProbe(model)
+    alone.arm()
+    mse(model(x), y).backward()
+    expected = alone.collect()
+    model.zero_grad()
+    monitor = GradientMonitor(model, include=include)
+    own = 0 if include is None else 1  # the probe's own hooks: layer 3 with include, else none
+    counts = []
+    with monitor.attach():
+        for step in range(2):  # the first logged step reads grad_output only, the next views too
+            with monitor.arm(batch_size=32):
+                counts.append([len(m._forward_hooks) for m in model])
+                assert monitor.noise.hooks == own
+                mse(model(x), y).backward()
+                sample = monitor.collect().noise
+            model.zero_grad()
+            assert sample == expected  # the same numbers, whoever's hooks fed the probe
+        monitor.arm_noise()  # a rank that logs nothing this step: the probe hooks its layers itself
+        assert monitor.noise.hooks == 3 and [len(m._forward_hooks) for m in model] == [1, 1, 0, 1]
+        mse(model(x), y).backward()
+        monitor.collect_noise()
+    assert counts == [[1, 1, 0, 1]] * 2
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model)
+    assert monitor.noise.hooks == 0
+
+
 def test_a_loss_scale_is_divided_out():
     model, x, y = models()["mlp"]
     monitor = GradientMonitor(model)
