@@ -8,7 +8,11 @@ Python time of our hooks, reductions, record, summary and report per module. One
 variants interleaved in every round: ``bare`` (no monitor) and ``logged`` (armed, ``collect``,
 ``GradientLog.write`` without a writer: the record, the summary and the report's judging, the
 forward checks on as the callback has them). Prints the median over rounds of
-(logged - bare) / layers, in microseconds.
+(logged - bare) / layers, in microseconds. With ``--separate-probe``, a third variant in every
+round: the noise probe re-armed on hooks of its own on every Linear (as before the monitor's hooks
+fed it), and the median over rounds of (separate - logged) / layers: what one set of hooks per
+module saves. ``--hooks-only`` times forward and backward alone (the hooks' share: ``collect`` and
+the log's write run untimed).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round (their median)")
+    parser.add_argument("--hooks-only", action="store_true", help="time forward and backward only")
+    parser.add_argument("--separate-probe", action="store_true", help="also time the noise probe on hooks of its own")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -40,12 +46,17 @@ def main() -> None:
     log = GradientLog(None, [optimizer], echo=None)
     handle = monitor.attach()
 
-    def step(logged: bool, number: int) -> float:
+    def step(logged: bool, number: int, separate: bool = False) -> float:
         start = time.perf_counter()
         with monitor.arm(when=logged):
+            if separate:  # the probe alone on its own hooks; the monitor's hooks feed it nothing
+                monitor.noise.arm()
             model(x).square().mean().backward()
+            hooks = time.perf_counter()
             if logged:
                 log.write(monitor.collect(), number)
+        if args.hooks_only:
+            return hooks - start
         optimizer.step()
         optimizer.zero_grad()
         return time.perf_counter() - start
@@ -54,15 +65,21 @@ def main() -> None:
     for _ in range(3):  # warm-up; the first logged step plans the reads
         step(True, number := number + 1)
         step(False, number := number + 1)
-    costs = []
+    costs, saved = [], []
     for _ in range(args.rounds):
         bare = statistics.median(step(False, number := number + 1) for _ in range(args.steps))
         logged = statistics.median(step(True, number := number + 1) for _ in range(args.steps))
         costs.append((logged - bare) / args.layers * 1e6)
+        if args.separate_probe:
+            separate = statistics.median(step(True, number := number + 1, True) for _ in range(args.steps))
+            saved.append((separate - logged) / args.layers * 1e6)
     handle.remove()
     log.close()
     print(f"{statistics.median(costs):.1f} us per module per logged step (median of {args.rounds} rounds; "
           f"bare step {bare * 1e3:.1f} ms, logged {logged * 1e3:.1f} ms)")
+    if saved:
+        print(f"{statistics.median(saved):.1f} us per module more with the noise probe on hooks of its own "
+              f"(median of {args.rounds} rounds; {', '.join(f'{c:.0f}' for c in saved)})")
 
 
 if __name__ == "__main__":
