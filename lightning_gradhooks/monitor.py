@@ -11,28 +11,29 @@ public APIs (``register_forward_hook``, ``register_forward_pre_hook``, ``Node.re
 ``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
 :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
 in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
+Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.planning`.
 """
 
 from __future__ import annotations
 
-import enum
-import fnmatch
 import functools
 import gc
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks._shards as _shards
-from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
+from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int
 from lightning_gradhooks._text import listed
-from lightning_gradhooks.forward_checks import ForwardChecks, Hook, tensor_leaves
+from lightning_gradhooks.forward_checks import ForwardChecks, Hook
 from lightning_gradhooks.noise import NoiseProbe
+from lightning_gradhooks.planning import (
+    Plan, Planner, Read, _compiled_modules, _grad_tensors, _named_modules, select_modules,
+)
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
 
@@ -43,6 +44,10 @@ __all__ = [
 #: Label used for the root module, whose qualified name is the empty string.
 ROOT_NAME = "(model)"
 DEFAULT_BINS = 64
+
+
+def _label(name: str) -> str:
+    return name or ROOT_NAME
 
 
 class CollectorPause:
@@ -120,191 +125,6 @@ class _Armed:
             self._monitor.disarm()  # switches the collector back on too
 
 
-class Read(enum.Enum):
-    """How the monitor reads a module's gradients on a logged step: see :attr:`GradientMonitor.plan`.
-
-    Every mechanism reads what a full backward hook would receive, without its wrapping of every
-    forward; ``param_grad`` entries come from :meth:`GradientMonitor.collect` whatever the plan.
-    """
-
-    #: The first logged step: ``grad_output`` only, while the tensors' version counters are
-    #: watched for in-place use; its backward decides the lasting plan.
-    PROBE = "probe"
-    #: ``grad_output`` from the node that made each output, ``grad_input`` from the node of a
-    #: view that each input is passed through.
-    VIEWS = "views"
-    #: ``grad_output`` only (a view could not be used, or not safely): the reason says why.
-    OUTPUT_ONLY = "output only"
-    #: No hook (code compiled by ``torch.compile``): parameter gradients only.
-    PARAMETERS_ONLY = "parameters only"
-
-
-class Plan(NamedTuple):
-    """A module's read plan: what is read (:class:`Read`) and why."""
-
-    read: Read
-    reason: str
-
-
-#: What a module can show on logged steps, which :func:`_decide` plans from.
-IN_PLACE, STRUCTURED, NOT_RUN = "in place", "structured", "not run"
-
-
-def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
-    """The read plan of ``module``, from what the logged steps showed of it (``seen``; None
-    before the first logged step's backward). Every plan of the monitor is made here."""
-    if compiled:
-        return Plan(Read.PARAMETERS_ONLY, "in code compiled by torch.compile: a hook would split the compiled graph")
-    if seen is None:
-        return Plan(Read.PROBE, "first logged step: grad_output only, watching for in-place use")
-    if IN_PLACE in seen:
-        return Plan(Read.OUTPUT_ONLY, "its input or output is modified in place: a view would break")
-    if STRUCTURED in seen:
-        return Plan(Read.OUTPUT_ONLY, "its output is not a tensor or a flat tuple of tensors, as a full backward hook needs")
-    if NOT_RUN in seen:
-        return Plan(Read.OUTPUT_ONLY, "it did not run in the first logged step, so in-place use could not be ruled out")
-    return Plan(Read.VIEWS, "grad_input through a view of each input")
-
-
-@dataclass
-class _Probe:
-    """What the first logged forward showed of each module (:data:`IN_PLACE`, ...)."""
-
-    inputs: dict[str, list[list[tuple[Tensor, int]]]] = field(default_factory=dict)
-    outputs: list[tuple[str, list[tuple[Tensor, int]]]] = field(default_factory=list)
-    seen: dict[str, set[str]] = field(default_factory=dict)
-
-    def add(self, name: str, observation: str) -> None:
-        self.seen.setdefault(name, set()).add(observation)
-
-    def observations(self, names: Iterable[str]) -> dict[str, frozenset[str]]:
-        for name, outs in self.outputs:
-            if any(t._version != v for t, v in outs):
-                self.add(name, IN_PLACE)  # modified in place after the module returned it
-        ran = {name for name, _ in self.outputs}
-        return {name: frozenset(self.seen.get(name, set()) | ({NOT_RUN} if name not in ran else set())) for name in names}
-
-
-def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
-    """The tensors requiring grad in ``value``, with their key paths."""
-    return [(path, t) for path, t in tensor_leaves(value) if t.requires_grad]
-
-
-def _full_hook_sees(output: Any) -> bool:
-    """Whether a full backward hook sees every tensor of ``output``: a tensor or a flat tuple."""
-    return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
-
-
-def _label(name: str) -> str:
-    return name or ROOT_NAME
-
-
-#: Attribute names that wrappers insert in qualified names: torch.compile, FSDP1, checkpointing,
-#: Lightning Fabric's ``fabric.setup(model)``.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"})
-
-
-def _without_wrappers(name: str) -> str:
-    """``net._orig_mod.0`` -> ``net.0``: names as in the model before ``torch.compile``, FSDP1
-    wrapping and checkpoint wrapping."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _is_compile_wrapper(module: nn.Module) -> bool:
-    return "_orig_mod" in module._modules  # what torch.compile(module) returns
-
-
-def _named_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """``model.named_modules()``, named as before ``torch.compile`` (wrappers left out)."""
-    return {
-        _without_wrappers(name): module
-        for name, module in model.named_modules()
-        if not _is_compile_wrapper(module)
-    }
-
-
-def _compiled_modules(model: nn.Module) -> set[int]:
-    """The ids of the modules whose forward runs in code compiled by ``torch.compile``.
-
-    ``torch.compile(module)``, ``module.compile()``, and (duck-typed, for Lightning) a model
-    whose ``forward`` or ``training_step`` was compiled or that ``Trainer.fit`` unwrapped from
-    ``torch.compile``.
-    """
-    roots = [m for m in model.modules() if _is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None)]
-    compiled_entry = any(
-        hasattr(getattr(model, attr, None), "_torchdynamo_orig_callable") for attr in ("forward", "training_step")
-    )
-    if compiled_entry or getattr(model, "_compiler_ctx", None):
-        roots.append(model)
-    return {id(sub) for root in roots for sub in root.modules()}
-
-
-def _did_you_mean(pattern: str, names: Mapping[str, nn.Module]) -> str:
-    """``'; did you mean "model.encoder.*"?'`` where a module's name + ``.`` + ``pattern`` matches
-    (the shortest such prefix: a model held as ``self.model``); ``""`` where none does."""
-    prefixes = set()
-    for name in names:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            if fnmatch.fnmatchcase(".".join(parts[i:]), pattern):
-                prefixes.add(".".join(parts[:i]))
-                break  # the shortest prefix of this name
-    if not prefixes:
-        return ""
-    prefix = min(prefixes, key=lambda n: (n.count("."), len(n), n))
-    return f'; did you mean "{prefix}.{pattern}"?'
-
-
-def select_modules(
-    model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
-) -> dict[str, nn.Module]:
-    """Choose the modules to monitor, by qualified name as ``model.named_modules()`` gives it.
-
-    Without ``include``, every module that directly owns a parameter requiring grad is chosen.
-    Patterns are ``fnmatch`` globs matched case-sensitively against the whole name; the root
-    module's name is the empty string. Names are those of the model before ``torch.compile``
-    (no ``_orig_mod.``).
-
-    An ``exclude`` pattern that matches no module excludes nothing, which is harmless: it is
-    warned about once (a ``UserWarning`` naming it), so a shared configuration such as
-    ``exclude=["*.dropout"]`` works on a model without dropout.
-
-    Raises:
-        ValueError: an ``include`` pattern matches no module (the message shows names that
-            exist), or the selection is empty.
-    """
-    include = check_patterns("include", include, allow_empty=False) or []
-    exclude = check_patterns("exclude", exclude) or []
-    names = _named_modules(model)
-    for argument, patterns in (("include", include), ("exclude", exclude)):
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                shown = ", ".join(repr(n) for n in list(names)[:12])
-                message = (
-                    f"`{argument}` pattern {pattern!r} matches no module of "
-                    f"{type(model).__name__}; module names look like: {shown}"
-                )
-                if argument == "exclude":
-                    warnings.warn(f"{message}. It excludes nothing.", UserWarning, stacklevel=2)
-                    continue
-                raise ValueError(message + _did_you_mean(pattern, names))
-
-    def chosen(name: str, module: nn.Module) -> bool:
-        if include:
-            picked = any(fnmatch.fnmatchcase(name, p) for p in include)
-        else:
-            picked = any(p.requires_grad for p in module.parameters(recurse=False))
-        return picked and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
-
-    selected = {name: module for name, module in names.items() if chosen(name, module)}
-    if not selected:
-        raise ValueError(
-            f"no module of {type(model).__name__} was selected (include={include!r}, "
-            f"exclude={exclude!r}); without `include`, modules that own trainable parameters "
-            "are chosen"
-        )
-    return selected
-
 
 class GradientMonitor:
     """Collects per-module gradient statistics: each module's ``grad_output`` and ``grad_input``
@@ -374,10 +194,8 @@ class GradientMonitor:
         # (and leave the degraded code in its cache): modules there get no hooks, and report
         # their parameter gradients only.
         compiled = _compiled_modules(model)
-        self._plan = {
-            _label(name): _decide(module, id(module) in compiled, None) for name, module in self.modules.items()
-        }
-        self._hooked = {_label(name): module for name, module in self.modules.items() if id(module) not in compiled}
+        self._planner = Planner({_label(name): module for name, module in self.modules.items()}, compiled)
+        self._hooked = self._planner.hooked
         self._hooked_ids = frozenset(id(module) for module in self._hooked.values())  # they feed the noise probe
         if self.compiled:
             warnings.warn(
@@ -406,7 +224,6 @@ class GradientMonitor:
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
-        self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
         check_bool("noise_scale", noise_scale)
         #: The :class:`~lightning_gradhooks.noise.NoiseProbe`, armed and collected with the
@@ -438,12 +255,11 @@ class GradientMonitor:
         """Put the hooks of each module's plan in the modules."""
         if self._checks is not None:
             self._handle.put(self._checks.hooks)
-        if self._probe is None and any(p.read is Read.PROBE for p in self._plan.values()):
-            self._probe = _Probe()  # again, if a probe's backward never came
+        self._planner.start()
         if self._hooks is None:  # made once per plan, registered and removed at every logged step
             self._hooks = []
             for label, module in self._hooked.items():
-                read = self._plan[label].read
+                read = self._planner.plans[label].read
                 if read is Read.PROBE:
                     self._hooks.append((module, True, functools.partial(self._probe_inputs, label)))
                     self._hooks.append((module, False, functools.partial(self._probe_outputs, label)))
@@ -453,13 +269,6 @@ class GradientMonitor:
                     self._hooks.append((module, False, functools.partial(self._watch_forward, label)))
         self._handle.put(self._hooks)
 
-    def _replan(self, seen: Mapping[str, frozenset[str]]) -> None:
-        """Plan again the modules that showed something new (``seen``: all they showed so far);
-        the hooks are made again when next put in."""
-        for label, shown in seen.items():
-            self._plan[label] = _decide(self._hooked[label], False, shown)
-        self._hooks = None
-
     @property
     def plan(self) -> dict[str, Plan]:
         """Each chosen module's read plan, by name: :class:`Plan` ``(read, reason)``, as it stands.
@@ -467,51 +276,42 @@ class GradientMonitor:
         Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
         step's backward plans each lastingly (see ``docs/usage.md``, "How the gradients are
         read")."""
-        return dict(self._plan)
+        return dict(self._planner.plans)
 
     @property
     def compiled(self) -> list[str]:
         """Modules in code compiled by torch.compile: parameter gradients only."""
-        return [name for name, p in self._plan.items() if p.read is Read.PARAMETERS_ONLY]
+        return [name for name, p in self._planner.plans.items() if p.read is Read.PARAMETERS_ONLY]
 
     @property
     def fallback(self) -> list[str]:
         """Modules whose ``grad_output`` alone is read (:attr:`Read.OUTPUT_ONLY`: modified in
         place, structured outputs, or not run in the first logged step), sorted."""
-        return sorted(name for name, p in self._plan.items() if p.read is Read.OUTPUT_ONLY)
+        return sorted(name for name, p in self._planner.plans.items() if p.read is Read.OUTPUT_ONLY)
 
     def _park(self) -> None:
         if self._checks is not None:
             self._checks.reset()
-        self._probe = None  # a probe whose backward never came is run again at the next arm
+        self._planner.stop()  # a probe whose backward never came is run again at the next arm
         if self._handle is not None:
             self._handle.park()
 
     def _probe_inputs(self, name: str, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() and self._probe is not None:
-            self._probe.inputs.setdefault(name, []).append([(t, t._version) for _, t in _grad_tensors(args)])
+        if torch.is_grad_enabled():
+            self._planner.probe_inputs(name, args)
 
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled() or self._probe is None:
-            return
-        calls = self._probe.inputs.get(name)
-        if calls and any(t._version != v for t, v in calls.pop()):
-            self._probe.add(name, IN_PLACE)  # the module modified its own input in place
-        outputs = _grad_tensors(output)
-        if outputs and not _full_hook_sees(output):
-            self._probe.add(name, STRUCTURED)
-        self._probe.outputs.append((name, [(t, t._version) for _, t in outputs]))
-        self._watch_forward(name, module, args, output)
+        if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
+            self._watch_forward(name, module, args, output)
 
     def _finish_probe(self) -> None:
-        """Plan each probed module lastingly, once the first armed backward has started."""
-        probe, self._probe = self._probe, None
+        """Plan each probed module lastingly, once the first armed backward has started; the
+        hooks of the new plans are made when next put in."""
         self._handle.park()  # the probe's hooks, the only ones in
-        seen = probe.observations(name for name, p in self._plan.items() if p.read is Read.PROBE)
-        self._replan(seen)
+        in_place = self._planner.finish()
+        self._hooks = None
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
-        in_place = sorted(name for name, shown in seen.items() if IN_PLACE in shown)
         if in_place:
             warnings.warn(
                 "in-place operations touch these modules' outputs or inputs, so their grad_output is "
@@ -670,7 +470,7 @@ class GradientMonitor:
 
     def _node_grad(self, kind: Kind, label: str, histogram: bool, index: int,
                    noise: Callable[[Tensor], None] | None, grads: tuple) -> None:
-        if self._probe is not None:
+        if self._planner.probing:
             self._finish_probe()
         if noise is not None and grads[index] is not None:
             noise(grads[index])  # stale after the probe's disarm: it checks that itself
