@@ -67,8 +67,12 @@ def _kernel(function: Callable, device_type: str) -> Callable:
         reason = unavailable(device_type)
         if reason:
             _say(reason)
-        _compiled[key] = function if reason else torch.compile(function, fullgraph=True)
+        _compiled[key] = function if reason else _compile(function)
     return _compiled[key]
+
+
+def _compile(function: Callable) -> Callable:
+    return torch.compile(function, fullgraph=True)
 
 
 def run(function: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tensor, **constants: int) -> Tensor:

@@ -81,6 +81,10 @@ class GradHooksLogic:
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged
             steps, chart it as ``∇1 overview/noise_scale`` and compare it with the batch per
             optimizer step at the end of fit (:mod:`lightning_gradhooks.noise`).
+        compile_statistics: reduce gradients with kernels compiled once per process by
+            ``torch.compile`` where a compiler is there (a few seconds at the first logged step,
+            reused from Inductor's on-disk cache by later runs); False: the same torch ops,
+            run eagerly. Where compiling is unavailable the eager ops run anyway (said once at INFO).
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -113,6 +117,7 @@ class GradHooksLogic:
         catch_nonfinite: bool = False,
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
+        compile_statistics: bool = True,
     ) -> None:
         arguments = check_callback_arguments(locals(), DEFAULT_STATISTICS, LOGGED_STATISTICS)  # checked, converted
         for name, value in arguments.items():
@@ -182,6 +187,7 @@ class GradHooksLogic:
         self.gradient_log, self._restored = None, None  # the log is made at fit start, when the optimizers exist
         self._monitor = GradientMonitor(pl_module, include=self.include, exclude=self.exclude, histograms=self.histograms,
                                         bins=self.histogram_bins, noise_scale=self.noise_scale,
+                                        compile_statistics=self.compile_statistics,
                                         forward_checks=True)  # where NaN/Inf are born: the report names it
         self._interval = self.every_n_steps or trainer.log_every_n_steps or 1
         self._pooled = self.sync_dist and trainer.world_size > 1
