@@ -1,6 +1,6 @@
 """How far a logged step's statistics are from the memory floor, and what compiling them costs.
 
-    python benchmarks/floor.py [--rounds 9] [--elements 4194304] [--modules 8] [--threads 0]
+    python benchmarks/floor.py [--rounds 9] [--elements 4194304] [--modules 8] [--threads 0] [--device cuda]
     python benchmarks/floor.py --compile-time
 
 The floor: a chain of ``--modules`` modules ``y = x * s`` (``s`` a parameter of shape (1,)) on an
@@ -48,20 +48,26 @@ def chain(modules: int) -> nn.Module:
     return nn.Sequential(*(Scale() for _ in range(modules)))
 
 
-def timed(step) -> float:
+def timed(step, device: str) -> float:
+    if device != "cpu":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     step()
+    if device != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    if device != "cpu":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
 
 
 def floor(args: argparse.Namespace) -> None:
-    model = chain(args.modules)
-    x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    model = chain(args.modules).to(args.device)
+    x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0)).to(args.device).requires_grad_()
     monitors = {"compiled": GradientMonitor(model), "eager": GradientMonitor(model, compile_statistics=False)}
     big: list[int] = []
 
@@ -76,7 +82,7 @@ def floor(args: argparse.Namespace) -> None:
             record = monitor.collect()
         big[:] = [len([e for e in record.entries if e.count + e.stats["nonfinite"] == args.elements])]
 
-    g = torch.randn(args.elements)
+    g = torch.randn(args.elements, device=args.device)
     variants = {"bare": bare, "read": lambda: g.sum(), **{k: (lambda m=m: armed(m)) for k, m in monitors.items()}}
     for monitor in monitors.values():
         monitor.attach()
@@ -87,10 +93,10 @@ def floor(args: argparse.Namespace) -> None:
     names = list(variants)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            times[name].append(statistics.median(timed(variants[name]) for _ in range(args.steps)))
+            times[name].append(statistics.median(timed(variants[name], args.device) for _ in range(args.steps)))
     for monitor in monitors.values():
         monitor.remove()
-    print(f"floor: {args.modules} x (y = x * s) on {args.elements} float32 elements; {machine()}")
+    print(f"floor: {args.modules} x (y = x * s) on {args.elements} float32 elements; {machine(args.device)}")
     print(f"big gradients reduced per armed step: {big[0]}; {args.rounds} rounds of {args.steps} steps, medians")
     print("| variant | step ms | statistics ms (armed - bare) | reads of the gradient bytes |")
     print("| --- | --- | --- | --- |")
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=1 << 22)
     parser.add_argument("--modules", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compile-time", action="store_true")
     parser.add_argument("--first-step", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

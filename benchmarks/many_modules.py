@@ -12,7 +12,8 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
-that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``per-param norm``
+that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, eager`` (the
+same with ``compile_statistics=False``), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -179,6 +180,7 @@ class Loop:
         self.model.load_state_dict(state)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.monitor = GradientMonitor(self.model)
+        self.eager = GradientMonitor(self.model, compile_statistics=False)  # the same torch ops, uncompiled
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:
@@ -209,8 +211,8 @@ class Loop:
         yield variant
 
     @contextlib.contextmanager
-    def monitored(self, armed: bool) -> Iterator[Variant]:
-        monitor = self.monitor
+    def monitored(self, armed: bool, eager: bool = False) -> Iterator[Variant]:
+        monitor = self.eager if eager else self.monitor
         with monitor.attach():
             # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
             # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
@@ -234,6 +236,7 @@ class Loop:
             "bare": lambda: self.plain(Variant()),
             "attached": lambda: self.monitored(False),
             "armed": lambda: self.monitored(True),
+            "armed, eager": lambda: self.monitored(True, eager=True),
         }
         setups |= {
             "per-param norm": lambda: self.plain(Variant(after=self.norms)),
@@ -453,6 +456,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
     }
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
+        variants["every step, eager statistics"] = lambda: [GradHooks(every_n_steps=1, compile_statistics=False)]
         variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
