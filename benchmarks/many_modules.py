@@ -512,7 +512,8 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         monitor = GradientMonitor(model)
         # A second monitor on the same model, whose plan gives no module a grad_input hook.
         no_inputs = GradientMonitor(model)
-        others = {"armed + collect, no grad_input": no_inputs}
+        others = {"armed + collect, no grad_input": no_inputs,
+                  "armed + collect, no histograms": GradientMonitor(model, histograms=False)}
 
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
@@ -535,9 +536,9 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             return time.perf_counter() - start
 
         stages = ["bare", "hooks only", "hooks + reductions", "armed + collect",
-                  "armed + collect, no grad_input"]
+                  "armed + collect, no grad_input", "armed + collect, no histograms"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach():
+        with monitor.attach(), no_inputs.attach(), others["armed + collect, no histograms"].attach():
             with no_grad_input():  # its probe step plans it
                 step("armed + collect, no grad_input")
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
@@ -546,12 +547,62 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             timings.rounds(windows, args.rounds)
             print(f"\n{case.name}, where an armed step's time goes ({case.modules} hooked modules, no optimizer)")
             timings.table("bare")
+            profile_table(case, model, monitor, timings)
             monitor.arm()
             case.loss(model, case.batch).backward()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 monitor.collect()
             model.zero_grad(set_to_none=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def profile_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
+    """A logged step's time by part: the device side from the stages (medians), the host side
+    (``GradientLog.write``: TensorBoard events, the report's bookkeeping, the flow picture) from
+    cProfile over 5 logged steps, each file's own time."""
+    import cProfile
+    import pstats
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog
+
+    t = {name: statistics.median(v) * 1e3 for name, v in timings.times.items() if v}
+    parts = {
+        "hooks (firing, no reduction)": t["hooks only"] - t["bare"],
+        "reductions, statistics (in the hooks)": t["hooks + reductions"] - t["hooks only"] - (
+            t["armed + collect"] - t["armed + collect, no histograms"]),
+        "histograms": t["armed + collect"] - t["armed + collect, no histograms"],
+        "collect: the transfer, rows, records": t["armed + collect"] - t["hooks + reductions"],
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        writer = SummaryWriter(folder)
+        log = GradientLog(writer)
+        records = []
+        for _ in range(5):
+            with monitor.arm():
+                case.loss(model, case.batch).backward()
+                records.append(monitor.collect())
+            model.zero_grad(set_to_none=True)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for step, record in enumerate(records):
+            log.write(record, step)
+        writer.flush()
+        profiler.disable()
+        log.close()
+        writer.close()
+    own: dict[str, float] = {"write (TensorBoard events)": 0.0, "report": 0.0, "picture (gradient flow)": 0.0}
+    for (file, _, _), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        part = ("report" if file.endswith(("report.py", "noise.py")) else "picture (gradient flow)"
+                if file.endswith("flow.py") or "matplotlib" in file or "PIL" in file else "write (TensorBoard events)")
+        own[part] += tottime * 1e3 / len(records)
+    parts |= own
+    print(f"{case.name}: a logged step by part (ms; device side: medians of the stages; host side: cProfile, "
+          "its own overhead included)\n| part | ms |\n| --- | --- |")
+    for name, ms in parts.items():
+        print(f"| {name} | {ms:.1f} |")
+    print()
 
 
 def start_wandb(disabled: bool, logdir: str) -> Any:
