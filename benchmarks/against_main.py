@@ -1,7 +1,6 @@
 """An armed step of this checkout beside another checkout of the library (today's main), in one run.
 
-    git worktree add /tmp/main-ref <commit>   # and build its C kernels, if it has any:
-    (cd /tmp/main-ref && python setup.py build_ext --inplace)
+    git worktree add /tmp/main-ref <commit>
     python benchmarks/against_main.py --other /tmp/main-ref [--models resnet18,mlp500,encoder]
         [--rounds 5] [--steps 5]
 
@@ -13,9 +12,8 @@ rotated each round). A window is one untimed step and the mean of ``--steps`` st
 clock and the worker's CPU time, steadier on a shared machine) of a plain loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
 
 Variants: ``bare`` (no monitor), ``attached`` (a monitor attached, not armed: what a step that
-is not logged pays) and ``armed`` in both; in the other checkout also ``armed, torch ops``
-(``GradientMonitor(kernels=False)``) and ``armed, accelerator sequence`` (the same with its
-``stats._on_cpu`` patched off), where it has them. The table gives the median window of each
+is not logged pays) and ``armed`` in both; in a checkout with compiled statistics also
+``armed, eager`` (``GradientMonitor(compile_statistics=False)``). The table gives the median window of each
 variant and the medians over rounds of its ratios to its own worker's ``bare``, then of this
 checkout's armed step to each armed variant of the other.
 """
@@ -38,7 +36,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def worker(models: list[str], threads: int) -> None:
     """Answer ``{"model":, "variant":, "steps":}`` lines on stdin with window means on stdout."""
     import warnings
-    from unittest import mock
 
     import torch
 
@@ -48,7 +45,7 @@ def worker(models: list[str], threads: int) -> None:
     sys.path.insert(0, HERE)
     from many_modules import cases
 
-    from lightning_gradhooks import GradientMonitor, stats
+    from lightning_gradhooks import GradientMonitor
 
     warnings.filterwarnings("ignore")
     loops: dict[str, Any] = {}
@@ -58,9 +55,10 @@ def worker(models: list[str], threads: int) -> None:
         model = case.make()
         state = {k: v.clone() for k, v in model.state_dict().items()}
         monitors = {"armed": GradientMonitor(model), "attached": GradientMonitor(model)}
-        if hasattr(stats, "C_KERNELS"):  # a checkout with more than one reduction path
-            monitors["armed, torch ops"] = GradientMonitor(model, kernels=False)
-            monitors["armed, accelerator sequence"] = GradientMonitor(model, kernels=False)
+        try:  # a checkout with compiled statistics: its eager ops too
+            monitors["armed, eager"] = GradientMonitor(model, compile_statistics=False)
+        except TypeError:
+            pass
         loops[name] = (case, model, state, torch.optim.SGD(model.parameters(), lr=1e-4), monitors)
 
     def step(name: str, monitor: Any, armed: bool) -> tuple[float, float]:
@@ -80,11 +78,7 @@ def worker(models: list[str], threads: int) -> None:
         _, model, state, _, monitors = loops[name]
         model.load_state_dict(state)
         monitor = monitors.get(variant)
-        patch = (
-            mock.patch.object(stats, "_on_cpu", lambda device: False)
-            if variant == "armed, accelerator sequence" else contextlib.nullcontext()
-        )
-        with patch, (monitor.attach() if monitor is not None else contextlib.nullcontext()):
+        with (monitor.attach() if monitor is not None else contextlib.nullcontext()):
             step(name, monitor, True)  # untimed: for a monitor, its first armed step (the probe)
             times = [step(name, monitor, variant != "attached") for _ in range(steps)]
             return statistics.fmean(t for t, _ in times), statistics.fmean(c for _, c in times)
