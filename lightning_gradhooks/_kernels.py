@@ -26,8 +26,8 @@ from torch import Tensor
 
 log = logging.getLogger("lightning_gradhooks")
 
-#: Rows per eager call: the eager ops write temporaries of a block's size, kept near a core's cache.
-EAGER_ROWS = 256
+#: Rows per eager call: the eager ops write temporaries of this many rows (4 MiB in float32).
+EAGER_ROWS = 1024
 
 # Process-wide: the compiled function per (function, device type), or the function itself where
 # it runs eagerly; the reasons already logged.
