@@ -78,7 +78,7 @@ def worker(models: list[str], threads: int) -> None:
         _, model, state, _, monitors = loops[name]
         model.load_state_dict(state)
         monitor = monitors.get(variant)
-        with (monitor.attach() if monitor is not None else contextlib.nullcontext()):
+        with monitor.attach() if monitor is not None else contextlib.nullcontext():
             step(name, monitor, True)  # untimed: for a monitor, its first armed step (the probe)
             times = [step(name, monitor, variant != "attached") for _ in range(steps)]
             return statistics.fmean(t for t, _ in times), statistics.fmean(c for _, c in times)

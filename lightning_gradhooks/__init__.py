@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_gradhooks.monitor import GradientMonitor
-from lightning_gradhooks.records import GradientEntry, GradientRecord
+from lightning_gradhooks.records import GradientEntry, GradientRecord, Kind
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
-from lightning_gradhooks.stats import STATISTICS
+from lightning_gradhooks.stats import STATISTICS, StatsRow
 
 if TYPE_CHECKING:
     from lightning_gradhooks.callback import GradHooks
@@ -26,6 +26,8 @@ __all__ = [
     "GradientLog",
     "GradientMonitor",
     "GradientRecord",
+    "Kind",
+    "StatsRow",
     "save_on_disk",
 ]
 __version__ = "0.1.0"

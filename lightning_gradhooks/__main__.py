@@ -22,21 +22,21 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c, read_stats_value
-from lightning_gradhooks.records import FORWARD_KINDS
-from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds, counted
+from lightning_gradhooks._text import counted
+from lightning_gradhooks.records import Key, Kind, Summary
+from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
 
 # Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
-KINDS = ("forward_input", "grad_output", "grad_input", "param_grad", "param", "forward", "weights")
-assert set(FORWARD_KINDS) <= set(KINDS)
+_KINDS_LONGEST_FIRST = sorted(Kind, key=len, reverse=True)
 
 
-def _parse_tag(tag: str) -> tuple[str, str, str] | None:
-    """``grad_output_norm/net.0`` -> ``("grad_output", "norm", "net.0")``; None for other tags.
+def _parse_tag(tag: str) -> tuple[Kind, str, str] | None:
+    """``grad_output_norm/net.0`` -> ``(Kind.GRAD_OUTPUT, "norm", "net.0")``; None for other tags.
 
     The scalar tags of logs written before the compact summary and the numbered sections
     (today's charts start with ``∇`` and are not read: the summary holds all they hold)."""
     section, _, name = tag.partition("/")
-    for kind in KINDS:
+    for kind in _KINDS_LONGEST_FIRST:
         if section.startswith(kind + "_") and name:
             return kind, section[len(kind) + 1 :], name
     return None
@@ -86,7 +86,7 @@ class Run:
     order they were written, and the damage met while reading."""
 
     folder: Path
-    steps: dict[int, dict[tuple[str, str], dict[str, float]]]
+    steps: dict[int, Summary]
     gradhooks: bool
     damage: list[_Damage]
 
@@ -101,7 +101,7 @@ def read_folder(folder: Path) -> Run:
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.util import tensor_util
 
-    steps: dict[int, dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
+    steps: dict[int, Summary] = defaultdict(dict)
     damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
         events, logged = 0, set()
@@ -142,8 +142,8 @@ def read_folder(folder: Path) -> Run:
                 gradhooks = True
                 logged.add(event.step)
                 kind, stat, name = parsed
-                stat = "param_norm" if (kind, stat) == ("param", "norm") else stat
-                steps[event.step].setdefault((kind, name), {})[stat] = number
+                stat = "param_norm" if (kind, stat) == (Kind.PARAM, "norm") else stat
+                steps[event.step].setdefault(Key.of_label(kind, name), {})[stat] = number
     return Run(folder, dict(steps), gradhooks, damage)
 
 
@@ -153,11 +153,6 @@ def report_of(run: Run, thresholds: Thresholds) -> HealthReport:
     for step in sorted(run.steps):
         report.add_stats(step, run.steps[step])
     return report
-
-
-def read_run(folder: Path, thresholds: Thresholds) -> HealthReport:
-    """The report of the event files directly in ``folder``."""
-    return report_of(read_folder(folder), thresholds)
 
 
 def _flag_list(text: str) -> set[str]:

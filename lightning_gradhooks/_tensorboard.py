@@ -40,12 +40,13 @@ from typing import Any
 import google_crc32c
 from tensorboard.compat.proto import types_pb2
 from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary, SummaryMetadata
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, SummaryMetadata
+from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-from lightning_gradhooks.records import FORWARD_KINDS, GradientRecord
-from lightning_gradhooks.stats import histogram_edges
+from lightning_gradhooks.records import FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Key, Kind, Summary
+from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
 #: The first section of ours: the total gradient norm, the non-finite total, the flow picture.
@@ -55,7 +56,7 @@ FLOW_TAG = f"{OVERVIEW}/gradient_flow"
 #: Every histogram, ``∇6 histograms/<kind>/<name>``.
 HISTOGRAMS = "∇6 histograms"
 #: The numbered sections of the default statistics; every other statistic is in a ``∇7`` one.
-_NUMBERS = {("grad_output", "norm"): 2, ("grad_input", "norm"): 3, ("param_grad", "norm"): 4, ("param", "update_ratio"): 5}
+_NUMBERS = {(Kind.GRAD_OUTPUT, "norm"): 2, (Kind.GRAD_INPUT, "norm"): 3, (Kind.PARAM_GRAD, "norm"): 4, (Kind.PARAM, "update_ratio"): 5}
 
 
 def section(kind: str, stat: str) -> str:
@@ -65,9 +66,14 @@ def section(kind: str, stat: str) -> str:
 
 
 #: The sections of the per-module gradient norms (what a table of columns, CSV, gets).
-NORM_SECTIONS = tuple(section(kind, "norm") for kind in ("grad_output", "grad_input", "param_grad"))
+NORM_SECTIONS = tuple(section(kind, "norm") for kind in GRADIENT_KINDS)
 #: The sections of the optimizer step's per-parameter statistics, by their ``statistics`` name.
-UPDATE_SECTIONS = {"update_ratio": section("param", "update_ratio"), "param_norm": section("param", "norm")}
+UPDATE_SECTIONS = {"update_ratio": section(Kind.PARAM, "update_ratio"), "param_norm": section(Kind.PARAM, "norm")}
+
+
+def histogram_tag(entry: GradientEntry) -> str:
+    """``∇6 histograms/<kind>/<name>``."""
+    return f"{HISTOGRAMS}/{entry.kind}/{entry.key.label}"
 
 
 def _masked_crc32c(data: bytes) -> int:
@@ -95,12 +101,12 @@ def scalar_metrics(
     for entry in record.entries:
         if entry.kind in FORWARD_KINDS:
             continue
-        if entry.kind == "param_grad":
-            squares, params = squares + entry.stats["norm"] ** 2, True
-        nonfinite_total += entry.stats["nonfinite"]
-        for stat, value in entry.stats.items():
+        if entry.kind == Kind.PARAM_GRAD:
+            squares, params = squares + entry.stats.norm**2, True
+        nonfinite_total += entry.stats.nonfinite
+        for stat, value in zip(STATISTICS, entry.stats):
             if stat in statistics:
-                tag = f"{section(entry.kind, stat)}/{entry.name}"
+                tag = f"{section(entry.kind, stat)}/{entry.key.label}"
                 if stat == "nonfinite" and nonfinite_seen is not None:
                     if value == 0 and tag not in nonfinite_seen:
                         continue
@@ -119,26 +125,29 @@ STATS_TAG = "gradhooks/stats"
 _STATS_PLUGIN = "gradhooks"  # a plugin no TensorBoard dashboard shows: no chart, no Text card
 
 
-def stats_value(stats: dict[tuple[str, str], dict[str, float]]) -> Summary.Value:
-    """One step's statistics, ``{(kind, name): {statistic: value}}``, as one summary value: a JSON
+def stats_value(stats: Summary) -> SummaryProto.Value:
+    """One step's :data:`~lightning_gradhooks.records.Summary` as one summary value: a JSON
     string tensor under :data:`STATS_TAG` (the report rounds what it reads to float32, as scalar
     events hold them, so the report of the log is the printed one)."""
-    rows = [[kind, name, {k: float(v) for k, v in values.items()}] for (kind, name), values in stats.items()]
+    rows = [[key.kind, key.label, {k: float(v) for k, v in values.items()}] for key, values in stats.items()]
     text = json.dumps(rows, separators=(",", ":"), allow_nan=True).encode()
     metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN))
     tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text], tensor_shape=TensorShapeProto())
-    return Summary.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
+    return SummaryProto.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
 
 
-def read_stats_value(value: Any) -> dict[tuple[str, str], dict[str, float]] | None:
-    """What :func:`stats_value` wrote, from a summary value read back; None for other values."""
+def read_stats_value(value: Any) -> Summary | None:
+    """What :func:`stats_value` wrote, from a summary value read back; None for other values.
+    The optimizer index of a name, written as its ``optimizer_<i>/`` prefix, is read back into
+    its field here, the one place that reads names."""
     if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
         return None
     rows = json.loads(value.tensor.string_val[0])
-    return {(kind, name): values for kind, name, values in rows}
+    kinds = Kind._value2member_map_
+    return {Key.of_label(kinds.get(kind, kind), label): values for kind, label, values in rows}
 
 
-def histogram_values(record: GradientRecord) -> list[Summary.Value]:
+def histogram_values(record: GradientRecord) -> list[SummaryProto.Value]:
     """The histograms of ``record`` as summary values (entries with no finite value are skipped)."""
     values = []
     for entry in record.entries:
@@ -150,12 +159,12 @@ def histogram_values(record: GradientRecord) -> list[Summary.Value]:
             min=hist.low,
             max=hist.high,
             num=num,
-            sum=entry.stats["mean"] * num,
-            sum_squares=entry.stats["norm"] ** 2,
+            sum=entry.stats.mean * num,
+            sum_squares=entry.stats.norm**2,
             bucket_limit=histogram_edges(hist.low, hist.high, len(hist.counts)),
             bucket=hist.counts,
         )
-        values.append(Summary.Value(tag=f"{HISTOGRAMS}/{entry.kind}/{entry.name}", histo=proto))
+        values.append(SummaryProto.Value(tag=histogram_tag(entry), histo=proto))
     return values
 
 
@@ -184,18 +193,18 @@ def event_file(writer: Any) -> str:
 
 
 def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int,
-               stats: dict[tuple[str, str], dict[str, float]] | None = None) -> None:
+               stats: Summary | None = None) -> None:
     """Write the scalars (the histograms of ``record`` and the compact ``stats``, if given) of
     one step as one event, to our event file in ``writer``'s folder (:func:`event_file`).
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
     """
-    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
+    values = [SummaryProto.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     if record is not None:
         values += histogram_values(record)
     if stats:
         values.append(stats_value(stats))
-    event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+    event = Event(wall_time=time.time(), step=step, summary=SummaryProto(value=values))
     with open(event_file(writer), "ab") as f:  # one write: a record is whole or cut short, never mixed
         f.write(_record(event.SerializeToString()))

@@ -18,7 +18,8 @@ from typing_extensions import override
 from lightning_gradhooks import _trainer
 from lightning_gradhooks._checks import check_callback_arguments
 from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
-from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor, listed
+from lightning_gradhooks._text import listed
+from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.sentinel import NonfiniteSentinel

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks.records import GradientRecord, pool_entries
-from lightning_gradhooks.stats import STATS_WIDTH
+from lightning_gradhooks.records import GradientRecord, Kind, pool_entries
+from lightning_gradhooks.stats import STATS_WIDTH, StatsRow
 
 # The flat tensor starts with how many names this rank has outside the layout and the layout's
 # checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag,
@@ -83,11 +83,11 @@ class RankReducer:
         pooled = set(sharded)
 
         def gathered_here(e: Any) -> bool:
-            return e.name in pooled if e.kind == "param_grad" else self.hooks
+            return e.name in pooled if e.kind == Kind.PARAM_GRAD else self.hooks
 
         local = {(e.kind, e.name): e for e in record.entries if gathered_here(e)}
         kept = [e for e in record.entries if not gathered_here(e)]
-        keys = list(dict.fromkeys([*(("param_grad", name) for name in sharded), *local]))
+        keys = list(dict.fromkeys([*((Kind.PARAM_GRAD, name) for name in sharded), *local]))
         if not keys and self.layout is None and not self.hooks:
             return record  # nothing sharded, nothing pooled: no collective
         if self.layout is None:
@@ -120,7 +120,7 @@ class RankReducer:
                 continue
             hist = entry.histogram
             rows[i, 0] = entry.calls
-            rows[i, _HEAD : _HEAD + STATS_WIDTH] = torch.tensor(entry.row(), dtype=torch.float64)
+            rows[i, _HEAD : _HEAD + STATS_WIDTH] = torch.tensor(entry.stats, dtype=torch.float64)
             if hist is not None and len(hist.counts) == self.bins:
                 rows[i, 1] = 1
                 rows[i, _HEAD + STATS_WIDTH :] = torch.tensor(hist.counts, dtype=torch.float64)
@@ -140,9 +140,10 @@ class RankReducer:
             if not present:
                 continue
             parts = [
-                (row[_HEAD : _HEAD + STATS_WIDTH], row[_HEAD + STATS_WIDTH :] if row[1] else None) for row in present
+                (StatsRow._make(row[_HEAD : _HEAD + STATS_WIDTH]), row[_HEAD + STATS_WIDTH :] if row[1] else None)
+                for row in present
             ]
             # A parameter is one tensor, however many pieces it came in.
-            calls = 1 if kind == "param_grad" else int(sum(row[0] for row in present))
+            calls = 1 if kind == Kind.PARAM_GRAD else int(sum(row[0] for row in present))
             entries.append(pool_entries(kind, name, parts, self.bins, calls=calls))
         return entries

@@ -1,12 +1,13 @@
 """The gradient-flow picture and the custom-scalars layout, for TensorBoard.
 
-:class:`GradientFlow` keeps, for every module, the per-element RMS of its ``grad_output``
-(``norm / sqrt(count)``) at each logged step, and draws one image of two panels that share one
+:class:`GradientFlow` keeps, for every module, the RMS of its ``grad_output`` at each logged
+step (:func:`~lightning_gradhooks.records.rms`, over the non-zero elements: the health report's
+RMS, so the picture and the report agree), and draws one image of two panels that share one
 colour scale, ``log10`` of the RMS:
 
 - left, a heatmap: modules in forward order (top to bottom) by logged steps so far (left to
-  right); a module that vanishes is a dark row, an explosion a bright column; black is an RMS of
-  exactly zero, grey no gradient at that step;
+  right); a module that vanishes is a dark row, an explosion a bright column; black is a
+  gradient that is all zero, grey no gradient at that step;
 - right, the current step as bars: each bar ends at the module's ``log10`` RMS, on a linear axis
   that is the colour bar itself (drawn under the bars, labelled "log10 RMS of grad_output"),
   and is coloured like the heatmap's last column. A bar one unit longer is 10x the RMS, as one
@@ -23,9 +24,9 @@ k-th one is written when they do not all fit.
 Drawing needs matplotlib (``pip install lightning-gradhooks[plots]``); :func:`have_matplotlib`
 says whether it is there. Drawing is host work of ~0.1 s, so the picture is not drawn at every
 logged step: :meth:`GradientFlow.due` allows a drawing while the time spent drawing stays within
-:data:`DRAW_BUDGET` of the time since the first logged step, and the callback draws the last
-logged step at the end of fit. The heatmap holds every logged step, so a skipped drawing loses
-no data.
+:data:`DRAW_BUDGET` of the time since the first logged step, and
+:meth:`~lightning_gradhooks.log.GradientLog.close` draws the last logged step (at the end of fit
+with the callback). The heatmap holds every logged step, so a skipped drawing loses no data.
 
 :func:`custom_scalars_layout` is the Custom Scalars tab: per statistic, charts of at most
 :data:`MAX_LINES` modules each, a block of the model per chart (modules grouped by their name's
@@ -46,7 +47,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._tensorboard import OVERVIEW, UPDATE_SECTIONS, section
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import GRADIENT_KINDS, GradientRecord, Kind, rms
 from lightning_gradhooks.stats import STATISTICS
 
 WIDTH = 720
@@ -137,8 +138,11 @@ class GradientFlow:
         """Take in a logged step's record (its ``grad_output`` entries, in backward order)."""
         values = {}
         for entry in record.entries:
-            if entry.kind == "grad_output" and entry.count > 0:
-                values[entry.name] = entry.stats["norm"] / math.sqrt(entry.count)
+            if entry.kind != Kind.GRAD_OUTPUT or entry.count == 0:
+                continue
+            value = rms(entry.stats._asdict())
+            if value is not None or entry.stats.absmax == 0:  # all zero: drawn black
+                values[entry.key.label] = value or 0.0
         if not values:
             return
         order = list(reversed(list(values)))
@@ -328,7 +332,7 @@ def _exact(tag_prefix: str, names: Sequence[str]) -> str:
 def custom_scalars_layout(
     statistics: Collection[str],
     record: GradientRecord | None = None,
-    kinds: tuple[str, ...] = ("grad_output", "grad_input", "param_grad"),
+    kinds: tuple[str, ...] = GRADIENT_KINDS,
 ) -> dict:
     """A layout for ``SummaryWriter.add_custom_scalars``, from a logged step's record.
 
@@ -345,9 +349,10 @@ def custom_scalars_layout(
         kinds: the kinds of gradient to make charts for.
 
     Example:
-        >>> from lightning_gradhooks.records import GradientEntry, GradientRecord
-        >>> stats = dict.fromkeys(STATISTICS, 0.0)
-        >>> record = GradientRecord([GradientEntry("grad_output", "net.0", stats, count=4)])
+        >>> from lightning_gradhooks.records import GradientEntry, GradientRecord, Kind
+        >>> from lightning_gradhooks.stats import StatsRow
+        >>> stats = StatsRow(*[0.0] * 6, count=4.0, low=0.0, high=0.0)
+        >>> record = GradientRecord([GradientEntry(Kind.GRAD_OUTPUT, "net.0", stats)])
         >>> custom_scalars_layout(["norm"], record)["∇2 grad_output_norm"]
         {'net.0': ['Multiline', ['^∇2 grad_output_norm/(net\\\\.0)$']]}
     """
@@ -357,11 +362,11 @@ def custom_scalars_layout(
         return layout
     names: dict[str, dict[str, None]] = {}  # kind: names, in order, once each
     for entry in record.entries:
-        names.setdefault(entry.kind, {})[entry.name] = None
-    ordered = {kind: list(reversed(n)) if kind != "param_grad" else list(n) for kind, n in names.items()}
+        names.setdefault(entry.kind, {})[entry.key.label] = None
+    ordered = {kind: list(reversed(n)) if kind != Kind.PARAM_GRAD else list(n) for kind, n in names.items()}
     # Hook entries come in backward order: reversed, the charts follow the forward order.
     tags = [(section(kind, stat), kind) for kind in kinds for stat in STATISTICS if stat in statistics and stat != "nonfinite"]
-    tags += [(tag, "param_grad") for option, tag in UPDATE_SECTIONS.items() if option in statistics]
+    tags += [(tag, Kind.PARAM_GRAD) for option, tag in UPDATE_SECTIONS.items() if option in statistics]
     for tag, kind in sorted(tags):  # in the order of the Time Series sections (one-digit numbers)
         if ordered.get(kind):
             layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}

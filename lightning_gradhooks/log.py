@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_gradhooks._tensorboard import (
-    FLOW_TAG, HISTOGRAMS, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, scalar_metrics, write_step,
+    FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
+from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
-from lightning_gradhooks.monitor import listed
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.records import GradientRecord, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker
@@ -82,7 +82,7 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
         if hist is None or sum(hist.counts) == 0:
             continue
         edges = [hist.low, *histogram_edges(hist.low, hist.high, len(hist.counts))]  # TensorBoard's right edges
-        values[f"{HISTOGRAMS}/{entry.kind}/{entry.name}"] = wandb.Histogram(np_histogram=(hist.counts, edges))
+        values[histogram_tag(entry)] = wandb.Histogram(np_histogram=(hist.counts, edges))
     return values
 
 
@@ -235,16 +235,17 @@ class GradientLog:
             return
         self._warn_skipped(record)
         index = self._index(optimizer)
-        suffix = ""
-        if index is not None and len(self.optimizers) > 1:
-            record, suffix = record.prefixed(f"optimizer_{index}"), f"_optimizer_{index}"
+        # With several optimizers, the names of each are told apart by its index.
+        labelled = index if index is not None and len(self.optimizers) > 1 else None
+        if labelled is not None:
+            record = record.for_optimizer(labelled)
         # The update ratios of earlier steps, first (it drops a snapshot not taken yet), so the
-        # report judges each step with all its statistics. They landed long ago: no wait.
-        self._write_updates(wait=True)
+        # report judges each step with all its statistics.
+        self._write_updates()
         if record.entries:
             self._last_step = step
-            self._measure_update(record, step, index, suffix, stepping)
-            self._write_record(record, step, suffix, scalars or {}, self._unowned(record, "" if not suffix else f"optimizer_{index}/"))
+            self._measure_update(record, step, index, labelled, stepping)
+            self._write_record(record, step, labelled, scalars or {})
 
     def write_caught(self, step: int, names: Sequence[str], checked: int) -> None:
         """Write that :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel` caught non-finite
@@ -257,8 +258,8 @@ class GradientLog:
             raise RuntimeError("GradientLog.write_caught: the log is closed")
         if _rank() != 0 or not names:
             return
-        self._write_updates(wait=True)
-        stats = {("caught", name): {"nonfinite": 1.0, "checked": float(checked)} for name in names}
+        self._write_updates()
+        stats = step_summary(caught=names, checked=checked)
         metrics = {f"{OVERVIEW}/caught_nonfinite": float(len(names))}
         for writer in self._tensorboards:
             write_step(writer, metrics, None, step, stats)
@@ -267,9 +268,9 @@ class GradientLog:
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 
-    def _warn_nonfinite(self, step: int, stats: dict[tuple[str, str], dict[str, float]]) -> None:
+    def _warn_nonfinite(self, step: int, stats: Summary) -> None:
         # Named as the report and the `report` command name it (the same function).
-        origin = nonfinite_origin([(k, n, s) for (k, n), s in stats.items()])
+        origin = nonfinite_origin(stats)
         if origin is not None and not self.in_nonfinite_episode:
             warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=4)
         self.in_nonfinite_episode = origin is not None
@@ -283,16 +284,15 @@ class GradientLog:
                 return i
         raise ValueError(f"`optimizer` expected one of the log's {len(self.optimizers)} optimizers, got another")
 
-    def _unowned(self, record: GradientRecord, prefix: str) -> dict[tuple[str, str], dict[str, float]]:
+    def _unowned(self, record: GradientRecord) -> list[str]:
         """Chosen parameters with a gradient that no optimizer of the log holds: their
-        ``("param", name)`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
+        ``param`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
         if not self.optimizers or not record.parameters:
-            return {}
+            return []
         held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
-        return {("param", prefix + name): {"in_optimizer": 0.0} for name, p in record.parameters.items()
-                if id(p) not in held and getattr(p, "grad", None) is not None}
+        return [name for name, p in record.parameters.items() if id(p) not in held and getattr(p, "grad", None) is not None]
 
-    def _measure_update(self, record: GradientRecord, step: int, index: int | None, suffix: str,
+    def _measure_update(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
                         stepping: bool) -> None:
         if not self.optimizers:  # the report reads update ratios, charted or not
             return
@@ -304,19 +304,16 @@ class GradientLog:
             self._updates = UpdateTracker(watched)
             for o in self.optimizers:
                 self._updates.attach(o)
-        prefix = f"optimizer_{index}/" if suffix else ""
         for i, o in enumerate(self.optimizers):
             if index is None or i == index:
-                self._updates.expect(o, step, prefix, now=stepping)
+                self._updates.expect(o, step, labelled, now=stepping)
 
-    def _write_record(self, record: GradientRecord, step: int, suffix: str, extra: dict[str, float],
-                      unowned: dict[tuple[str, str], dict[str, float]]) -> None:
+    def _write_record(self, record: GradientRecord, step: int, labelled: int | None, extra: dict[str, float]) -> None:
+        suffix = "" if labelled is None else f"_optimizer_{labelled}"
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
-        # The summary also says how many gradients an entry pools, when more than one.
-        stats = {(e.kind, e.name): {**e.stats, "calls": e.calls} if e.calls > 1 else e.stats for e in record.entries}
-        stats.update(unowned)
-        self._write_noise(record.noise, step, metrics, stats)
+        noise = self._write_noise(record.noise, step, metrics)
+        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise)
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
@@ -334,21 +331,21 @@ class GradientLog:
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 
-    def _write_noise(self, sample: NoiseSample | None, step: int, metrics: dict[str, float],
-                     stats: dict[tuple[str, str], dict[str, float]]) -> None:
-        """The noise scale of the step: smoothed in the overview (``noise_scale``), its raw
-        estimates in the compact summary (``("noise", "gradient")``); why there is none, once."""
+    def _write_noise(self, sample: NoiseSample | None, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
+        """The noise scale of the step: smoothed in the overview (``noise_scale``); returns its raw
+        estimates, for the compact summary (``noise gradient``); why there is none, once."""
         if sample is None:
-            return
+            return None
         if sample.reason is not None and (self._noise_last is None or self._noise_last.reason != sample.reason):
             warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
         self._noise_last = sample
-        if sample.reason is None:
-            stats[("noise", "gradient")] = sample.stats()
-            value = self.noise_scale.update(*sample.estimates())
-            if value is not None:
-                metrics[f"{OVERVIEW}/noise_scale"] = value
-                self._noise_latest = (value, sample.big, step)
+        if sample.reason is not None:
+            return None
+        value = self.noise_scale.update(*sample.estimates())
+        if value is not None:
+            metrics[f"{OVERVIEW}/noise_scale"] = value
+            self._noise_latest = (value, sample.big, step)
+        return sample.stats()
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -364,20 +361,19 @@ class GradientLog:
             stacklevel=4,
         )
 
-    def _write_updates(self, wait: bool) -> None:
-        """Write the update ratios and parameter norms of the measured steps that reached the host."""
+    def _write_updates(self) -> None:
+        """Write the update ratios and parameter norms of the measured steps."""
         if self._updates is None:
             return
-        for step, values in self._updates.ready(wait):
+        for step, optimizer, values in self._updates.ready():
+            stats = step_summary(updates=values, optimizer=optimizer)
             metrics = {}
-            for name, (ratio, norm) in values.items():
-                if "update_ratio" in self.statistics:
-                    metrics[f"{UPDATE_SECTIONS['update_ratio']}/{name}"] = ratio
-                if "param_norm" in self.statistics:
-                    metrics[f"{UPDATE_SECTIONS['param_norm']}/{name}"] = norm
+            for key, value in stats.items():
+                for statistic in ("update_ratio", "param_norm"):
+                    if statistic in self.statistics:
+                        metrics[f"{UPDATE_SECTIONS[statistic]}/{key.label}"] = value[statistic]
             for other in filter(_is_wandb, self._others):
                 other.log_metrics(metrics, step=step)
-            stats = {("param", n): {"update_ratio": r, "param_norm": w} for n, (r, w) in values.items()}
             for writer in self._tensorboards:
                 write_step(writer, metrics, None, step, stats)
             self.report.add_stats(step, stats)
@@ -397,7 +393,7 @@ class GradientLog:
         the flow picture's history and whether a non-finite episode is under way (plain Python
         values, for a checkpoint). Writes the update ratios measured so far first."""
         if not self.closed:
-            self._write_updates(wait=True)
+            self._write_updates()
         return {
             "report": self.report.state_dict(),
             "flow": self._flow.state_dict() if self._flow is not None else None,
@@ -424,7 +420,7 @@ class GradientLog:
         try:
             if _rank() != 0:
                 return None
-            self._write_updates(wait=True)
+            self._write_updates()
             self._draw_flow(final=True)
             if self._echo is not None:
                 self._echo(self.report.table() if self.report.steps else

@@ -32,9 +32,10 @@ from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
+from lightning_gradhooks._text import listed
 from lightning_gradhooks.noise import NoiseProbe
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, pool_entries, single_entry
-from lightning_gradhooks.stats import Reducer, Scratch
+from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
+from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
 
 __all__ = [
     "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",
@@ -219,12 +220,6 @@ def _full_hook_sees(output: Any) -> bool:
     return isinstance(output, Tensor) or (type(output) is tuple and all(isinstance(o, Tensor) for o in output))
 
 
-def listed(names: Sequence[str], limit: int = 8) -> str:
-    """``a, b, c and 5 more``: names for a one-line message."""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
 def _label(name: str) -> str:
     return name or ROOT_NAME
 
@@ -375,8 +370,8 @@ class GradientMonitor:
         ...         with monitor.arm():  # hooks in for this step only
         ...             model(torch.randn(16, 4)).sum().backward()
         ...             record = monitor.collect()
-        >>> [(e.kind, e.name) for e in record.entries][:4]
-        [('grad_output', '2'), ('grad_input', '2'), ('grad_output', '0'), ('param_grad', '0.weight')]
+        >>> [f"{e.kind} {e.name}" for e in record.entries][:4]
+        ['grad_output 2', 'grad_input 2', 'grad_output 0', 'param_grad 0.weight']
     """
 
     def __init__(
@@ -668,7 +663,7 @@ class GradientMonitor:
                 known = self._seen_tensors.get(id(arg))  # forward checks: the view is not summed again
                 if known is not None and known[0]() is arg and known[1] == arg._version:
                     self._seen_tensors[id(watched[i])] = (weakref.ref(watched[i]), arg._version)
-                self._hook(watched[i], "grad_input", name if len(args) == 1 else f"{name}/{i}", False)
+                self._hook(watched[i], Kind.GRAD_INPUT, name if len(args) == 1 else f"{name}/{i}", False)
         return None if watched is None else tuple(watched)
 
     def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
@@ -676,14 +671,14 @@ class GradientMonitor:
             return
         if isinstance(output, Tensor):
             if output.requires_grad:
-                self._hook(output, "grad_output", name, self.histograms)
+                self._hook(output, Kind.GRAD_OUTPUT, name, self.histograms)
         else:
             for path, t in _grad_tensors(output):
-                self._hook(t, "grad_output", "/".join((name, *path)), self.histograms)
+                self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
         if self._forward_checks and module.training:
             self._check_forward(name, args, output)
 
-    def _hook(self, t: Tensor, kind: str, label: str, histogram: bool) -> None:
+    def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool) -> None:
         """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made
         ``t`` fires with the gradient of this version of ``t``, even if ``t`` is modified in place
         later, and lives as long as the step's graph."""
@@ -693,13 +688,13 @@ class GradientMonitor:
         else:
             node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr))
 
-    def _node_grad(self, kind: str, label: str, histogram: bool, index: int, grads: tuple) -> None:
+    def _node_grad(self, kind: Kind, label: str, histogram: bool, index: int, grads: tuple) -> None:
         if self._probe is not None:
             self._finish_probe()
         if self._armed:
             self._reduce(kind, label, grads[index], histogram)
 
-    def _leaf_grad(self, kind: str, label: str, histogram: bool, grad: Tensor) -> None:
+    def _leaf_grad(self, kind: Kind, label: str, histogram: bool, grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, (grad,))
 
     def _check_only(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
@@ -715,7 +710,7 @@ class GradientMonitor:
             self._weights_checked = True
             self._check_weights()
         seen = self._seen_tensors
-        for kind, value in (("forward_input", args), ("forward", output)):
+        for kind, value in ((Kind.FORWARD_INPUT, args), (Kind.FORWARD, output)):
             floating = []
             for _, t in _tensor_leaves(value):
                 # A tensor another check already summed, unchanged since (a module's input that
@@ -741,9 +736,9 @@ class GradientMonitor:
         with torch.no_grad():
             for params in by_device.values():
                 norms = torch._foreach_norm(params)
-                self._reduce("weights", ROOT_NAME, torch.stack([n.float() for n in norms]), False)
+                self._reduce(Kind.WEIGHTS, ROOT_NAME, torch.stack([n.float() for n in norms]), False)
 
-    def _reduce(self, kind: str, name: str, grad: Tensor | None, histogram: bool) -> None:
+    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():
             return
         if type(grad) is not Tensor and _shards.is_dtensor(grad):  # tensor parallel: this rank's piece
@@ -831,7 +826,7 @@ class GradientMonitor:
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
-                self._reduce("param_grad", name, piece, self.histograms)
+                self._reduce(Kind.PARAM_GRAD, name, piece, self.histograms)
         return chosen
 
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:
@@ -850,7 +845,7 @@ class GradientMonitor:
         keys = [(kind, label) for kind, label, _ in pending]
         if len(set(keys)) == len(keys):  # no module called twice: nothing to pool
             return GradientRecord([single_entry(kind, label, *result) for (kind, label), result in zip(keys, results)])
-        groups: dict[tuple[str, str], list[tuple[list[float], list[float] | None]]] = {}
+        groups: dict[tuple[str, str], list[tuple[StatsRow, list[float] | None]]] = {}
         for key, result in zip(keys, results):
             groups.setdefault(key, []).append(result)
         return GradientRecord([pool_entries(kind, label, parts, self.bins) for (kind, label), parts in groups.items()])

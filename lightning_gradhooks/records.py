@@ -1,4 +1,11 @@
-"""What the monitor hands back: :class:`GradientRecord`, :class:`GradientEntry`, :class:`Histogram`.
+"""What the monitor hands back: :class:`GradientRecord`, :class:`GradientEntry`, :class:`Histogram`,
+and the one shape a step's statistics take on their way to the writers, the report and the CLI.
+
+A record's entries hold their statistics as a :class:`~lightning_gradhooks.stats.StatsRow`.
+:func:`step_summary` turns a step into its *summary*, ``{Key: {statistic: value}}``: what every
+logged step writes to TensorBoard (``gradhooks/stats``), what the health report judges and what the
+``report`` command reads back. A :class:`Key` names an entry by :class:`Kind`, name and, with
+several optimizers, the optimizer's index.
 
 Also where rows of statistics become entries: several gradients of one name (a module called
 several times, accumulated micro-batches, the ranks of a data-parallel job) are pooled into
@@ -7,21 +14,89 @@ one entry, as if they were one concatenated tensor.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import enum
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_gradhooks.stats import _COUNT, STATISTICS, merge_histograms, pool_stats
+from lightning_gradhooks.stats import STATISTICS, StatsRow, merge_histograms, pool_stats
 
 if TYPE_CHECKING:
     from lightning_gradhooks.noise import NoiseSample
 
-#: Kinds of the monitor's forward checks (not gradients): a module's output, its inputs, and
-#: the weights when the step began; only their ``nonfinite`` count means something.
-FORWARD_KINDS = ("forward", "forward_input", "weights")
 
-#: Statistics that do not change when a gradient is multiplied by a loss scale.
-_SCALE_FREE = ("nonfinite", "zero_fraction")
+class Kind(enum.StrEnum):
+    """What an entry of a step describes. Str-valued: a kind is written as its value in tags and
+    in the summary (``"grad_output"``), and compares equal to it."""
+
+    #: The gradient a module's output receives.
+    GRAD_OUTPUT = "grad_output"
+    #: The gradient a module sends to its inputs.
+    GRAD_INPUT = "grad_input"
+    #: A parameter's gradient.
+    PARAM_GRAD = "param_grad"
+    #: The forward checks (not gradients): a module's output, its inputs, and the weights when
+    #: the step began; only their ``nonfinite`` count means something.
+    FORWARD = "forward"
+    FORWARD_INPUT = "forward_input"
+    WEIGHTS = "weights"
+    #: In the summary only: the optimizer step of a parameter (``update_ratio``, ``param_norm``,
+    #: ``in_optimizer``).
+    PARAM = "param"
+    #: In the summary only: a parameter whose non-finite gradient the sentinel caught.
+    CAUGHT = "caught"
+    #: In the summary only: the gradient noise scale's raw estimates.
+    NOISE = "noise"
+
+
+#: The kinds that are gradients, in the order of the docs.
+GRADIENT_KINDS = (Kind.GRAD_OUTPUT, Kind.GRAD_INPUT, Kind.PARAM_GRAD)
+#: The kinds of the monitor's forward checks.
+FORWARD_KINDS = (Kind.FORWARD, Kind.FORWARD_INPUT, Kind.WEIGHTS)
+
+#: Fields of a row that do not change when a gradient is multiplied by a loss scale.
+_SCALE_FREE = ("nonfinite", "zero_fraction", "count")
+
+#: Where a name of an optimizer's entries is written beside the others' (tags, the summary).
+_OPTIMIZER = "optimizer_{}/"
+
+
+class Key(NamedTuple):
+    """An entry of a step: its kind, its name, and the index of the optimizer it was logged for
+    (None: the only one, or all of them)."""
+
+    kind: str
+    name: str
+    optimizer: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The name as tags and the summary write it: ``optimizer_<i>/<name>`` with an optimizer."""
+        return self.name if self.optimizer is None else _OPTIMIZER.format(self.optimizer) + self.name
+
+    @property
+    def module(self) -> str:
+        """The module the entry belongs to: ``grad_output lstm/0`` -> ``lstm``, ``param_grad
+        net.2.bias`` -> ``net.2``; with an optimizer, ``optimizer_<i>/`` before it."""
+        if self.kind in (Kind.PARAM_GRAD, Kind.PARAM, Kind.CAUGHT):
+            module = self.name.rpartition(".")[0] or "(model)"
+        else:
+            module = self.name.split("/")[0]
+        return module if self.optimizer is None else _OPTIMIZER.format(self.optimizer) + module
+
+    @classmethod
+    def of_label(cls, kind: str, label: str) -> Key:
+        """The key of a name as written (:attr:`label`): what the ``report`` command reads."""
+        prefix, slash, rest = label.partition("/")
+        index = prefix.removeprefix("optimizer_")
+        if slash and index != prefix and index.isdigit():
+            return cls(kind, rest, int(index))
+        return cls(kind, label)
+
+
+#: One step's statistics: ``{Key: {statistic: value}}``, in record order (see :func:`step_summary`).
+Summary = dict[Key, dict[str, float]]
 
 
 # Entries are plain dataclasses, not frozen ones: a frozen dataclass takes four times as long
@@ -40,30 +115,37 @@ class GradientEntry:
     """The statistics of one gradient tensor at one step.
 
     Attributes:
-        kind: ``"grad_output"``, ``"grad_input"`` or ``"param_grad"``.
+        kind: a :class:`Kind`: ``grad_output``, ``grad_input`` or ``param_grad`` (and the forward
+            checks' ``forward``, ``forward_input``, ``weights``).
         name: the module's qualified name, or the parameter's. A module with several output
             (or input) tensors gives one entry per tensor, named by its position or key in the
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
-        stats: statistic name to value, for every name in :data:`STATISTICS`.
+        stats: the statistics (:class:`~lightning_gradhooks.stats.StatsRow`: ``stats.norm``,
+            ``stats.count``, ...), over the finite elements.
         histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
-        count: the number of finite elements the statistics were computed over.
         calls: how many gradients were pooled into this entry. A module called several times
             in one step (weight sharing, a cell in a loop), or in each micro-batch of an
             accumulated step, gives one entry whose statistics and histogram are those of
             all its gradients taken together, as if concatenated into one tensor.
+        optimizer: with several optimizers, the index of the one the step was logged for
+            (:meth:`GradientLog.write`'s ``optimizer``); None otherwise.
     """
 
-    kind: str
+    kind: Kind
     name: str
-    stats: dict[str, float]
+    stats: StatsRow
     histogram: Histogram | None = None
     calls: int = 1
-    count: int = 0
+    optimizer: int | None = None
 
-    def row(self) -> list[float]:
-        """The statistics as a row: :data:`~lightning_gradhooks.stats.STATISTICS`, count, low, high."""
-        low, high = (self.histogram.low, self.histogram.high) if self.histogram else (0.0, 0.0)
-        return [*(self.stats[s] for s in STATISTICS), float(self.count), low, high]
+    @property
+    def count(self) -> int:
+        """The number of finite elements the statistics were computed over."""
+        return int(self.stats.count)
+
+    @property
+    def key(self) -> Key:
+        return Key(self.kind, self.name, self.optimizer)
 
 
 @dataclass
@@ -96,17 +178,18 @@ class GradientRecord:
         """A copy holding ``entries`` instead, with the same monitor facts."""
         return replace(self, entries=entries)
 
-    def unscaled(self, scale: float, kinds: Collection[str] = ("grad_output", "grad_input")) -> GradientRecord:
+    def unscaled(self, scale: float, kinds: Collection[str] = (Kind.GRAD_OUTPUT, Kind.GRAD_INPUT)) -> GradientRecord:
         """A copy with the gradients of ``kinds`` (and the noise sample's hook-seen gradient)
         divided by a mixed-precision loss scale.
 
-        ``norm``, ``mean``, ``std``, ``absmax`` and the histogram range scale with the
-        gradient; ``nonfinite``, ``zero_fraction`` and the bin counts do not.
+        ``norm``, ``mean``, ``std``, ``absmax`` and the range (``low``, ``high``, the histogram's)
+        scale with the gradient; ``nonfinite``, ``zero_fraction``, ``count`` and the bin counts
+        do not.
         """
         entries = []
         for e in self.entries:
             if e.kind in kinds:
-                stats = {k: v if k in _SCALE_FREE else v / scale for k, v in e.stats.items()}
+                stats = StatsRow._make(v if f in _SCALE_FREE else v / scale for f, v in zip(StatsRow._fields, e.stats))
                 hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
                 e = replace(e, stats=stats, histogram=hist)
             entries.append(e)
@@ -115,20 +198,94 @@ class GradientRecord:
             record.noise = record.noise.unscaled(scale)
         return record
 
-    def prefixed(self, prefix: str) -> GradientRecord:
-        """A copy with every name prefixed, as ``f"{prefix}/{name}"``."""
-        return self.with_entries([replace(e, name=f"{prefix}/{e.name}") for e in self.entries])
+    def for_optimizer(self, index: int) -> GradientRecord:
+        """A copy whose entries say they were logged for optimizer ``index`` (:attr:`GradientEntry.optimizer`)."""
+        return self.with_entries([replace(e, optimizer=index) for e in self.entries])
 
     @property
     def first_nonfinite(self) -> GradientEntry | None:
         """The first entry, in backward order, whose gradient holds NaN or Inf values."""
-        return next((e for e in self.entries if e.stats["nonfinite"] > 0), None)
+        return next((e for e in self.entries if e.stats.nonfinite > 0), None)
+
+
+def step_summary(
+    record: GradientRecord | None = None,
+    *,
+    optimizer: int | None = None,
+    unowned: Iterable[str] = (),
+    updates: Mapping[str, tuple[float, float]] | None = None,
+    caught: Sequence[str] = (),
+    checked: int = 0,
+    noise: Mapping[str, float] | None = None,
+) -> Summary:
+    """The summary of (what is known of) one step: every statistic of every entry of ``record``
+    (with ``calls`` where an entry pools several gradients), and what the log learns beside it.
+
+    Args:
+        record: the monitor's record of the step.
+        optimizer: the optimizer index of the names below (``record``'s entries carry their own).
+        unowned: parameters that get a gradient but that no optimizer holds (``in_optimizer`` 0).
+        updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``.
+        caught: parameters whose non-finite gradient the sentinel caught, of ``checked``.
+        noise: the noise scale's raw estimates (:meth:`NoiseSample.stats`).
+
+    Example:
+        >>> step_summary(updates={"net.0.weight": (0.01, 2.0)}, optimizer=1)
+        {Key(kind=<Kind.PARAM: 'param'>, name='net.0.weight', optimizer=1): {'update_ratio': 0.01, 'param_norm': 2.0}}
+    """
+    summary: Summary = {}
+    for e in record.entries if record is not None else ():
+        values = dict(zip(STATISTICS, e.stats))
+        if e.calls > 1:
+            values["calls"] = e.calls
+        summary[e.key] = values
+    for name in unowned:
+        summary[Key(Kind.PARAM, name, optimizer)] = {"in_optimizer": 0.0}
+    for name, (ratio, norm) in (updates or {}).items():
+        summary[Key(Kind.PARAM, name, optimizer)] = {"update_ratio": ratio, "param_norm": norm}
+    for name in caught:
+        summary[Key(Kind.CAUGHT, name, optimizer)] = {"nonfinite": 1.0, "checked": float(checked)}
+    if noise is not None:
+        summary[Key(Kind.NOISE, "gradient")] = dict(noise)
+    return summary
+
+
+def rms(stats: Mapping[str, float]) -> float | None:
+    """The RMS of a gradient over its non-zero finite elements, from its statistics (a summary's
+    ``{statistic: value}``, or ``StatsRow._asdict()``): what the health report judges and the
+    gradient-flow picture draws. Over the non-zero elements, so that embedding rows and
+    timesteps that no example touches do not read as small. None when it cannot be told (not
+    logged, not finite, all zero).
+
+    Example:
+        >>> rms({"norm": 2.0, "mean": 0.5, "std": 1.0, "zero_fraction": 0.75})  # of [2, 0, 0, 0]
+        2.0
+    """
+    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
+    if mean is None or std is None:
+        return None
+    if not math.isfinite(std):
+        std = 0.0  # a single element
+    if norm is not None and math.isfinite(norm):
+        # sum(x²) = norm² = n·mean² + (n-1)·std²: the element count, then norm/sqrt(n).
+        denominator = norm * norm + std * std
+        value = math.sqrt(norm * norm * (mean * mean + std * std) / denominator) if denominator > 0 else 0.0
+    else:
+        value = math.hypot(mean, std)
+    if not math.isfinite(value):
+        return None
+    zero = stats.get("zero_fraction")
+    if zero is not None:
+        if zero >= 1.0 or value == 0.0:
+            return None
+        value /= math.sqrt(1.0 - zero)
+    return value if value > 0 else None
 
 
 def pool_entries(
-    kind: str,
+    kind: Kind,
     name: str,
-    parts: Sequence[tuple[list[float], list[float] | None]],
+    parts: Sequence[tuple[StatsRow, list[float] | None]],
     bins: int,
     calls: int | None = None,
 ) -> GradientEntry:
@@ -139,13 +296,10 @@ def pool_entries(
     row = pool_stats([r for r, _ in parts])
     histogram = None
     if all(h is not None for _, h in parts):
-        histogram = Histogram(*merge_histograms([(r[-2], r[-1], h) for r, h in parts], bins))
-    return GradientEntry(
-        kind, name, dict(zip(STATISTICS, row)), histogram, calls=calls or len(parts), count=int(row[_COUNT])
-    )
+        histogram = Histogram(*merge_histograms([(r.low, r.high, h) for r, h in parts], bins))
+    return GradientEntry(kind, name, row, histogram, calls=calls or len(parts))
 
 
-def single_entry(kind: str, name: str, row: list[float], hist: list[float] | None, calls: int = 1) -> GradientEntry:
+def single_entry(kind: Kind, name: str, row: StatsRow, hist: list[float] | None, calls: int = 1) -> GradientEntry:
     """The entry of one statistics row (and its histogram counts, or None)."""
-    histogram = None if hist is None else Histogram(row[-2], row[-1], hist)
-    return GradientEntry(kind, name, dict(zip(STATISTICS, row)), histogram, calls, int(row[_COUNT]))
+    return GradientEntry(kind, name, row, None if hist is None else Histogram(row.low, row.high, hist), calls)

@@ -1,39 +1,9 @@
-"""A gradient-health report: what looks wrong, where, since when, and why. Pure Python.
+"""The gradient-health report: the flags of :mod:`lightning_gradhooks.judge`, rendered. Pure Python.
 
-:class:`HealthReport` consumes one :class:`~lightning_gradhooks.records.GradientRecord` per
-logged step (from the callback, a plain loop or Fabric) or the scalars of a TensorBoard log
-(the ``report`` command: the same numbers, so the same flags). It flags, per module:
-
-- ``nonfinite``: NaN/Inf, or a gradient whose L2 norm overflows float32 (what
-  ``clip_grad_norm_`` then sees as an infinite total norm), or a non-finite update. One flag: the
-  first logged step where it appears and where it was born (:func:`nonfinite_origin`): the
-  weights already non-finite when the step began, the inputs of a module (made outside any
-  module), the forward of a module (any module, parameterless ones included), the loss, the
-  backward of a module, or the optimizer step.
-- ``exploding``: a gradient whose RMS is ``exploding_factor`` times the median of its own last
-  ``exploding_window`` logged values, or an update ten times the size of the weights it moves
-  (``update_ratio`` above ``exploding_update_ratio``), for ``exploding_steps`` logged steps in a
-  row; values below ``floor_ratio`` of the model's median (same kind, same step) are not read.
-  One such update is enough when it lands the weights beyond ``1 / floor_ratio`` times the
-  model's median parameter RMS.
-- ``vanishing``: a gradient whose RMS is below ``vanishing_ratio`` times the median RMS of the
-  same kind of gradient at the same step, for ``vanishing_steps`` logged steps in a row.
-- ``dead``: a module whose output gradient and parameter gradients are all (at least
-  ``dead_zero_fraction``) exactly zero, for ``dead_steps`` logged steps in a row.
-- ``stalled``: a parameter that does not move: ``update_ratio`` 0, or below
-  ``stalled_update_ratio`` times the model's median, for ``stalled_steps`` logged steps in a row.
-
-Why each definition is what it is (docs/usage.md has the validation): gradients are compared
-with the model's own scale at the same step, or with their own recent median, never with zero
-or with one past value; an RMS is taken over the non-zero elements only, so that embedding
-rows and timesteps that no example touches do not read as small; a flag needs several logged
-steps in a row, so a single-step spike is not one; zero- and tiny-initialised parameters
-(biases, tokens) move by more than their own size in healthy training, so update ratios are
-read only on parameters at least ``floor_ratio`` of the model's median size.
-
-The RMS of a gradient is computed from the logged ``norm``, ``mean``, ``std`` and
-``zero_fraction`` (rounded to float32 as the log holds them), so the report of a record and the
-report of its log agree. A check whose statistic was not logged is skipped.
+:class:`HealthReport` is the :class:`~lightning_gradhooks.judge.Judge` of a run with its three
+renderings: :meth:`~HealthReport.table` (the grouped report printed at the end of fit and by the
+``report`` command; every flagged entry with ``full``) and :meth:`~HealthReport.markdown`
+(TensorBoard's Text tab). What each flag means is in :mod:`lightning_gradhooks.judge`.
 
 Example:
     >>> report = HealthReport()
@@ -41,794 +11,122 @@ Example:
     ...     report.add_stats(step, {("grad_output", "a"): {"mean": 0.0, "std": 1.0},
     ...                             ("grad_output", "b"): {"mean": 0.0, "std": 1e-9},
     ...                             ("grad_output", "c"): {"mean": 0.0, "std": 2.0}})
-    >>> [(f.flag, f.module, f.since) for f in report.rows()]
-    [('vanishing', 'b', 0)]
+    >>> print(report.table())  # doctest: +NORMALIZE_WHITESPACE
+    GradHooks: vanishing on 1 module in 5 logged steps (worst first; every entry: --all, or the Text tab):
+    flag       module  since  value  what
+    vanishing  b       0      1e-09  grad_output b
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import re
-import statistics as _statistics
-from array import array
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks._text import counted, listed
+from lightning_gradhooks.judge import FLAGS, Flag, Judge, Row, Thresholds, nonfinite_origin
 
-#: The flags, worst first: the order the report lists them in.
-FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
-GRADIENT_KINDS = ("grad_output", "grad_input", "param_grad")
-#: A norm whose square is beyond float32: what float32 norms (``clip_grad_norm_``) see as Inf.
-OVERFLOW_NORM = math.sqrt(3.4028234663852886e38)
-_PREFIX = re.compile(r"^(optimizer_\d+/)")
-#: Why a parameter that gets gradients is ``stalled`` at once: no optimizer holds it.
-_STATE_VERSION = 1
-UNOWNED = "in no optimizer: it gets gradients, but nothing steps it"
+__all__ = ["FLAGS", "Flag", "HealthReport", "Row", "Thresholds", "counted", "nonfinite_origin"]
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    """When the report raises a flag; every field can be overridden, and each is range-checked.
-
-    Attributes:
-        vanishing_ratio: RMS below this share of the median RMS (same kind, same step) ...
-        vanishing_steps: ... for this many logged steps in a row, while the parameters it
-            reaches move by less than ...
-        vanishing_update_ratio: ... this share of the model's median update ratio (a small
-            gradient that an Adam-family optimizer still turns into normal steps is not a
-            problem); where no update was measured, the gradient alone decides.
-        no_gradient_ratio: a parameter gradient whose norm is below this share of the norm of
-            the gradient its module receives (``grad_output``), ``vanishing_steps`` logged
-            steps in a row, is zero by construction (float round-off: a bias followed by a
-            normalisation layer): a note, never a flag.
-        exploding_factor: RMS this many times the median of its own last values ...
-        exploding_window: ... over this many logged steps (the baseline) ...
-        exploding_steps: ... for this many logged steps in a row (also for update ratios).
-        exploding_update_ratio: ``update_ratio`` (‖Δw‖/‖w_before‖) above this: a step ten
-            times the size of the weights it moves (a random walk of a bias near zero reaches 1-4).
-        floor_ratio: gradients (for ``exploding``) and parameters (for update ratios) whose RMS
-            is below this share of the model's median at the step are at the floor: zero- and
-            tiny-initialised parameters, noise far below the model's own scale; not read.
-        dead_zero_fraction: ``zero_fraction`` at least this, of a module's output gradient and
-            of its parameter gradients ...
-        dead_steps: ... for this many logged steps in a row.
-        stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
-            update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
-        stalled_steps: ... for this many logged steps in a row.
-    """
-
-    vanishing_ratio: float = 1e-3
-    vanishing_steps: int = 3
-    vanishing_update_ratio: float = 1e-2
-    no_gradient_ratio: float = 1e-3
-    exploding_factor: float = 100.0
-    exploding_window: int = 5
-    exploding_steps: int = 2
-    exploding_update_ratio: float = 10.0
-    floor_ratio: float = 0.1
-    dead_zero_fraction: float = 0.99
-    dead_steps: int = 3
-    stalled_update_ratio: float = 1e-4
-    stalled_steps: int = 3
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value, (low, high, closed) = getattr(self, f.name), _RANGES[f.name]
-            if f.type in (int, "int"):
-                accepted = f"an int from {low} to {high}" if high is not None else f"an int >= {low}"
-                integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-                if isinstance(value, bool) or not integral or value < low or (high is not None and value > high):
-                    raise ValueError(f"Thresholds.{f.name} expected {accepted}, got {value!r}")
-                object.__setattr__(self, f.name, int(value))
-                continue
-            accepted = _describe(low, high, closed)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"Thresholds.{f.name} expected a finite number {accepted}, got {value!r}")
-            below = value < low if closed[0] else value <= low
-            above = high is not None and (value > high if closed[1] else value >= high)
-            if below or above:
-                raise ValueError(f"Thresholds.{f.name} expected a number {accepted}, got {value!r}")
-            object.__setattr__(self, f.name, float(value))
-
-
-# Accepted ranges: (low, high or None, (low included, high included)).
-_RANGES = {
-    "vanishing_ratio": (0.0, 1.0, (False, False)),
-    "vanishing_steps": (1, None, (True, True)),
-    "vanishing_update_ratio": (0.0, 1.0, (True, True)),
-    "no_gradient_ratio": (0.0, 1.0, (True, False)),
-    "exploding_factor": (1.0, None, (False, True)),
-    "exploding_window": (1, None, (True, True)),
-    "exploding_steps": (1, None, (True, True)),
-    "exploding_update_ratio": (0.0, None, (False, True)),
-    "floor_ratio": (0.0, 1.0, (True, False)),
-    "dead_zero_fraction": (0.0, 1.0, (False, True)),
-    "dead_steps": (1, None, (True, True)),
-    "stalled_update_ratio": (0.0, 1.0, (True, False)),
-    "stalled_steps": (1, None, (True, True)),
-}
-
-
-def counted(n: int, noun: str, nouns: str | None = None) -> str:
-    """``counted(1, "logged step")`` -> ``"1 logged step"``; ``counted(2, "entry", "entries")`` -> ``"2 entries"``."""
-    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
-
-
-def _describe(low: float, high: float | None, closed: tuple[bool, bool]) -> str:
-    if high is None:
-        return f"{'>=' if closed[0] else '>'} {low:g}"
-    return f"in {'[' if closed[0] else '('}{low:g}, {high:g}{']' if closed[1] else ')'}"
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One flagged entry: ``flag`` (one of :data:`FLAGS`) on ``name`` (``"<kind> <entry>"``)
-    since logged step ``since``; ``last`` is the statistic's latest value (RMS, zero fraction,
-    update ratio or NaN count); ``module`` the module the entry belongs to."""
-
-    flag: str
-    name: str
-    since: int
-    last: float
-    module: str = ""
-    score: float = 0.0  # how bad, within the flag: higher is worse
-    reason: str = ""  # a reason other than the flag's own definition (``UNOWNED``)
-
-
-@dataclass
-class Row:
-    """One line of the grouped report: a flag on a module, its entries folded in, and the
-    flags that follow from it (upstream modules, stalled parameters) under it."""
-
-    flag: str
-    module: str
-    since: int
-    value: float
-    detail: str
-    entries: list[str] = field(default_factory=list)
-    consequences: list[Flag] = field(default_factory=list)
-    score: float = 0.0
-
-
-@dataclass
-class _Track:
-    """Per name and check: the step a run of bad steps began at (None: not in one), its length."""
-
-    start: int | None = None
-    length: int = 0
-    values: list[float] = field(default_factory=list)
-    last: float = 0.0  # the value and score at the latest bad step
-    score: float = 0.0
-
-
-def module_of(kind: str, name: str) -> str:
-    """The module an entry belongs to: ``grad_output lstm/0`` -> ``lstm``, ``param_grad
-    net.2.bias`` -> ``net.2``, with an ``optimizer_<i>/`` prefix kept."""
-    match = _PREFIX.match(name)
-    prefix = match.group(1) if match else ""
-    rest = name[len(prefix):]
-    if kind in ("param_grad", "param"):
-        module = rest.rpartition(".")[0] or "(model)"
-    else:
-        module = rest.split("/")[0]
-    return prefix + module
-
-
-def _f32(stats: Mapping[str, float]) -> dict[str, float]:
-    """The statistics as the log holds them (float32)."""
-    keys = list(stats)
-    return dict(zip(keys, array("f", [float(stats[k]) for k in keys]).tolist()))
-
-
-def rms(stats: Mapping[str, float], nonzero: bool = True) -> float | None:
-    """The per-element RMS of a gradient from its logged statistics (over its non-zero elements
-    with ``nonzero``); None when it cannot be told (not logged, not finite, all zero)."""
-    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
-    if mean is None or std is None:
-        return None
-    if not math.isfinite(std):
-        std = 0.0  # a single element
-    if norm is not None and math.isfinite(norm):
-        # sum(x²) = norm² = n·mean² + (n-1)·std²: the element count, then norm/sqrt(n).
-        denominator = norm * norm + std * std
-        value = math.sqrt(norm * norm * (mean * mean + std * std) / denominator) if denominator > 0 else 0.0
-    else:
-        value = math.hypot(mean, std)
-    if not math.isfinite(value):
-        return None
-    zero = stats.get("zero_fraction") if nonzero else None
-    if zero is not None:
-        if zero >= 1.0 or value == 0.0:
-            return None
-        value /= math.sqrt(1.0 - zero)
-    return value if value > 0 else None
-
-
-def _size(stats: Mapping[str, float]) -> float | None:
-    """The element count of a gradient, from its norm, mean and std (None if not told)."""
-    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
-    if None in (mean, std, norm) or not all(map(math.isfinite, (mean, norm))):
-        return None
-    std = std if math.isfinite(std) else 0.0
-    if mean * mean + std * std == 0:
-        return None
-    return (norm * norm + std * std) / (mean * mean + std * std)
-
-
-def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
-    """Why an entry is non-finite (None: it is not)."""
-    count = stats.get("nonfinite", 0)
-    if count and count > 0:
-        return f"{int(count)} NaN/Inf"
-    norm = stats.get("norm")
-    if kind in GRADIENT_KINDS and norm is not None and not (norm < OVERFLOW_NORM):
-        return f"norm {norm:.3g} overflows float32"
-    if kind == "param":
-        ratio, size = stats.get("update_ratio"), stats.get("param_norm")
-        if size is not None and not math.isfinite(size):
-            return "weights non-finite after the step"
-        if ratio is not None and math.isnan(ratio):
-            return "update ratio NaN"
-    return None
-
-
-def nonfinite_origin(entries: list[tuple[str, str, Mapping[str, float]]]) -> tuple[str, str, float] | None:
-    """Where the NaN/Inf of one logged step were born, from its entries in record order:
-    ``(module, description, value)``, or None when the step is finite.
-
-    In this order: the weights were already non-finite when the step began; a module's inputs
-    were non-finite before its forward (made outside any module: the batch or functional code);
-    a module's forward made them (the first, in forward order, whose inputs were finite); the
-    loss (the first gradient of backward is already bad); the backward of a module (the first
-    bad gradient in backward order); the optimizer step (a non-finite update).
-    """
-    bad = [(kind, name, why) for kind, name, s in entries if (why := _bad(kind, s)) is not None]
-    if not bad:
-        return None
-    count = {(k, n): s.get("nonfinite", 0) for k, n, s in entries}
-    stats = {(k, n): s for k, n, s in entries}
-    caught = [name for kind, name, _ in bad if kind == "caught"]
-    if caught:  # by the sentinel, on a step that may not be logged: the parameters alone tell
-        checked = int(stats[("caught", caught[0])].get("checked", 0))
-        where = ("in every parameter: the loss or the forward pass made them" if len(caught) == checked else
-                 f"nearest the loss `{caught[-1]}`: born in its module's backward or after it")
-        return (module_of("param_grad", caught[-1]),
-                f"caught before the optimizer step, which was skipped (the weights are still finite): non-finite "
-                f"gradients in {counted(len(caught), 'parameter')}, {where}", float(len(caught)))
-    for kind, name, why in bad:
-        if kind == "weights":
-            return name, f"weights already non-finite when the step began ({counted(int(count[kind, name]), 'parameter')})", count[kind, name]
-    for kind, name, why in bad:
-        if kind == "forward_input":
-            module = module_of(kind, name)
-            return module, f"inputs of `{module}` already non-finite: made outside any module (the batch, or functional code before it)", count[kind, name]
-        if kind == "forward":
-            return name, f"born in the forward of `{name}`", count[kind, name]
-    gradients = [(k, n) for k, n, _ in entries if k in GRADIENT_KINDS]
-    for kind, name, why in bad:
-        if kind in GRADIENT_KINDS:
-            module = module_of(kind, name)
-            value = count[kind, name] or stats[kind, name].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
-            if gradients and gradients[0] == (kind, name):
-                return module, f"the loss: the first gradient of backward ({kind} of `{name}`) is already bad: {why}", value
-            return module, f"born in backward: first seen in {kind} of `{name}` ({why})", value
-    kind, name, why = bad[0]
-    return module_of(kind, name), f"the optimizer step: {why} of `{name}`", 0.0
-
-
-class HealthReport:
-    """Accumulates logged steps and flags gradient problems (see the module docstring).
-
-    A step is judged once all its statistics are in: the statistics given for one step (one
-    call, or several: the update ratios after the gradients, one record per optimizer) are
-    merged, and the step is judged when a later step arrives or the report is read. Its state
-    survives a resume through :meth:`state_dict` / :meth:`load_state_dict`.
+class HealthReport(Judge):
+    """A :class:`~lightning_gradhooks.judge.Judge` that renders what it decided.
 
     Args:
-        thresholds: when to flag; default :class:`Thresholds`.
+        thresholds: when to flag; default :class:`~lightning_gradhooks.judge.Thresholds`.
     """
-
-    def __init__(self, thresholds: Thresholds | None = None) -> None:
-        self.thresholds = thresholds or Thresholds()
-        self._seen: list[int] = []
-        self._flags: dict[tuple[str, str], Flag] = {}
-        self._tracks: dict[tuple[str, str], _Track] = {}
-        self._nonfinite: Row | None = None
-        self._order: dict[str, int] = {}  # module -> first position in backward order
-        self._sizes: dict[str, float] = {}  # parameter -> element count, from its gradient
-        self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
-        self._notes: dict[str, Flag] = {}  # parameter -> its no-gradient note (while it holds)
-        self._pending: dict[int, dict[tuple[str, str], dict[str, float]]] = {}  # steps not judged yet
-
-    @property
-    def steps(self) -> int:
-        """The number of logged steps taken in."""
-        return len(self._seen)
-
-    def add(self, step: int, record: GradientRecord) -> None:
-        """Take in the record of one logged step."""
-        self.add_stats(step, {(e.kind, e.name): e.stats for e in record.entries})
-
-    def add_stats(self, step: int, stats: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
-        """Take in statistics of logged step ``step`` as ``{(kind, name): {statistic: value}}``,
-        in record order. Several calls for one step are merged (one step, counted once); a call
-        for a later step judges the earlier ones. Statistics of a step already judged are
-        ignored (a resume replays no step the report has seen)."""
-        if step not in self._pending:
-            if self._seen and step <= self._seen[-1]:
-                return
-            self._judge_pending()
-            self._pending[step] = {}
-            self._seen.append(step)
-        merged = self._pending[step]
-        for key, s in stats.items():
-            merged.setdefault(key, {}).update(_f32(s))
-
-    def _judge_pending(self) -> None:
-        for step in sorted(self._pending):
-            self._judge(step, self._pending.pop(step))
-
-    def _settled(self) -> HealthReport:
-        """The report with every step judged, leaving this one open to more of its last step."""
-        if not self._pending:
-            return self
-        settled = copy.deepcopy(self)
-        settled._judge_pending()
-        return settled
-
-    def _judge(self, step: int, stats: dict[tuple[str, str], dict[str, float]]) -> None:
-        t = self.thresholds
-        entries = [(k, n, s) for (k, n), s in stats.items()]
-        first_bad = self._nonfinite is None
-        self._check_nonfinite(step, entries)
-        for k, n, s in entries:
-            if k in GRADIENT_KINDS:
-                self._order.setdefault(module_of(k, n), len(self._order))
-            if k == "param_grad" and (size := _size(s)) is not None:
-                self._sizes[n] = size
-            if k == "param_grad" and s.get("zero_fraction") is not None:
-                (self._zero_grads.add if s["zero_fraction"] >= t.dead_zero_fraction else self._zero_grads.discard)(n)
-        unowned = self._check_unowned(step, entries)
-        quiet = self._check_no_gradient(step, entries) | unowned
-        moving = self._moving(entries)
-        values = {(k, n): rms(s) for k, n, s in entries if k in GRADIENT_KINDS and not _bad(k, s)}
-        medians = {kind: _median([v for (k, _), v in values.items() if k == kind]) for kind in GRADIENT_KINDS}
-        for (kind, name), value in values.items():
-            if kind == "param_grad" and name in quiet:
-                continue
-            label, median = f"{kind} {name}", medians[kind]
-            # Small, and learning stops with it: the update is small too (or not measured).
-            low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(kind, name)
-            self._run("vanishing", label, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
-            if value is None:
-                continue
-            history = self._track("history", label).values
-            baseline = _statistics.median(history) if history else None
-            floor = median is not None and value < t.floor_ratio * median
-            grown = baseline is not None and not floor and value > t.exploding_factor * baseline
-            self._run("exploding", label, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
-            # The baseline is the gradient at the model's own scale: growth from a near-zero
-            # start (attention's query and key at uniform attention, a LoRA adapter) to it is
-            # no explosion.
-            if not floor:
-                history.append(value)
-                del history[: -t.exploding_window]
-        self._check_dead(step, entries)
-        # A step with non-finite gradients is skipped (a gradient scaler, the sentinel): its
-        # update says nothing about the parameters.
-        if not any(_bad(k, s) for k, _, s in entries if k in GRADIENT_KINDS or k == "caught"):
-            self._check_updates(step, [(n, s) for k, n, s in entries if k == "param" and n not in quiet])
-        if first_bad and self._nonfinite is not None:
-            self._promote_explosions()
-
-    def _check_unowned(self, step: int, entries: list) -> set[str]:
-        """Parameters that get a gradient but that no optimizer steps (``in_optimizer`` 0):
-        ``stalled`` at once, with that reason. Returns their names."""
-        grads = {n: s for k, n, s in entries if k == "param_grad"}
-        unowned = set()
-        for kind, name, s in entries:
-            if kind != "param" or s.get("in_optimizer", 1.0) != 0.0:
-                continue
-            unowned.add(name)
-            gradient = grads.get(name, {})
-            gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0
-            self._run("stalled", f"param {name}", step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
-        return unowned
-
-    def _check_no_gradient(self, step: int, entries: list) -> set[str]:
-        """Parameters whose gradient is float round-off next to the gradient their module
-        receives: zero by construction (a bias followed by a normalisation layer). A note while
-        it holds, never a flag; returns the parameters that are that way at this step."""
-        t = self.thresholds
-        outputs: dict[str, float] = {}
-        for kind, name, s in entries:
-            if kind == "grad_output" and not _bad(kind, s) and s.get("norm") is not None:
-                module = module_of(kind, name)
-                outputs[module] = math.hypot(outputs.get(module, 0.0), s["norm"])
-        quiet = set()
-        for kind, name, s in entries:
-            if kind != "param_grad" or _bad(kind, s) or s.get("norm") is None:
-                continue
-            arriving = outputs.get(module_of(kind, name), 0.0)
-            ratio = s["norm"] / arriving if arriving > 0 else math.nan
-            none = ratio < t.no_gradient_ratio
-            track = self._track("no_gradient", name)
-            if not none:
-                track.start, track.length = None, 0
-                self._notes.pop(name, None)
-                continue
-            track.start = step if track.start is None else track.start
-            track.length += 1
-            if track.length >= t.vanishing_steps:
-                self._notes[name] = Flag("note", f"param_grad {name}", track.start, ratio, module_of(kind, name))
-            quiet.add(name)
-        return quiet
-
-    def _moving(self, entries: list):  # noqa: ANN202
-        """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
-        least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
-        with the gradient). False where no update ratio was measured."""
-        t = self.thresholds
-        ratios = {n: s["update_ratio"] for k, n, s in entries
-                  if k == "param" and math.isfinite(s.get("update_ratio", math.nan)) and s.get("in_optimizer", 1.0) != 0.0}
-        median = _median(list(ratios.values()))
-        if not median:
-            return lambda kind, name: False
-        fast = {n for n, r in ratios.items() if r >= t.vanishing_update_ratio * median}
-        by_module: dict[str, list[bool]] = {}
-        for n in ratios:
-            by_module.setdefault(module_of("param", n), []).append(n in fast)
-
-        def moving(kind: str, name: str) -> bool:
-            if kind == "param_grad":
-                return name in fast
-            module = by_module.get(module_of(kind, name))
-            return bool(module) and all(module)
-
-        return moving
-
-    def _promote_explosions(self) -> None:
-        """At the first non-finite logged step, an explosion seen on the logged step before it
-        (or on this one) is named even though it had no time to last: the next logged step was
-        already NaN."""
-        for (check, label), track in self._tracks.items():
-            if check != "exploding" or track.start is None or (check, label) in self._flags:
-                continue
-            kind, _, name = label.partition(" ")
-            self._flags[(check, label)] = Flag(check, label, track.start, track.last, module_of(kind, name), track.score)
-
-    def _check_dead(self, step: int, entries: list) -> None:
-        t = self.thresholds
-        zeros: dict[str, dict[str, list[float]]] = {}
-        for kind, name, s in entries:
-            if kind in ("grad_output", "param_grad") and s.get("zero_fraction") is not None and not _bad(kind, s):
-                zeros.setdefault(module_of(kind, name), {}).setdefault(kind, []).append(s["zero_fraction"])
-        for module, kinds in zeros.items():
-            dead = all(z >= t.dead_zero_fraction for values in kinds.values() for z in values)
-            value = min(z for values in kinds.values() for z in values)
-            self._run("dead", module, step, dead, t.dead_steps, value, module=module)
-
-    def _check_updates(self, step: int, params: list[tuple[str, Mapping[str, float]]]) -> None:
-        t = self.thresholds
-        ratios = {n: s["update_ratio"] for n, s in params if math.isfinite(s.get("update_ratio", math.nan))}
-        sizes = {
-            n: s["param_norm"] / math.sqrt(self._sizes[n])
-            for n, s in params
-            if n in self._sizes and math.isfinite(s.get("param_norm", math.nan))
-        }
-        median_size = _median(list(sizes.values()))
-        readable = {n for n, size in sizes.items() if median_size is not None and size >= t.floor_ratio * median_size}
-        # The model's typical update: of parameters at their own scale (near-zero ones move by
-        # more than their size in healthy training, and would inflate it).
-        median_ratio = _median([r for n, r in ratios.items() if n in readable]) or _median(list(ratios.values()))
-        for name, ratio in ratios.items():
-            label = f"param {name}"
-            size = sizes.get(name)
-            big = name in readable and ratio > t.exploding_update_ratio
-            # One such step is enough when it lands the weights far beyond the model's own scale.
-            far = big and size >= median_size / max(t.floor_ratio, 1e-12)
-            self._run("exploding", label, step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
-            still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
-            self._run("stalled", label, step, still, t.stalled_steps, ratio)
-
-    def _check_nonfinite(self, step: int, entries: list) -> None:
-        first = self._nonfinite
-        if first is not None and first.since <= step:
-            # Caught by the sentinel on a step that was not logged: the next logged step, logged
-            # in full, says where it is born when it comes again.
-            if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(
-                    k == "caught" for k, _, _ in entries):
-                again = nonfinite_origin(entries)
-                if again is not None and not again[1].startswith("weights"):
-                    first.detail += f"; at step {step}, logged in full after it: {again[1]}"
-            return
-        origin = nonfinite_origin(entries)
-        if origin is not None:
-            module, detail, value = origin
-            before = [s for s in self._seen if s < step]
-            exploding = any(c == "exploding" and t.start is not None for (c, _), t in self._tracks.items())
-            if before and exploding:
-                detail += f"; last finite logged step {before[-1]}, already exploding there"
-            else:
-                detail += f"; last clean logged step {before[-1]}" if before else "; no clean logged step before it"
-            self._nonfinite = Row("nonfinite", module, step, value, detail, score=math.inf)
-
-    @property
-    def first_nonfinite(self) -> Row | None:
-        """The ``nonfinite`` row: the first logged step with NaN/Inf and where they were born."""
-        return self._settled()._nonfinite
-
-    # -- resume --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the report has learnt, in plain Python values (for a checkpoint)."""
-        return {
-            "version": _STATE_VERSION,
-            "seen": list(self._seen),
-            "flags": [asdict(f) for f in self._flags.values()],
-            "tracks": [[c, label, t.start, t.length, list(t.values), t.last, t.score] for (c, label), t in self._tracks.items()],
-            "nonfinite": asdict(self._nonfinite) if self._nonfinite is not None else None,
-            "order": dict(self._order),
-            "sizes": dict(self._sizes),
-            "zero_grads": sorted(self._zero_grads),
-            "notes": [asdict(f) for f in self._notes.values()],
-            "pending": [[step, [[k, n, dict(s)] for (k, n), s in stats.items()]] for step, stats in self._pending.items()],
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (the thresholds stay this report's own).
-
-        Raises:
-            ValueError: ``state`` is not a state of this version of the report.
-        """
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"HealthReport.load_state_dict expected a state of version {_STATE_VERSION}, got {got!r}")
-        self._seen = [int(s) for s in state["seen"]]
-        self._flags = {(f["flag"], f["name"]): Flag(**f) for f in state["flags"]}
-        self._tracks = {(c, label): _Track(start, length, list(values), last, score)
-                        for c, label, start, length, values, last, score in state["tracks"]}
-        row = state["nonfinite"]
-        self._nonfinite = None if row is None else Row(**{**row, "consequences": [Flag(**f) for f in row["consequences"]]})
-        self._order = dict(state["order"])
-        self._sizes = dict(state["sizes"])
-        self._zero_grads = set(state["zero_grads"])
-        self._notes = {f["name"].partition(" ")[2]: Flag(**f) for f in state["notes"]}
-        self._pending = {int(step): {(k, n): dict(s) for k, n, s in stats} for step, stats in state["pending"]}
-
-    def _track(self, check: str, label: str) -> _Track:
-        return self._tracks.setdefault((check, label), _Track())
-
-    def _run(self, flag: str, label: str, step: int, bad: bool, needed: int, value: float,
-             module: str | None = None, score: float = 0.0, reason: str = "") -> None:
-        track = self._track(flag, label)
-        if not bad:
-            track.start, track.length = None, 0
-            return
-        if track.start is None:
-            track.start = step
-        track.length += 1
-        track.last, track.score = value, score
-        if track.length >= needed:
-            previous = self._flags.get((flag, label))
-            if module is None:
-                kind, _, name = label.partition(" ")
-                module = module_of(kind, name)
-            since = previous.since if previous else track.start
-            worst = max(score, previous.score) if previous else score
-            self._flags[(flag, label)] = Flag(flag, label, since, value, module, worst, reason)
-
-    # -- reading the report ----------------------------------------------------------------
-    def flags(self) -> list[Flag]:
-        """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
-        if self._pending:
-            return self._settled().flags()
-        found = sorted([*self._flags.values(), *self._stalled_behind_dead()], key=lambda f: (FLAGS.index(f.flag), f.since, -f.score))
-        first = self._nonfinite
-        head = [Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf)] if first else []
-        return head + found
-
-    def rows(self) -> list[Row]:
-        """The grouped report: one row per flag per module (its entries folded in), worst first;
-        upstream modules with the same flag, and stalled parameters of dead modules, under
-        their cause; non-finite weights under the explosion that made them."""
-        if self._pending:
-            return self._settled().rows()
-        groups: dict[tuple[str, str], list[Flag]] = {}
-        for f in self._flags.values():
-            groups.setdefault((f.flag, f.module), []).append(f)
-        rows = {key: _row(key, flags) for key, flags in groups.items()}
-        order = self._order
-        _fold_upstream(rows, groups, "dead", order)
-        _fold_upstream(rows, groups, "vanishing", order)
-        # Stalled parameters of a dead module, or whose gradient is all zero (downstream of a dead
-        # layer): a consequence of the first dead layer.
-        dead = sorted((r for r in rows.values() if r.flag == "dead"), key=lambda r: r.since)
-        for (flag, module), row in list(rows.items()):
-            stalled = groups[(flag, module)]
-            if flag == "stalled" and dead and not any(f.reason for f in stalled) and (
-                ("dead", module) in groups or all(f.name.partition(" ")[2] in self._zero_grads for f in stalled)
-            ):
-                cause = next((r for r in dead if r.module == module or any(c.module == module for c in r.consequences)), dead[0])
-                cause.consequences += stalled
-                del rows[(flag, module)]
-        _fold_upstream(rows, groups, "stalled", order)
-        # A weight whose gradient is exactly zero because its input is (downstream of a dead
-        # layer) is no redundant parameter: it is stalled, under the dead layer.
-        if dead:
-            dead[0].consequences += self._stalled_behind_dead()
-        ranked = sorted(rows.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
-        if self._nonfinite is None:
-            return ranked
-        first = self._nonfinite
-        earlier = [r for r in ranked if r.flag == "exploding" and r.since <= first.since]
-        made_by_updates = first.detail.startswith(("weights already non-finite", "the optimizer step"))
-        if earlier and made_by_updates:
-            # The weights went non-finite through the updates of an explosion: name the
-            # explosion, where it was seen, with the non-finite weights as its consequence.
-            cause = min(earlier, key=lambda r: (r.since, -r.score))
-            cause.consequences.append(Flag("nonfinite", first.module, first.since, first.value, first.module, math.inf,
-                                           first.detail))
-            return [cause] + [r for r in ranked if r is not cause]
-        detail = first.detail
-        if earlier:
-            modules = len({r.module for r in earlier})
-            detail += f"; preceded by exploding since step {min(r.since for r in earlier)} on {counted(modules, 'module')}"
-        return [Row("nonfinite", first.module, first.since, first.value, detail, score=math.inf)] + ranked
-
-    def notes(self) -> list[Flag]:
-        """What is worth knowing and is no problem: parameters that get no gradient by
-        construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
-        if self._pending:
-            return self._settled().notes()
-        behind_dead = set(map(id, self._behind_dead()))
-        return sorted((f for f in self._notes.values() if id(f) not in behind_dead),
-                      key=lambda f: (self._order.get(f.module, 0), f.name))
-
-    def _behind_dead(self) -> list[Flag]:
-        """Notes of parameters whose gradient is exactly zero, when a module is dead: a weight
-        whose input is zero, not a redundant parameter."""
-        if not any(f.flag == "dead" for f in self._flags.values()):
-            return []
-        return [f for f in self._notes.values() if f.name.partition(" ")[2] in self._zero_grads]
-
-    def _stalled_behind_dead(self) -> list[Flag]:
-        return [Flag("stalled", f"param {n.name.partition(' ')[2]}", n.since, 0.0, n.module) for n in self._behind_dead()]
-
-    def _note_line(self) -> str | None:
-        notes = self.notes()
-        if not notes:
-            return None
-        names = [f.name.partition(" ")[2] for f in notes]
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        verb = "gets" if len(notes) == 1 else "get"
-        return (f"note: {counted(len(notes), 'parameter')} {verb} no gradient by construction (below "
-                f"{self.thresholds.no_gradient_ratio:g} of the gradient its module receives: a bias followed by a "
-                f"normalisation layer, a shift or scale that a later operation removes); never trained, removable: {shown}")
 
     def table(self, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
         """The report as plain text: the grouped rows, worst first, at most ``limit`` per flag
         and ``max_lines`` lines in all (the rest counted), or every flagged entry with ``full``;
         one line when nothing was seen."""
-        if self._pending:
-            return self._settled().table(full, limit, max_lines)
-        rows = self.rows()
-        note = self._note_line()
-        if not rows:
-            clean = f"GradHooks: no gradient problems seen in {counted(self.steps, 'logged step')}."
-            return clean + (f"\n{note}" if note else "")
-        if full:
-            return self._full_table()
-        counts = {flag: sum(r.flag == flag for r in rows) + sum(c.flag == flag and c.score == math.inf
-                                                                 for r in rows for c in r.consequences) for flag in FLAGS}
-        summary = ", ".join(f"{flag} on {counted(n, 'module')}" for flag, n in counts.items() if n)
-        header = f"GradHooks: {summary} in {counted(self.steps, 'logged step')} (worst first; every entry: --all, or the Text tab):"
-        cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(4)]
-        lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
-        budget = max_lines - len(lines) - bool(note)
-        blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
-        # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
-        reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
-        for flag, block in blocks.items():
-            reserved[flag] = 0
-            room = budget - sum(reserved.values())
-            shown = 0
-            for r, cell in block:
-                needed = 1 + bool(r.consequences) + (shown + 1 < len(block))  # room for the "more" line
-                if shown == limit or needed > room:
-                    break
-                room -= 1 + bool(r.consequences)
-                lines.append("  ".join(c.ljust(w) for c, w in zip(cell, widths)) + "  " + r.detail)
-                lines.extend(["    " + _consequences(r)] if r.consequences else [])
-                shown += 1
-                budget -= 1 + bool(r.consequences)
-            if shown < len(block) and budget > 0:
-                lines.append(f"    ... and {counted(len(block) - shown, 'more module')} flagged {flag} (--all)")
-                budget -= 1
-        lines += [note] if note else []
-        return "\n".join(line.rstrip() for line in lines)
-
-    def _full_table(self) -> str:
-        if self._pending:
-            return self._settled()._full_table()
-        flags = self.flags()
-        rows = [("entry", "flag", "since step", "last value")] + [
-            (f.name, f.flag, str(f.since), f"{f.last:.3g}") for f in flags
-        ]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        header = f"GradHooks: {counted(len(flags), 'flagged entry', 'flagged entries')} in {counted(self.steps, 'logged step')}:"
-        extra = [f"nonfinite: {self._nonfinite.detail}"] if self._nonfinite else []
-        note = self._note_line()
-        return "\n".join([header, *lines, *extra, *([note] if note else [])])
+        return render_table(self, full, limit, max_lines)
 
     def markdown(self) -> str:
         """The report as Markdown (TensorBoard's Text tab): the grouped rows, then every entry."""
-        if self._pending:
-            return self._settled().markdown()
-        rows = self.rows()
-        note = self._note_line()
-        if not rows:
-            return f"No gradient problems seen in {counted(self.steps, 'logged step')}." + (f"\n\n{note}" if note else "")
-        lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
-        for r in rows:
-            what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")
-            lines.append(f"| {r.flag} | `{r.module}` | {r.since} | {r.value:.3g} | {what} |")
-        lines += ["", "Every flagged entry:", "", "| entry | flag | since step | last value |", "|---|---|---|---|"]
-        lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in self.flags()]
-        lines += ["", note] if note else []
-        return "\n".join(lines)
-
-    def names(self, flags: set[str] | None = None) -> set[str]:
-        """The flags present (optionally only among ``flags``)."""
-        present = {f.flag for f in self.flags()}
-        return present if flags is None else present & flags
+        return render_markdown(self)
 
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return _statistics.median(values) if len(values) > 2 else None
+def _note_line(judge: Judge) -> str | None:
+    """The line on parameters that get no gradient by construction (None: there are none)."""
+    notes = judge.notes()
+    if not notes:
+        return None
+    names = [f.entry for f in notes]
+    shown = listed(names, 6)
+    verb = "gets" if len(notes) == 1 else "get"
+    return (f"note: {counted(len(notes), 'parameter')} {verb} no gradient by construction (below "
+            f"{judge.thresholds.no_gradient_ratio:g} of the gradient its module receives: a bias followed by a "
+            f"normalisation layer, a shift or scale that a later operation removes); never trained, removable: {shown}")
 
 
-def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]], flag: str,
-                   order: dict[str, int]) -> None:
-    """Fold the rows of ``flag`` under the first flagged module in backward order (the one
-    nearest the loss): a module upstream of it flagged since the same step or later is one of
-    its consequences (no gradient flows up through a dead layer; a vanishing one keeps
-    shrinking; nothing moves where nothing arrives)."""
-    # A row with a reason of its own (a parameter in no optimizer) is its own cause.
-    flagged = sorted((r for (fl, m), r in rows.items() if fl == flag and not any(f.reason for f in groups[(fl, m)])),
-                     key=lambda r: order.get(r.module, 0))
-    causes: list[Row] = []
-    for row in flagged:
-        cause = next((c for c in causes if c.since <= row.since), None)
-        if cause is None:
-            causes.append(row)
-            continue
-        cause.consequences += groups[(flag, row.module)]
-        del rows[(flag, row.module)]
+def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
+    """:meth:`HealthReport.table` of ``judge``."""
+    rows = judge.rows()
+    note = _note_line(judge)
+    if not rows:
+        clean = f"GradHooks: no gradient problems seen in {counted(judge.steps, 'logged step')}."
+        return clean + (f"\n{note}" if note else "")
+    if full:
+        return render_full_table(judge)
+    counts = {flag: sum(r.flag == flag for r in rows) + sum(c.flag == flag and c.score == math.inf
+                                                             for r in rows for c in r.consequences) for flag in FLAGS}
+    summary = ", ".join(f"{flag} on {counted(n, 'module')}" for flag, n in counts.items() if n)
+    header = f"GradHooks: {summary} in {counted(judge.steps, 'logged step')} (worst first; every entry: --all, or the Text tab):"
+    cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
+    budget = max_lines - len(lines) - bool(note)
+    blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
+    # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
+    reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
+    for flag, block in blocks.items():
+        reserved[flag] = 0
+        room = budget - sum(reserved.values())
+        shown = 0
+        for r, cell in block:
+            needed = 1 + bool(r.consequences) + (shown + 1 < len(block))  # room for the "more" line
+            if shown == limit or needed > room:
+                break
+            room -= 1 + bool(r.consequences)
+            lines.append("  ".join(c.ljust(w) for c, w in zip(cell, widths)) + "  " + r.detail)
+            lines.extend(["    " + _consequences(r)] if r.consequences else [])
+            shown += 1
+            budget -= 1 + bool(r.consequences)
+        if shown < len(block) and budget > 0:
+            lines.append(f"    ... and {counted(len(block) - shown, 'more module')} flagged {flag} (--all)")
+            budget -= 1
+    lines += [note] if note else []
+    return "\n".join(line.rstrip() for line in lines)
 
 
-def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
-    flag, module = key
-    flags = sorted(flags, key=lambda f: (f.since, -f.score))
-    worst = max(flags, key=lambda f: f.score)
-    entries = [f.name for f in flags]
-    if flag == "dead":
-        detail = "output and parameter gradients all zero"
-    elif flag == "stalled":
-        reasons: dict[str, list[str]] = {}
-        for f in flags:
-            reasons.setdefault(f.reason or "update ratio 0 or far below the model's", []).append(f.name.partition(" ")[2])
-        detail = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items())
-    else:
-        detail = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-        if flag == "exploding":
-            detail = f"worst x{worst.score:.3g}: " + detail
-    return Row(flag, module, flags[0].since, worst.last, detail, entries, score=worst.score)
+def render_full_table(judge: Judge) -> str:
+    """Every flagged entry of ``judge``, one per line."""
+    flags = judge.flags()
+    rows = [("entry", "flag", "since step", "last value")] + [
+        (f.name, f.flag, str(f.since), f"{f.last:.3g}") for f in flags
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    header = f"GradHooks: {counted(len(flags), 'flagged entry', 'flagged entries')} in {counted(judge.steps, 'logged step')}:"
+    first = judge.first_nonfinite
+    extra = [f"nonfinite: {first.detail}"] if first else []
+    note = _note_line(judge)
+    return "\n".join([header, *lines, *extra, *([note] if note else [])])
+
+
+def render_markdown(judge: Judge) -> str:
+    """:meth:`HealthReport.markdown` of ``judge``."""
+    rows = judge.rows()
+    note = _note_line(judge)
+    if not rows:
+        return f"No gradient problems seen in {counted(judge.steps, 'logged step')}." + (f"\n\n{note}" if note else "")
+    lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
+    for r in rows:
+        what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")
+        lines.append(f"| {r.flag} | `{r.module}` | {r.since} | {r.value:.3g} | {what} |")
+    lines += ["", "Every flagged entry:", "", "| entry | flag | since step | last value |", "|---|---|---|---|"]
+    lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in judge.flags()]
+    lines += ["", note] if note else []
+    return "\n".join(lines)
 
 
 def _consequences(row: Row) -> str:
@@ -840,10 +138,9 @@ def _consequences(row: Row) -> str:
 def _upstream(consequences: list[Flag]) -> str:
     kinds: dict[str, list[str]] = {}
     for f in consequences:
-        kinds.setdefault(f.flag, []).append(f.module if f.flag != "stalled" else f.name.partition(" ")[2])
+        kinds.setdefault(f.flag, []).append(f.module if f.flag != "stalled" else f.entry)
     parts = []
     for flag, names in kinds.items():
         names = list(dict.fromkeys(names))
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        parts.append(f"{flag}: {shown}")
+        parts.append(f"{flag}: {listed(names, 6)}")
     return "follows from it (upstream): " + "; ".join(parts)

@@ -26,7 +26,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,14 +38,28 @@ from lightning_gradhooks import _kernels
 #: ``absmax``, ``nonfinite`` (count of NaN/Inf elements), ``zero_fraction`` (share of all
 #: elements that are exactly zero: dead ReLUs, unused embedding rows).
 Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction"]
-STATISTICS: tuple[str, ...] = get_args(Statistic)
 
-# Behind the public statistics a row holds the finite count and the finite minimum and maximum
-# (the histogram range), used for pooling and histograms.
-_NONFINITE = STATISTICS.index("nonfinite")
-_ZERO_FRACTION = STATISTICS.index("zero_fraction")
-_COUNT, _LOW, _HIGH = len(STATISTICS), len(STATISTICS) + 1, len(STATISTICS) + 2
-STATS_WIDTH = len(STATISTICS) + 3
+
+class StatsRow(NamedTuple):
+    """The statistics of one gradient tensor: :data:`STATISTICS`, then the finite element count
+    and the finite minimum and maximum (the histogram range), used for pooling and histograms.
+    What :func:`reduce`, :meth:`Reducer.finish` and :func:`pool_stats` hand out."""
+
+    norm: float
+    mean: float
+    std: float
+    absmax: float
+    nonfinite: float
+    zero_fraction: float
+    count: float
+    low: float
+    high: float
+
+
+#: The names of :data:`Statistic`, in row order.
+STATISTICS: tuple[str, ...] = StatsRow._fields[:6]
+#: Values in a :class:`StatsRow`.
+STATS_WIDTH = len(StatsRow._fields)
 
 #: Moments per tensor on the device: finite count, mean, the sum of squares about the mean,
 #: finite minimum and maximum, count of exact zeros.
@@ -184,7 +198,7 @@ class Reducer:
         moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled)
         self._blocks.append((moments, counts, batch.positions))
 
-    def finish(self) -> list[tuple[list[float], list[float] | None]]:
+    def finish(self) -> list[tuple[StatsRow, list[float] | None]]:
         """The statistics row and histogram counts (or None) of each tensor, in the order added."""
         for key in list(self._open):
             self._flush(key)
@@ -198,11 +212,11 @@ class Reducer:
         positions = [p for _, _, block in blocks for p in block]
         k = len(positions)
         rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
-        rows = iter(rows.tolist())
+        rows = map(StatsRow._make, rows.tolist())
         # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
         # inside its storage: hence the clone).
         counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
-        results: list[tuple[list[float], list[float] | None]] = [([], None)] * len(numels)
+        results: list[tuple[StatsRow, list[float] | None]] = [(StatsRow(*[0.0] * STATS_WIDTH), None)] * len(numels)
         for _, block_counts, block in blocks:
             for p in block:
                 results[p] = (next(rows), None if block_counts is None else next(counts))
@@ -420,7 +434,7 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
 
 def reduce(
     tensors: Sequence[Tensor], bins: int | None = None, compiled: bool = True
-) -> list[tuple[list[float], list[float] | None]]:
+) -> list[tuple[StatsRow, list[float] | None]]:
     """Statistics rows (and histogram counts) of each tensor, read to the host at once
     (``compiled``: as :class:`Reducer`).
 
@@ -447,7 +461,7 @@ def histogram_edges(low: float, high: float, bins: int) -> list[float]:
 # pooled as if the gradients had been concatenated into one tensor.
 
 
-def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
+def pool_stats(rows: Sequence[StatsRow]) -> StatsRow:
     """Combine statistics rows into the row of the concatenated tensors.
 
     ``norm`` is the root of the summed squares, ``mean`` and ``std`` are over all finite
@@ -461,26 +475,23 @@ def pool_stats(rows: Sequence[Sequence[float]]) -> list[float]:
         True
     """
     if len(rows) == 1:
-        return list(rows[0])
-    counts = [r[_COUNT] for r in rows]
-    count = sum(counts)
-    finite = [r for r in rows if r[_COUNT] > 0]
-    mean = sum(r[1] * r[_COUNT] for r in finite) / count if count else 0.0
-    spread = sum(r[2] ** 2 * (r[_COUNT] - 1) + r[_COUNT] * (r[1] - mean) ** 2 for r in finite)
-    std = math.sqrt(max(spread, 0.0) / (count - 1)) if count > 1 else 0.0
-    low = min((r[_LOW] for r in finite), default=0.0)
-    high = max((r[_HIGH] for r in finite), default=0.0)
-    return [
-        math.sqrt(sum(r[0] ** 2 for r in rows)),
-        mean,
-        std,
-        max(r[3] for r in rows),
-        sum(r[_NONFINITE] for r in rows),
-        sum(r[_ZERO_FRACTION] * (r[_COUNT] + r[_NONFINITE]) for r in rows) / max(count + sum(r[_NONFINITE] for r in rows), 1),
-        count,
-        low,
-        high,
-    ]
+        return rows[0]
+    count = sum(r.count for r in rows)
+    finite = [r for r in rows if r.count > 0]
+    mean = sum(r.mean * r.count for r in finite) / count if count else 0.0
+    spread = sum(r.std**2 * (r.count - 1) + r.count * (r.mean - mean) ** 2 for r in finite)
+    nonfinite = sum(r.nonfinite for r in rows)
+    return StatsRow(
+        norm=math.sqrt(sum(r.norm**2 for r in rows)),
+        mean=mean,
+        std=math.sqrt(max(spread, 0.0) / (count - 1)) if count > 1 else 0.0,
+        absmax=max(r.absmax for r in rows),
+        nonfinite=nonfinite,
+        zero_fraction=sum(r.zero_fraction * (r.count + r.nonfinite) for r in rows) / max(count + nonfinite, 1),
+        count=count,
+        low=min((r.low for r in finite), default=0.0),
+        high=max((r.high for r in finite), default=0.0),
+    )
 
 
 def merge_histograms(parts: Sequence[tuple[float, float, Sequence[float]]], bins: int) -> tuple[float, float, list[float]]:

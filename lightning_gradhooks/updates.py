@@ -7,7 +7,8 @@ and post-hook, on marked steps only), and the post-hook turns the copy into two 
 parameter, ``‖w_after - w_before‖ / ‖w_before‖`` (the update ratio: how far the step moved the
 weights, against where they were) and ``‖w_after‖``, in a few foreach ops, and frees it. Those
 numbers go to the host in one copy per step: on CUDA a non-blocking copy into pinned memory, read
-once it has landed, so the tracker adds no synchronisation; elsewhere at once.
+by :meth:`UpdateTracker.ready` (the log calls it at its next write, by when the copy has long
+landed), so the step itself adds no synchronisation; elsewhere at once.
 
 Any optimizer, AMP included (a step the gradient scaler skips calls neither hook, so nothing is
 measured), gradient accumulation (the step is what is measured) and manual optimization.
@@ -20,7 +21,7 @@ Example:
     >>> model(torch.ones(1, 2)).sum().backward()
     >>> tracker.expect(sgd, step=0)
     >>> sgd.step()
-    >>> [(step, sorted(values)) for step, values in tracker.ready(wait=True)]
+    >>> [(step, sorted(values)) for step, _, values in tracker.ready()]
     [(0, ['bias', 'weight'])]
     >>> tracker.remove()
 """
@@ -53,23 +54,23 @@ class UpdateTracker:
     def __init__(self, parameters: Mapping[str, nn.Parameter]) -> None:
         self._names = {id(p): n for n, p in parameters.items()}
         self._handles: list[Any] = []
-        self._due: dict[int, tuple[int, str]] = {}  # id(optimizer) -> (step, prefix)
-        self._snapshot: tuple[int, str, list[str], list[Tensor], list[Tensor]] | None = None
-        self._landing: list[tuple[int, list[str], Tensor, Any]] = []
+        self._due: dict[int, tuple[int, int | None]] = {}  # id(optimizer) -> (step, index)
+        self._snapshot: tuple[int, int, int | None, list[str], list[Tensor], list[Tensor]] | None = None
+        self._landing: list[tuple[int, int | None, list[str], Tensor, Any]] = []
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the step pre- and post-hook on ``optimizer`` (removed by :meth:`remove`)."""
         self._handles.append(optimizer.register_step_pre_hook(self._before))
         self._handles.append(optimizer.register_step_post_hook(self._after))
 
-    def expect(self, optimizer: torch.optim.Optimizer, step: int, prefix: str = "", now: bool = False) -> None:
-        """Measure the next step of ``optimizer``, reported as ``step``, names with ``prefix``.
+    def expect(self, optimizer: torch.optim.Optimizer, step: int, index: int | None = None, now: bool = False) -> None:
+        """Measure the next step of ``optimizer``, reported as ``step`` of optimizer ``index``.
 
         With ``now``, the weights are copied at once instead of in the step pre-hook: for a
         call made inside ``optimizer.step(closure)``, from the closure (Lightning calls
         ``on_before_optimizer_step`` there), after the pre-hook has run.
         """
-        self._due[id(optimizer)] = (step, prefix)
+        self._due[id(optimizer)] = (step, index)
         if now:
             self._before(optimizer, (), {})
 
@@ -81,16 +82,16 @@ class UpdateTracker:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) in self._names:
-                    names.append(due[1] + self._names[id(p)])
+                    names.append(self._names[id(p)])
                     params.append(p)
         if params:
             with torch.no_grad():
-                self._snapshot = (id(optimizer), due[0], names, params, [p.detach().clone() for p in params])
+                self._snapshot = (id(optimizer), *due, names, params, [p.detach().clone() for p in params])
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._snapshot is None or self._snapshot[0] != id(optimizer):
             return
-        _, step, names, params, before = self._snapshot
+        _, step, index, names, params, before = self._snapshot
         self._snapshot = None
         with torch.no_grad():
             now = [p.detach() for p in params]
@@ -103,29 +104,27 @@ class UpdateTracker:
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._landing.append((step, names, host, event))
+            self._landing.append((step, index, names, host, event))
         else:
-            self._landing.append((step, names, values.cpu(), None))
+            self._landing.append((step, index, names, values.cpu(), None))
 
-    def ready(self, wait: bool = False) -> list[tuple[int, dict[str, tuple[float, float]]]]:
-        """The measured steps whose numbers have reached the host (all of them with ``wait``):
-        ``(step, {name: (update_ratio, param_norm)})``, in step order. A copy whose step never
-        came (a step the gradient scaler skipped) is dropped here."""
+    def ready(self) -> list[tuple[int, int | None, dict[str, tuple[float, float]]]]:
+        """The measured steps, waiting for their numbers to reach the host:
+        ``(step, index, {name: (update_ratio, param_norm)})``, in step order (``index`` as given
+        to :meth:`expect`). A copy whose step never came (a step the gradient scaler skipped) is
+        dropped here."""
         self._snapshot = None
-        out, keep = [], []
-        for step, names, host, event in self._landing:
-            if event is not None and not wait and not event.query():
-                keep.append((step, names, host, event))
-                continue
+        out = []
+        for step, index, names, host, event in self._landing:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
             n = len(names)
-            out.append((step, {
+            out.append((step, index, {
                 name: (_ratio(values[k], values[2 * n + k]), values[n + k])
                 for k, name in enumerate(names)
             }))
-        self._landing = keep
+        self._landing = []
         return out
 
     def remove(self) -> None:

@@ -1,15 +1,19 @@
-"""Shared models and helpers for the tests.
+"""Shared models and helpers for the tests, importable by name from every folder below.
 
-The tests are laid out by the room they test, one file per room of the package:
-``test_monitor`` (monitor.py: choosing modules, the read plan), ``test_stats`` (stats.py: the
-reductions against plain torch, with the CPU's and an accelerator's sizes), ``test_log`` (log.py: plain loops and Fabric),
-``test_flow`` (flow.py), ``test_report`` / ``test_report_panel`` / ``test_report_cli``
-(report.py and ``python -m lightning_gradhooks``), ``test_checks`` (_checks.py),
-``test_offload*`` (offload/: engine, budget, in-place truth, signals), ``test_callback*``,
-``test_lifecycle``, ``test_loggers`` and ``test_lightning_cli`` (callback.py, the Lightning shell).
-Set-ups that cross rooms have their own: ``test_models``, ``test_setups``, ``test_compile``,
-``test_inplace``, ``test_ddp``, ``test_sharded``, ``test_namespaces``, ``test_gpu``, and the
-user's view: ``test_example``, ``test_docs``, ``test_console``, ``test_tensorboard_server``.
+One folder per part of the package:
+
+- ``core/``: monitor.py (choosing modules, the read plan), stats.py (the reductions against
+  plain torch), noise.py, sentinel.py, and what crosses the core: in-place models,
+  ``torch.compile``, the GPU path;
+- ``log/``: log.py (plain loops and Fabric), flow.py, updates.py, distributed.py (pooling over
+  ranks), report.py and ``python -m lightning_gradhooks`` (report, panel, CLI, console), the real
+  TensorBoard server;
+- ``shell/``: the Lightning callback: arguments, lifecycle, set-ups, loggers, LightningCLI, both
+  namespaces, DDP and sharded strategies, models of every shape;
+- ``offload/``: ``save_on_disk``: engine, budget, errors, signals, in-place truth, in the callback;
+- ``docs/``: the README's and docs' snippets, the example;
+- ``helpers/``: no tests: scripts that tests run in other processes (DDP ranks, offload victims),
+  the report's validation panel, and ``launch.run_script``.
 """
 
 from __future__ import annotations
@@ -202,9 +206,10 @@ def pooled_calls(log_dir: str, name: str, kind: str = "grad_output") -> dict[int
     """How many gradients the entry of ``name`` pools at each logged step, read from the compact
     summary as the report command reads it (which names the count when it is more than one)."""
     from lightning_gradhooks.__main__ import read_folder
+    from lightning_gradhooks.records import Key
 
-    steps = read_folder(Path(log_dir)).steps
-    return {step: int(stats[(kind, name)].get("calls", 1)) for step, stats in sorted(steps.items()) if (kind, name) in stats}
+    steps, key = read_folder(Path(log_dir)).steps, Key(kind, name)
+    return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}
 
 
 def read_events(log_dir: str):  # noqa: ANN201

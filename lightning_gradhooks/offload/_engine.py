@@ -289,7 +289,8 @@ class _Engine:
         long it takes, but threads that have ended cannot answer, so that raises why instead of hanging."""
         while True:
             try:
-                return waiter.get(timeout=_WAIT_S)
+                waiter.get(timeout=_WAIT_S)
+                return
             except queue.Empty:
                 if all(t.is_alive() for t in self._threads):
                     continue

@@ -35,12 +35,12 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += n
 
 
-def _pread_all(fd: int, data: memoryview, offset: int, needed: int | None = None) -> None:
-    done, needed = 0, len(data) if needed is None else needed
-    while done < needed:
+def _pread_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
         n = os.preadv(fd, [data[done:]], offset + done)
         if n <= 0:
-            raise OSError(errno.EIO, f"short read: {done} of {needed} bytes, then end of file")
+            raise OSError(errno.EIO, f"short read: {done} of {len(data)} bytes, then end of file")
         done += n
 
 

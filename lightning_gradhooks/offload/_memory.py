@@ -20,10 +20,10 @@ _MMAP_THRESHOLD_MIN, _MMAP_THRESHOLD_MAX = 1 << 20, 32 << 20  # glibc caps it at
 _mmap_threshold: int | None = None  # what this module set, process-wide
 
 
-def _fix_mmap_threshold(threshold_bytes: int) -> int | None:
+def _fix_mmap_threshold(threshold_bytes: int) -> None:
     """On glibc, fix malloc's mmap threshold at ``threshold_bytes`` (within 1 to 32 MiB) unless the
-    user chose one (``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable); return
-    the threshold set by this module, or None. Says so in one INFO line when it sets it.
+    user chose one (``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable); the
+    threshold set is kept in ``_mmap_threshold``. Says so in one INFO line when it sets it.
 
     glibc's default threshold is dynamic: once a large block is freed, blocks of that size come from
     the heap, which keeps the memory that offload frees early, so the process's peak does not fall.
@@ -35,24 +35,23 @@ def _fix_mmap_threshold(threshold_bytes: int) -> int | None:
     value = min(max(threshold_bytes, _MMAP_THRESHOLD_MIN), _MMAP_THRESHOLD_MAX)
     if (not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ
             or "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")):
-        return None
+        return
     if _mmap_threshold is not None and _mmap_threshold <= value:
-        return _mmap_threshold
+        return
     try:
         libc = ctypes.CDLL(None)
         if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: no such knob
-            return None
+            return
         if not libc.mallopt(_M_MMAP_THRESHOLD, value):
-            return None
+            return
     except (OSError, AttributeError):
-        return None
+        return
     _mmap_threshold = value
     logging.getLogger("lightning_gradhooks.offload").info(
         "save_on_disk: set glibc's mmap threshold to %d bytes for this process (mallopt(M_MMAP_THRESHOLD)), so "
         "that the memory of offloaded CPU tensors goes back to the system; it stays set after offload ends and "
         "costs about +10%% on allocation-heavy CPU work; fix_mmap_threshold=False (GradHooks: "
         "offload_fix_mmap_threshold=False) leaves the allocator alone", value)
-    return value
 
 
 def _buffer(address: int, nbytes: int) -> memoryview:

@@ -1,0 +1,325 @@
+"""The gradient noise scale (noise.py) against per-example brute force (``torch.func``).
+
+Brute force: every example's gradient with ``vmap(grad(...))``, hence the exact ``|G|²`` and
+``tr(Σ)`` (of one batch, or of the whole data set when the weights do not move, lr 0). The
+runs log every step of a real Lightning Trainer and the test reads the TensorBoard events back.
+DDP on two CPU processes runs ``tests/helpers/noise_ddp.py`` (see ``test_ddp.py`` for how).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gradhooks import GradHooks, GradientMonitor
+from lightning_gradhooks.__main__ import read_folder
+from lightning_gradhooks.records import Key, Kind
+from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, advice, noise_estimates
+
+from conftest import hook_snapshot, make_trainer, read_events
+from launch import run_script
+
+NOISE_TAG = "∇1 overview/noise_scale"
+
+
+def per_example(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Every example's gradient, by parameter name: (examples, parameter elements), float64."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def one(p, xi, yi):  # noqa: ANN001, ANN202
+        return loss(functional_call(model, p, (xi[None],)), yi[None])
+
+    parts = [vmap(grad(one), in_dims=(None, 0, 0))(params, x[i:i + 256], y[i:i + 256]) for i in range(0, len(x), 256)]
+    return {k: torch.cat([p[k].reshape(p[k].shape[0], -1) for p in parts]).double() for k in params}
+
+
+def flat(grads: dict[str, torch.Tensor], names=None) -> torch.Tensor:  # noqa: ANN001
+    return torch.cat([g for k, g in grads.items() if names is None or k in names], 1)
+
+
+def truth(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:  # noqa: ANN001
+    """``(|G|², tr(Σ))`` of the examples as a population: G their mean gradient, Σ their covariance."""
+    g = flat(per_example(model, loss, x, y))
+    mean = g.mean(0)
+    return float(mean.square().sum()), float((g - mean).square().sum(1).mean())
+
+
+def batch_truth(g: torch.Tensor) -> tuple[float, float]:
+    """The unbiased estimates of one batch, from its per-example gradients (examples, elements)."""
+    b, mean = len(g), g.mean(0)
+    trace = float((g - mean).square().sum() / (b - 1))
+    return float(mean.square().sum()) - trace / b, trace
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+class Block(nn.Module):
+    """One transformer block (batch first) and a linear read-out of each position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x)).squeeze(-1)
+
+
+def models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 6, generator=g)
+    y = x @ torch.randn(6, 1, generator=g) + 0.5 * torch.randn(512, 1, generator=g)
+    torch.manual_seed(0)
+    found = {
+        "linear": (nn.Linear(6, 1), x, y),
+        "mlp": (nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1)), x, y),
+    }
+    xs = torch.randn(512, 5, 16, generator=g)
+    ys = xs.sum(-1) / 4 + 0.3 * torch.randn(512, 5, generator=g)
+    found["block"] = (Block(), xs, ys)
+    return found
+
+
+# -- the estimators --------------------------------------------------------------------------
+def test_two_batch_estimates_invert_their_expectations():
+    grad_sq, trace, b, big = 2.0, 300.0, 8, 64
+    small_sq, big_sq = grad_sq + trace / b, grad_sq + trace / big  # E|G_b|² = |G|² + tr(Σ)/b
+    assert noise_estimates(small_sq, big_sq, b, big) == pytest.approx((grad_sq, trace))
+    with pytest.raises(ValueError, match="expected 0 < small < big, got small=8, big=8"):
+        noise_estimates(1.0, 1.0, 8, 8)
+
+
+def test_smoothing_takes_the_ratio_of_the_averages():
+    scale = NoiseScale(decay=0.5)
+    assert scale.value is None
+    assert scale.update(-1.0, 10.0) is None  # |G|² not positive yet: no estimate
+    # weights 0.25 and 0.5 (the bias correction divides both averages alike)
+    assert scale.update(3.0, 30.0) == pytest.approx((0.25 * 10 + 0.5 * 30) / (0.25 * -1 + 0.5 * 3))
+    assert scale.update(math.nan, 1.0) == scale.value and scale.steps == 2  # skipped
+    with pytest.raises(ValueError, match=r"`decay` expected a number in \[0, 1\), got 1"):
+        NoiseScale(decay=1)
+
+
+def test_advice_is_a_sentence_to_act_on():
+    assert advice(850, 64) == ("GradHooks: gradient noise scale ~ 850 examples; your batch per optimizer step is 64: "
+                               "a larger batch (up to ~850) would cut the number of steps almost in proportion "
+                               "(scale the learning rate with it).")
+    assert "near the critical batch size" in advice(100, 64)
+    assert "a smaller one (down to ~10)" in advice(10, 64)
+    assert "~ 900 examples (at step 380; the logged steps since gave no estimate); your batch" in advice(900, 32, step=380)
+    assert advice(None, 64, "the gradients are all zero") == \
+        "GradHooks: no gradient noise scale estimate: the gradients are all zero."
+
+
+@pytest.mark.parametrize("name", ["linear", "mlp", "block"])
+def test_per_example_norms_against_brute_force(name):
+    model, x, y = models()[name]
+    probe = NoiseProbe(model)
+    covered = {n for n, _ in model.named_parameters() if n.rpartition(".")[0] in probe.sources}
+    ours, exact, whole = [], [], []
+    for step in range(8):
+        xb, yb = x[step * 32:(step + 1) * 32], y[step * 32:(step + 1) * 32]
+        model.zero_grad()
+        probe.arm()
+        mse(model(xb), yb).backward()
+        sample = probe.collect()
+        assert sample.source == "per_example" and (sample.small, sample.big) == (1, 32)
+        assert probe.hooks == 0 and not any(m._forward_hooks for m in model.modules())
+        ours.append(sample.estimates())
+        grads = per_example(model, mse, xb, yb)
+        exact.append(batch_truth(flat(grads, covered)))
+        whole.append(batch_truth(flat(grads)))
+    if name == "block":  # attention's packed projections give no per-example norms
+        assert probe.sources == ["block.linear1", "block.linear2", "block.norm1", "block.norm2", "head"]
+        assert 0.3 < sample.coverage < 0.8
+    else:  # every parameter covered, and exact
+        assert sample.coverage == 1.0
+        assert ours == [pytest.approx(e, rel=1e-4) for e in exact]
+
+    def ratio(rows):  # noqa: ANN001, ANN202
+        return sum(t for _, t in rows) / sum(g for g, _ in rows)
+
+    assert ratio(ours) == pytest.approx(ratio(exact), rel=0.1)  # the sketch of 3-D inputs: unbiased
+    assert ratio(ours) == pytest.approx(ratio(whole), rel=0.25)
+
+
+def test_a_loss_scale_is_divided_out():
+    model, x, y = models()["mlp"]
+    monitor = GradientMonitor(model)
+    samples = []
+    with monitor.attach():
+        for scale in (1.0, 1024.0):
+            model.zero_grad()
+            with monitor.arm():
+                (mse(model(x[:32]), y[:32]) * scale).backward()
+                for p in model.parameters():  # what GradScaler.unscale_ does before the step
+                    p.grad /= scale
+                samples.append(monitor.collect().unscaled(scale).noise)
+    assert samples[1].estimates() == pytest.approx(samples[0].estimates(), rel=1e-5)
+
+
+# -- real runs, weights that do not move -----------------------------------------------------
+class Fit(pl.LightningModule):
+    """Wraps a model with the mean-squared loss and SGD at learning rate 0."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return mse(self.model(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def logged(tmp_path) -> tuple[list[float], list[dict[str, float]]]:  # noqa: ANN001
+    """The charted noise scale, and the summary's raw estimates, of every logged step."""
+    folder = next((tmp_path / "logs").glob("version_*"))
+    events = read_events(str(folder))
+    charted = [e.value for e in events.Scalars(NOISE_TAG)] if NOISE_TAG in events.Tags()["scalars"] else []
+    steps = read_folder(folder).steps
+    key = Key(Kind.NOISE, "gradient")
+    return charted, [s[key] for _, s in sorted(steps.items()) if key in s]
+
+
+def check_against_truth(tmp_path, model, x, y, batch_per_step) -> tuple[list[float], list[dict]]:  # noqa: ANN001
+    grad_sq, trace = truth(model, mse, x, y)
+    charted, raw = logged(tmp_path)
+    assert raw and all(r["big_batch"] == batch_per_step for r in raw)
+    estimate = sum(r["trace"] for r in raw) / sum(r["grad_sq"] for r in raw)
+    assert estimate == pytest.approx(trace / grad_sq, rel=0.25)
+    assert sum(charted) / len(charted) == pytest.approx(trace / grad_sq, rel=0.25)
+    return charted, raw
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_lightning_runs_against_brute_force(tmp_path, accumulation):
+    model, x, y = models()["mlp"]
+    micro = 32 if accumulation == 1 else 8
+    messages = []
+    hooks = GradHooks(every_n_steps=1, histograms=False)
+    trainer = make_trainer(tmp_path, [hooks], max_steps=48, accumulate_grad_batches=accumulation)
+    hooks._echo = lambda trainer: messages.append  # what the user reads at the end of fit
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro, shuffle=True,
+                        generator=torch.Generator().manual_seed(1))
+    trainer.fit(Fit(model), loader)
+    charted, raw = check_against_truth(tmp_path, model, x, y, 32)
+    assert raw[0]["small_batch"] == (1 if accumulation == 1 else 8)
+    assert messages[-1].startswith(f"GradHooks: gradient noise scale ~ {hooks.gradient_log.noise_scale.value:,.0f} "
+                                   "examples; your batch per optimizer step is 32: ")
+
+
+def test_plain_loop_with_accumulation_against_brute_force():
+    # each micro-batch's gradient read by a hook on the parameters, the mean of their squared norms
+    model, x, y = models()["mlp"]
+    grad_sq, trace = truth(model, mse, x, y)
+    monitor, smoothed, raw = GradientMonitor(model), NoiseScale(), []
+    g = torch.Generator().manual_seed(2)
+    order = torch.cat([torch.randperm(len(x), generator=g) for _ in range(3)])  # three epochs
+    with monitor.attach():
+        for step in range(48):
+            rows = order[step * 32:(step + 1) * 32]
+            with monitor.arm(batch_size=8, accumulation=4):
+                for part in rows.view(4, 8):
+                    (mse(model(x[part]), y[part]) / 4).backward()
+                sample = monitor.collect().noise
+            model.zero_grad()
+            assert (sample.source, sample.small, sample.big) == ("accumulation", 8, 32)
+            raw.append(sample.estimates())
+            smoothed.update(*raw[-1])
+    assert not any(p._backward_hooks for p in model.parameters())  # the hook on the parameters is gone
+    assert sum(t for _, t in raw) / sum(g for g, _ in raw) == pytest.approx(trace / grad_sq, rel=0.25)
+
+
+def test_ddp_on_two_cpu_processes_against_brute_force(tmp_path):
+    run_script(tmp_path, "noise_ddp.py")
+    model, x, y = models()["mlp"]
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    charted, raw = check_against_truth(tmp_path, model, x, y, 32)  # 2 ranks x 16
+    assert raw[0]["small_batch"] == 16
+    assert facts["all_reduces"] == facts["logged_steps"]  # one collective per logged step
+
+
+def test_nothing_of_ours_between_logged_steps(tmp_path):
+    model, x, y = models()["mlp"]
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+            seen.append((trainer.global_step, hooks.monitor.noise.hooks, hook_snapshot(pl_module)))
+
+    hooks = GradHooks(every_n_steps=3, histograms=False)
+    make_trainer(tmp_path, [Watch(), hooks], max_steps=6).fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16))
+    for step, count, snapshot in seen:  # Watch runs first: hooks of the step before are gone
+        assert count == 0 and all(not any(v[:4]) for v in snapshot.values()), step
+    assert len(logged(tmp_path)[1]) == 2
+
+
+def test_noise_scale_false_turns_it_off(tmp_path):
+    model, x, y = models()["mlp"]
+    hooks = GradHooks(every_n_steps=1, histograms=False, noise_scale=False)
+    make_trainer(tmp_path, [hooks], max_steps=2).fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16))
+    assert logged(tmp_path) == ([], [])
+    assert GradientMonitor(model, noise_scale=False).noise is None
+    with pytest.raises(ValueError, match=r"`noise_scale` expected a bool \(True or False\), got 'yes'"):
+        GradHooks(noise_scale="yes")
+
+
+# -- no estimate, said plainly ---------------------------------------------------------------
+def fit_and_warnings(tmp_path, model: nn.Module, x, y, batch_size: int, **kwargs) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    messages = []
+    hooks = GradHooks(every_n_steps=1, histograms=False)
+    trainer = make_trainer(tmp_path, [hooks], max_steps=3, **kwargs)
+    hooks._echo = lambda trainer: messages.append
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    said = [str(w.message) for w in caught if "noise scale" in str(w.message)]
+    assert logged(tmp_path) == ([], [])
+    return said, messages
+
+
+def test_a_batch_of_one_example(tmp_path):
+    model, x, y = models()["mlp"]
+    said, messages = fit_and_warnings(tmp_path, model, x, y, batch_size=1)
+    reason = "a step of one example has no spread of per-example gradients"
+    assert said == [f"GradHooks: no gradient noise scale estimate: {reason}."]  # once
+    assert messages[-1] == f"GradHooks: no gradient noise scale estimate: {reason}."
+
+
+def test_no_per_example_source_without_accumulation(tmp_path):
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(1, 1, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x[:, None]).mean(-1)
+
+    _, x, y = models()["linear"]
+    said, messages = fit_and_warnings(tmp_path, Conv(), x, y, batch_size=16)
+    assert said == ["GradHooks: no gradient noise scale estimate: no gradient accumulation, one process, and no "
+                    "layer that gives per-example gradient norms (Linear, LayerNorm, RMSNorm, GroupNorm)."]
+    assert messages[-1] == said[0]  # and again at the end of fit
+
+
+def test_all_zero_gradients(tmp_path):
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1))
+    for p in model.parameters():
+        nn.init.zeros_(p)  # with targets of zero, every gradient is zero
+    _, x, y = models()["linear"]
+    said, messages = fit_and_warnings(tmp_path, model, x, y * 0, batch_size=16, accumulate_grad_batches=2)
+    assert said == ["GradHooks: no gradient noise scale estimate: the gradients are all zero."]
+    assert messages[-1] == said[0]

@@ -1,0 +1,164 @@
+"""Plain loops and Lightning Fabric: GradientMonitor, GradientLog and save_on_disk give what the
+callback gives (statistics, histograms, update ratios, the flow picture, the report), and such a
+loop never imports Lightning."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_gradhooks import GradientLog, GradientMonitor, save_on_disk
+
+from conftest import read_events
+
+#: The loop of docs/usage.md ("Plain PyTorch and Fabric"), run verbatim below.
+LOOP = """
+monitor = GradientMonitor(model)
+log = GradientLog(writer, optimizers=[optimizer])   # writer: a torch SummaryWriter
+with monitor.attach():
+    for step, batch in enumerate(loader):
+        if step % 50 == 0:
+            monitor.arm()
+        loss_fn(model(batch)).backward()
+        log.write(monitor.collect(), step)          # before optimizer.step(): the update ratio is measured
+        optimizer.step(); optimizer.zero_grad()
+report = log.close()                                # prints the report, writes it to the Text tab, returns it
+"""
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def batches(n: int = 120) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(n)]
+
+
+def run_loop(net: nn.Module, optimizer, loader, log_dir) -> dict:  # noqa: ANN001
+    namespace = {"GradientMonitor": GradientMonitor, "GradientLog": GradientLog, "model": net,
+                 "optimizer": optimizer, "loader": loader, "loss_fn": lambda out: out.square().mean(),
+                 "writer": SummaryWriter(log_dir)}
+    exec(LOOP, namespace)  # noqa: S102 - the documented loop, verbatim
+    namespace["writer"].close()
+    return namespace
+
+
+def check_events(log_dir, steps: list[int]) -> None:  # noqa: ANN001
+    events = read_events(str(log_dir))
+    tags = events.Tags()
+    assert [e.step for e in events.Scalars("∇2 grad_output_norm/2")] == steps
+    assert [e.step for e in events.Scalars("∇4 param_grad_norm/0.weight")] == steps
+    assert [e.step for e in events.Scalars("∇5 param_update_ratio/0.weight")] == steps
+    assert "∇6 histograms/grad_output/0" in tags["histograms"] and "∇1 overview/gradient_flow" in tags["images"]
+    assert "gradhooks/health_report/text_summary" in tags["tensors"]
+
+
+def test_the_documented_loop_runs_verbatim_in_plain_pytorch(tmp_path, capsys):
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    done = run_loop(net, optimizer, batches(), tmp_path)
+    report = done["report"]
+    assert report.steps == 3 and report.flags() == []
+    assert "no gradient problems seen in 3 logged steps" in capsys.readouterr().out
+    check_events(tmp_path, [0, 50, 100])
+    # Nothing of ours is left on the optimizer.
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def test_steps_go_to_an_event_file_of_ours_checked_by_tensorboards_reader_and_its_writer_is_untouched(tmp_path):
+    """The logged steps are written to our own event file beside the writer's, checksummed with
+    google-crc32c's C code; TensorBoard's writer (its pure-Python checksum) is not replaced, and
+    every record of both files passes TensorBoard's own reader."""
+    import glob
+
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New, masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from lightning_gradhooks._tensorboard import _masked_crc32c
+
+    for data in (b"", b"\x00", os.urandom(1000), os.urandom(100_003)):
+        assert _masked_crc32c(data) == masked_crc32c(data)
+    net = model()
+    run_loop(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(), tmp_path)
+    assert record_writer.masked_crc32c is masked_crc32c  # TensorBoard's own, as imported
+    ours = glob.glob(str(tmp_path / "events.out.tfevents.*.gradhooks"))
+    assert len(ours) == 1 and len(glob.glob(str(tmp_path / "events.out.tfevents.*"))) == 2
+    for path in glob.glob(str(tmp_path / "events.out.tfevents.*")):
+        reader, records = PyRecordReader_New(path), 0
+        with pytest.raises(errors.OutOfRangeError):  # the end of the file, after every record passed
+            while True:
+                reader.GetNext()  # raises DataLossError on a wrong checksum
+                records += 1
+        assert records >= 3  # the file version, then the logged steps (ours) or the rest (the writer's)
+    check_events(tmp_path, [0, 50, 100])  # TensorBoard reads both files as one run
+
+
+def test_the_documented_loop_runs_verbatim_in_lightning_fabric(tmp_path):
+    fabric_module = pytest.importorskip("lightning.fabric")
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1)
+    net = model()
+    wrapped, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    # The wrapped module is monitored under the model's own names.
+    done = run_loop(wrapped, optimizer, batches(60), tmp_path)
+    assert done["report"].steps == 2
+    check_events(tmp_path, [0, 50])
+
+
+def test_a_plain_loop_never_imports_lightning(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        import torch
+        from torch.utils.tensorboard import SummaryWriter
+        from lightning_gradhooks import GradientLog, GradientMonitor
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = [torch.randn(4, 8) for _ in range(3)]
+        loss_fn = lambda out: out.square().mean()
+        writer = SummaryWriter({str(tmp_path)!r})
+        """) + LOOP + textwrap.dedent("""
+        lightning = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
+        assert not lightning, lightning
+        print("steps", report.steps)
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "steps 1" in done.stdout
+
+
+def test_offload_in_a_plain_loop_leaves_nothing(tmp_path):
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    (tmp_path / "off").mkdir()
+    offload = save_on_disk(threshold_bytes=1024, directory=tmp_path / "off")
+    try:
+        for x in batches(4):
+            with offload:
+                loss = net(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        offload.close()
+    assert offload.stats().bytes_offloaded > 0 and os.listdir(tmp_path / "off") == []
+
+
+def test_log_arguments_are_checked_and_a_second_close_is_a_no_op(tmp_path):
+    with pytest.raises(ValueError, match="`writer` expected a SummaryWriter"):
+        GradientLog(writer=42)
+    with pytest.raises(ValueError, match="`statistics` expected names from"):
+        GradientLog(statistics=["norm", "speed"])
+    log = GradientLog(echo=None)
+    report = log.close()
+    assert report is not None and log.close() is report  # the second close returns the same report
+    with pytest.raises(RuntimeError, match="closed"):
+        log.write(GradientMonitor(model()).collect(), 0)
