@@ -51,6 +51,13 @@ def chain(modules: int) -> nn.Module:
     return nn.Sequential(*(Scale() for _ in range(modules)))
 
 
+def elements(entry) -> float:
+    """The element count of an entry (an older checkout's entries hold a dict and a count)."""
+    if isinstance(entry.stats, dict):
+        return entry.count + entry.stats["nonfinite"]
+    return entry.stats.count + entry.stats.nonfinite
+
+
 def timed(step, device: str) -> float:
     if device != "cpu":
         torch.cuda.synchronize()
@@ -86,7 +93,7 @@ def floor(args: argparse.Namespace) -> None:
         with monitor.arm():
             model(x).sum().backward()
             record = monitor.collect()
-        big[:] = [len([e for e in record.entries if e.count + e.stats["nonfinite"] == args.elements])]
+        big[:] = [len([e for e in record.entries if elements(e) == args.elements])]
 
     g = torch.randn(args.elements, device=args.device)
     variants = {"bare": bare, "read": lambda: g.sum(), **{k: (lambda m=m: armed(m)) for k, m in monitors.items()}}
