@@ -20,7 +20,6 @@ one NaN does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import math
