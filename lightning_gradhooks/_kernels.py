@@ -77,11 +77,11 @@ def _compile(function: Callable) -> Callable:
 
 def run(function: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tensor, **constants: int) -> Tensor:
     """``function(x, *rows, **constants)`` on a block ``x`` of shape ``(rows, width)`` (and
-    per-row tensors ``rows``): compiled where possible if ``compiled``, else eagerly a few rows
-    at a time. The first dimension is dynamic: every block shape shares one compiled kernel.
+    per-row tensors ``rows``): compiled where possible if ``compiled`` (and no dispatch or function
+    mode of the caller's is active), else eagerly a few rows at a time. The first dimension is dynamic: every block shape shares one compiled kernel.
     """
     with torch.no_grad():  # one guard set whether called in backward or after it
-        if compiled:
+        if compiled and not _modes_active():
             kernel = _kernel(function, x.device.type)
             if kernel is not function:
                 try:
@@ -92,6 +92,15 @@ def run(function: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tenso
         parts = [function(x[r : r + EAGER_ROWS], *(t[r : r + EAGER_ROWS] for t in rows), **constants)
                  for r in range(0, len(x), EAGER_ROWS)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _modes_active() -> bool:
+    """A Python dispatch or function mode of the caller's (an op counter, a debug mode) is active:
+    compiled code would not run under it, so this call runs the eager ops, and later calls
+    compile as usual."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
 
 
 def _call(kernel: Callable, x: Tensor, rows: tuple[Tensor, ...], constants: dict[str, int]) -> Tensor:

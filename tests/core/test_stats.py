@@ -429,3 +429,22 @@ def test_disabled_torch_compile_is_respected(fresh_kernels, monkeypatch):
     assert "disabled" in stats._kernels.unavailable("cpu")
     reduce([torch.randn(10)])
     assert stats._kernels._compiled[stats.row_moments, "cpu"] is stats.row_moments
+
+
+def test_a_dispatch_mode_of_the_users_runs_the_eager_ops_once_and_leaves_compiling_on(fresh_kernels, caplog):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen: list[str] = []
+    tensors = _awkward(torch.float32)
+    with caplog.at_level("INFO", logger="lightning_gradhooks"), Seen():
+        inside = reduce(tensors, bins=16)
+    assert any("scatter_add" in name for name in seen)  # the eager ops, visible to the mode
+    assert not [r for r in caplog.records if "eager" in r.getMessage()]
+    assert inside == reduce(tensors, bins=16, compiled=False)
+    reduce(tensors, bins=16)
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is not stats.row_moments
