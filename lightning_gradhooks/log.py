@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
@@ -46,10 +47,10 @@ from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
-from lightning_gradhooks.records import GradientRecord, Summary, step_summary
+from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
-from lightning_gradhooks.updates import UpdateTracker
+from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -86,7 +87,7 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
     return values
 
 
-def _columns(metrics: dict[str, float]) -> dict[str, float]:
+def _table_columns(metrics: dict[str, float]) -> dict[str, float]:
     """What a table of columns (CSV, MLflow, ...) gets: the overview and the norms, named without
     the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
     which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
@@ -137,6 +138,9 @@ class GradientLog:
             the global batch (one ``all_gather`` per logged step); default: rank 0's own.
         echo: how the report (and a note when matplotlib is missing) is printed: a function of
             one string; None: nothing is printed.
+        precision: the dtype the hooks' gradients are computed in when not float32
+            (``torch.bfloat16`` or ``torch.float16`` under autocast): what float round-off means
+            for the report's notes of parameters that get no gradient by construction.
 
     Raises:
         ValueError: an argument of the wrong type or out of range.
@@ -152,6 +156,7 @@ class GradientLog:
         thresholds: Thresholds | None = None,
         sync_dist: bool = False,
         echo: Callable[[str], Any] | None = print,
+        precision: torch.dtype | None = None,
     ) -> None:
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         for w in writers:
@@ -160,19 +165,19 @@ class GradientLog:
                     "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
                     f"those or None, got {type(w).__name__}"
                 )
-        statistics = list(DEFAULT_STATISTICS if statistics is None else statistics)
-        unknown = [s for s in statistics if s not in LOGGED_STATISTICS]
-        if unknown:
-            raise ValueError(f"`statistics` expected names from {list(LOGGED_STATISTICS)}, got {unknown}")
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise ValueError(f"`thresholds` expected a Thresholds or None, got {type(thresholds).__name__}")
+        statistics = list(DEFAULT_STATISTICS if statistics is None else
+                          check_choices("statistics", statistics, LOGGED_STATISTICS))
+        check_instance("thresholds", thresholds, (Thresholds, type(None)), "a Thresholds or None")
         self._tensorboards = [w for w in writers if _is_tensorboard(w)]
         self._others = [w for w in writers if not _is_tensorboard(w)]
-        self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning/Fabric wrappers
+        self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers
         self.statistics = statistics
         self.histograms = bool(histograms)
         self.sync_dist = bool(sync_dist)
         self._echo = echo
+        if precision is not None and (not isinstance(precision, torch.dtype) or not precision.is_floating_point):
+            raise ValueError(f"`precision` expected a floating-point torch.dtype or None, got {precision!r}")
+        self._eps = None if precision in (None, torch.float32) else torch.finfo(precision).eps
         #: The health report of the steps written so far (kept after :meth:`close`).
         self.report = HealthReport(thresholds)
         #: Collectives made to pool records over the ranks (for tests and the curious).
@@ -193,7 +198,6 @@ class GradientLog:
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
         self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
-        self._noise_latest: tuple[float, float, int] | None = None  # value, batch per step, step
 
     # -- per step ------------------------------------------------------------------------------
     def write(
@@ -264,7 +268,7 @@ class GradientLog:
         for writer in self._tensorboards:
             write_step(writer, metrics, None, step, stats)
         for other in self._others:
-            other.log_metrics(metrics if _is_wandb(other) else _columns(metrics), step=step)
+            other.log_metrics(metrics if _is_wandb(other) else _table_columns(metrics), step=step)
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 
@@ -278,7 +282,7 @@ class GradientLog:
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
         if optimizer is None:
             return None
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped(optimizer)
         for i, o in enumerate(self.optimizers):
             if o is optimizer:
                 return i
@@ -289,8 +293,7 @@ class GradientLog:
         ``param`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
         if not self.optimizers or not record.parameters:
             return []
-        held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
-        return [name for name, p in record.parameters.items() if id(p) not in held and getattr(p, "grad", None) is not None]
+        return [name for name, p in unheld(record.parameters.items(), self.optimizers) if getattr(p, "grad", None) is not None]
 
     def _measure_update(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
                         stepping: bool) -> None:
@@ -313,12 +316,19 @@ class GradientLog:
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
         noise = self._write_noise(record.noise, step, metrics)
-        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise)
+        ranks = None
+        if record.noise is not None and record.noise.nonfinite_ranks:
+            # which ranks' own gradients were not finite before the all-reduce (the noise probe's)
+            bad = record.noise.nonfinite_ranks
+            ranks = {"nonfinite_ranks": float(len(bad)), "first_rank": float(bad[0]), "own": float(_rank() in bad)}
+        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise, ranks=ranks)
+        if self._eps is not None:  # round-off of the gradients the hooks saw
+            stats[Key(Kind.PRECISION, "gradient")] = {"eps": self._eps}
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
             else:  # a table of columns (CSV): the overview and the norms
-                other.log_metrics(_columns(metrics), step=step)
+                other.log_metrics(_table_columns(metrics), step=step)
         for writer in self._tensorboards:
             write_step(writer, metrics, record if self.histograms else None, step, stats)
             if not self._layout_written:
@@ -341,10 +351,9 @@ class GradientLog:
         self._noise_last = sample
         if sample.reason is not None:
             return None
-        value = self.noise_scale.update(*sample.estimates())
+        value = self.noise_scale.update(*sample.estimates(), step=step, batch=sample.big, coverage=sample.coverage)
         if value is not None:
             metrics[f"{OVERVIEW}/noise_scale"] = value
-            self._noise_latest = (value, sample.big, step)
         return sample.stats()
 
     def _warn_skipped(self, record: GradientRecord) -> None:
@@ -398,6 +407,7 @@ class GradientLog:
             "report": self.report.state_dict(),
             "flow": self._flow.state_dict() if self._flow is not None else None,
             "in_nonfinite_episode": self.in_nonfinite_episode,
+            "noise_scale": self.noise_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -408,6 +418,8 @@ class GradientLog:
         if self._flow is not None and state.get("flow") is not None:
             self._flow.load_state_dict(state["flow"])
         self.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
+        if state.get("noise_scale") is not None:
+            self.noise_scale.load_state_dict(state["noise_scale"])
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> HealthReport | None:
@@ -426,10 +438,10 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
-                if self._noise_last is not None:  # the latest noise scale next to the batch per step
-                    value, batch, step = self._noise_latest or (None, 0.0, 0)
-                    self._echo(advice(value, batch, self._noise_last.reason,
-                                      None if value is None or value == self.noise_scale.value else step))
+                if self._noise_last is not None:  # the run's later noise scale next to the batch per step
+                    history = self.noise_scale.history
+                    self._echo(advice(self.noise_scale.summary(), self._noise_last.reason,
+                                      history[-1][0] if history and self._noise_last.reason is not None else None))
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)

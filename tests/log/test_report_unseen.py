@@ -6,7 +6,9 @@ Every fit is a real Lightning fit; the CLI reads the same event files and must p
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import report_panel as panel
 from lightning_gradhooks import GradHooks
+from lightning_gradhooks.records import Key
 from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
 
 
@@ -201,8 +204,8 @@ def test_two_optimizers_count_one_logged_step_printed_and_from_the_log(tmp_path)
     text = printed_equals_cli(callback, log_dir)
     # The critic's last bias gets exactly no gradient (it cancels between real and fake): a note.
     assert text == ("GradHooks: no gradient problems seen in 5 logged steps.\nnote: 1 parameter gets no gradient by "
-                    "construction (below 0.001 of the gradient its module receives: a bias followed by a normalisation "
-                    "layer, a shift or scale that a later operation removes); never trained, removable: "
+                    "construction (float round-off next to the gradient its module receives: a bias followed by a "
+                    "normalisation layer, a shift or scale that a later operation removes); never trained, removable: "
                     "optimizer_1/disc.2.bias")
 
 
@@ -236,8 +239,31 @@ def test_a_resumed_run_reports_the_whole_run_as_the_cli_does(tmp_path, resume_at
 
 
 def test_a_checkpoint_of_an_unknown_state_version_is_refused_clearly():
-    with pytest.raises(ValueError, match="expected a state of version 2, got 99"):
+    with pytest.raises(ValueError, match="expected a state of version 1 or 2, got 99"):
         HealthReport().load_state_dict({"version": 99})
+
+
+def test_a_report_state_of_the_earlier_release_resumes_as_if_never_stopped():
+    # Written by the release before one record type (tests/log/data, its "written_by"): the report's
+    # state at step 30 of a run with a dead layer, and every logged step's summary of that run.
+    saved = json.loads((Path(__file__).parent / "data" / "report_state_v1.json").read_text())
+    assert saved["state"]["version"] == 1
+
+    def summary(entries):
+        return {Key.of_label(kind, name): stats for kind, name, stats in entries}
+
+    whole, resumed = HealthReport(), HealthReport()
+    resumed.load_state_dict(saved["state"])
+    assert resumed.steps == 6  # logged steps 0 to 25
+    for step, entries in saved["steps"]:
+        whole.add_stats(step, summary(entries))
+        resumed.add_stats(step, summary(entries))  # steps it has seen are ignored, as on a resume
+    assert resumed.steps == whole.steps == 12
+    assert resumed.table() == whole.table()
+    assert [(f.flag, f.kind, f.entry, f.since) for f in resumed.flags()] == [
+        (f.flag, f.kind, f.entry, f.since) for f in whole.flags()]
+    (row,) = resumed.rows()
+    assert (row.flag, row.module, row.since) == ("dead", "2", 0)
 
 
 # -- the sentinel ------------------------------------------------------------------------------
@@ -252,7 +278,7 @@ def test_the_sentinel_skips_a_nan_step_that_is_not_logged_and_names_it(tmp_path)
     assert "which was skipped (the weights are still finite)" in first.detail
     assert "at step 9, logged in full after it: born in the forward of `net.3`" in first.detail
     printed_equals_cli(callback, log_dir)
-    assert callback._sentinel is None  # let go with the fit
+    assert callback._fit is None  # the sentinel is let go with the fit
 
 
 def test_without_the_sentinel_the_weights_go_nan_and_the_report_can_only_say_so(tmp_path):
@@ -267,8 +293,8 @@ def test_catch_nonfinite_is_checked_at_construction():
 
 
 def test_new_thresholds_are_range_checked():
-    with pytest.raises(ValueError, match=r"Thresholds.no_gradient_ratio expected a number in \[0, 1\), got 2"):
-        Thresholds(no_gradient_ratio=2)
+    with pytest.raises(ValueError, match=r"Thresholds.round_off_factor expected a number > 0, got 0"):
+        Thresholds(round_off_factor=0)
     with pytest.raises(ValueError, match=r"Thresholds.vanishing_update_ratio"):
         Thresholds(vanishing_update_ratio=-1)
-    assert math.isclose(Thresholds().no_gradient_ratio, 1e-3)
+    assert math.isclose(Thresholds().round_off_factor, 64.0)
