@@ -72,6 +72,9 @@ class GradHooksLogic:
             lowers the peak (one INFO line says so).
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
             (:mod:`lightning_gradhooks.noise`).
+        compile_statistics: reduce gradients with kernels ``torch.compile`` builds once per process
+            (a few seconds at the first logged step, cached on disk); False: the same torch ops,
+            eagerly. Without a compiler the eager ops run anyway (said once at INFO).
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -99,6 +102,7 @@ class GradHooksLogic:
         catch_nonfinite: bool = False,
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
+        compile_statistics: bool = True,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)
@@ -115,6 +119,7 @@ class GradHooksLogic:
         self.catch_nonfinite = check_bool("catch_nonfinite", catch_nonfinite)
         self.offload_fix_mmap_threshold = check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
         self.noise_scale = check_bool("noise_scale", noise_scale)
+        self.compile_statistics = check_bool("compile_statistics", compile_statistics)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
         self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start
