@@ -101,6 +101,7 @@ def check_callback_arguments(arguments: dict, default_statistics: Sequence[str],
             raise ValueError(f"`{name}` expected `offload_threshold_bytes` to be set too, got {name}={a[name]!r} "
                              "with offload_threshold_bytes=None (offload off)")
     check_int("histogram_bins", a["histogram_bins"], maximum=MAX_BINS)
+    check_int("histogram_every_n_steps", a["histogram_every_n_steps"])
     for name in ("histograms", "sync_dist", "catch_nonfinite", "offload_fix_mmap_threshold", "noise_scale"):
         check_bool(name, a[name])
     a["include"] = check_patterns("include", a["include"], allow_empty=False)

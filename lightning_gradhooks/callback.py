@@ -17,7 +17,9 @@ from typing_extensions import override
 
 from lightning_gradhooks import _trainer
 from lightning_gradhooks._checks import check_callback_arguments
-from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
+from lightning_gradhooks.log import (
+    DEFAULT_HISTOGRAM_EVERY_N_STEPS, DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic,
+)
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
@@ -82,6 +84,10 @@ class GradHooksLogic:
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged
             steps, chart it as ``∇1 overview/noise_scale`` and compare it with the batch per
             optimizer step at the end of fit (:mod:`lightning_gradhooks.noise`).
+        histogram_every_n_steps: count and write the histograms on the first logged step of each
+            window of this many optimizer steps (default 500: every 10th logged step at
+            Lightning's default ``log_every_n_steps=50``); the scalars and the compact summary
+            are written every logged step. 1: every logged step.
 
     Raises:
         ValueError: at construction, for an invalid argument (naming it, what is accepted and
@@ -114,6 +120,7 @@ class GradHooksLogic:
         catch_nonfinite: bool = False,
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
+        histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
     ) -> None:
         arguments = check_callback_arguments(locals(), DEFAULT_STATISTICS, LOGGED_STATISTICS)  # checked, converted
         for name, value in arguments.items():
@@ -209,6 +216,7 @@ class GradHooksLogic:
         self._pieces = bool(self._monitor.sharded) and trainer.world_size > 1
         self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
                                         histograms=self.histograms, thresholds=self._thresholds,
+                                        histogram_every_n_steps=self.histogram_every_n_steps,
                                         sync_dist=self.sync_dist, echo=self._echo(trainer))
         if self._restored is not None:
             self.gradient_log.load_state_dict(self._restored)
@@ -261,6 +269,8 @@ class GradHooksLogic:
         observed = trainer.is_global_zero or self._pooled
         if monitor is not None and observed and not monitor.armed and logged:
             state.step = trainer.global_step
+            if self.gradient_log is not None:  # histograms are counted on their own cadence
+                monitor.histograms = self.gradient_log.histograms_due(state.step)
             monitor.arm(batch_size=_trainer.batch_size(batch), accumulation=trainer.accumulate_grad_batches)
         elif monitor is not None and monitor.noise is not None and logged and not monitor.armed \
                 and not monitor.noise.armed and trainer.world_size > 1:
