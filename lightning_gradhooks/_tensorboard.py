@@ -178,8 +178,8 @@ class SummaryReader:
     ``optimizer_<i>/`` prefix, is read back into its field here, the one place that reads names."""
 
     def __init__(self) -> None:
-        # Per layout number: (key, statistics) per entry, in the order of the numbers.
-        self._layouts: dict[int, list[tuple[Key, tuple[str, ...]]]] = {}
+        # Per layout number: (key, statistics) per entry, in the order of the numbers, and how many.
+        self._layouts: dict[int, tuple[list[tuple[Key, tuple[str, ...]]], int]] = {}
         #: Whether a packed summary was read (a file of this version: each summary is an event of its own).
         self.packed = False
 
@@ -193,11 +193,14 @@ class SummaryReader:
             rows = json.loads(value.tensor.string_val[0])
             return {Key.of_label(_kind(kind), label): values for kind, label, values in rows}
         header = json.loads(content)
+        if header.get("v") != _PACKED:  # a later version's: not guessed at
+            return None
         if "keys" in header:
-            self._layouts[header["id"]] = [(Key.of_label(_kind(k), label), tuple(names)) for k, label, names in header["keys"]]
-        plan = self._layouts.get(header["id"])
+            plan = [(Key.of_label(_kind(k), label), tuple(names)) for k, label, names in header["keys"]]
+            self._layouts[header["id"]] = plan, sum(len(names) for _, names in plan)
+        plan, size = self._layouts.get(header["id"], (None, -1))
         numbers = array("d", value.tensor.tensor_content)
-        if plan is None or len(numbers) != sum(len(names) for _, names in plan):
+        if len(numbers) != size:
             return None
         self.packed = True
         if _BIG_ENDIAN:
