@@ -202,13 +202,14 @@ def tag(kind: str, stat: str, name: str) -> str:
     return f"{section(kind, stat)}/{name}"
 
 
-def pooled_calls(log_dir: str, name: str, kind: str = "grad_output") -> dict[int, int]:
-    """How many gradients the entry of ``name`` pools at each logged step, read from the compact
-    summary as the report command reads it (which names the count when it is more than one)."""
+def pooled_calls(log_dir: str, name: str, kind: str = "grad_output", optimizer: int | None = None) -> dict[int, int]:
+    """How many gradients the entry of ``name`` (logged for ``optimizer``) pools at each logged
+    step, read from the compact summary as the report command reads it (which names the count
+    when it is more than one)."""
     from lightning_gradhooks.__main__ import read_folder
     from lightning_gradhooks.records import Key
 
-    steps, key = read_folder(Path(log_dir)).steps, Key(kind, name)
+    steps, key = read_folder(Path(log_dir)).steps, Key(kind, name, optimizer)
     return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}
 
 

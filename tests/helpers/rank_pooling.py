@@ -37,7 +37,7 @@ def batch(rank: int) -> torch.Tensor:
 
 def entries(record) -> dict:  # noqa: ANN001
     """``"kind name" -> [stats, calls, count, histogram counts]`` of a record, as JSON can hold it."""
-    return {f"{e.kind} {e.name}": [dict(e.stats), e.calls, e.count, e.histogram.counts if e.histogram else None]
+    return {f"{e.kind} {e.name}": [e.stats._asdict(), e.calls, e.count, e.histogram.counts if e.histogram else None]
             for e in record.entries}
 
 

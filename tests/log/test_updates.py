@@ -39,8 +39,8 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     tracker.expect(sgd, step=7)
     sgd.step()
-    [(step, values)] = tracker.ready()
-    assert step == 7 and sorted(values) == ["bias", "weight"]
+    [(step, index, values)] = tracker.ready()
+    assert (step, index) == (7, None) and sorted(values) == ["bias", "weight"]
     for name, p in model.named_parameters():
         ratio, norm = values[name]
         assert ratio == pytest.approx(0.1 * grads[name].norm().item() / before[name].norm().item(), rel=1e-5)
@@ -49,7 +49,7 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     tracker.remove()
 
 
-def test_only_marked_steps_and_watched_parameters_are_measured_with_the_prefix():
+def test_only_marked_steps_and_watched_parameters_are_measured_with_the_optimizer_index():
     model = layer()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = UpdateTracker({"weight": model.weight})  # the bias is stepped, not watched
@@ -57,11 +57,11 @@ def test_only_marked_steps_and_watched_parameters_are_measured_with_the_prefix()
     for step in range(4):
         backward(model)
         if step % 2:
-            tracker.expect(sgd, step=step, prefix="optimizer_1/")
+            tracker.expect(sgd, step=step, index=1)
         sgd.step()
         sgd.zero_grad()
-    assert [(step, sorted(values)) for step, values in tracker.ready()] == [
-        (1, ["optimizer_1/weight"]), (3, ["optimizer_1/weight"])]
+    assert [(step, index, sorted(values)) for step, index, values in tracker.ready()] == [
+        (1, 1, ["weight"]), (3, 1, ["weight"])]
     tracker.remove()
 
 
@@ -77,7 +77,7 @@ def test_each_optimizer_measures_its_own_parameters():
     tracker.expect(second, step=0)
     first.step()  # not marked: not measured
     second.step()
-    [(step, values)] = tracker.ready()
+    [(step, _, values)] = tracker.ready()
     assert step == 0 and sorted(values) == ["1.bias", "1.weight"]
     # Adam's first step moves every weight by lr, whatever the size of its gradient.
     assert values["1.weight"][0] == pytest.approx(0.01 * math.sqrt(weight.numel()) / weight.norm().item(), rel=1e-4)
@@ -97,7 +97,7 @@ def test_a_step_marked_from_inside_the_closure_copies_the_weights_at_once():
         return loss
 
     sgd.step(closure)
-    [(step, values)] = tracker.ready()
+    [(step, _, values)] = tracker.ready()
     moved = (model.weight.detach() - before).norm() / before.norm()
     assert step == 3 and values["weight"][0] == pytest.approx(moved.item(), rel=1e-5) and moved > 0
     tracker.remove()
@@ -111,7 +111,7 @@ def test_zero_weights_that_move_give_inf_and_weights_that_do_not_give_zero():
     model.weight.grad.zero_()
     tracker.expect(sgd, step=0)
     sgd.step()
-    [(_, values)] = tracker.ready()
+    [(_, _, values)] = tracker.ready()
     assert values["bias"][0] == math.inf and values["weight"][0] == 0.0
     tracker.remove()
 
@@ -124,7 +124,7 @@ def test_a_step_that_never_came_is_dropped_and_the_next_one_is_measured():
     assert tracker.ready() == []
     tracker.expect(sgd, step=1)
     sgd.step()
-    assert [step for step, _ in tracker.ready()] == [1]
+    assert [step for step, _, _ in tracker.ready()] == [1]
     tracker.remove()
 
 
