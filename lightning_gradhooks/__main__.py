@@ -185,8 +185,8 @@ _THRESHOLD_HELP = {
     "vanishing_steps": "Flag vanishing only after this many logged steps in a row.",
     "vanishing_update_ratio": "Do not flag vanishing while the parameters it reaches still move by at least this "
     "share of the model's median update ratio.",
-    "no_gradient_ratio": "Note, not flag, a parameter whose gradient is below this share of the gradient its module "
-    "receives: zero by construction.",
+    "round_off_factor": "Note, not flag, a parameter whose gradient is below this many float round-offs of the "
+    "gradient its module receives: zero by construction.",
     "exploding_factor": "Flag exploding when a gradient's RMS is this many times the median of its own last values.",
     "exploding_window": "Take that median over this many of its last logged values.",
     "exploding_steps": "Flag exploding only after this many logged steps in a row (update ratios too).",

@@ -55,6 +55,22 @@ def loss_scale(trainer: Any) -> float | None:
     return float(scaler.get_scale())
 
 
+def gradient_dtype(trainer: Any) -> Any:
+    """The dtype of the gradients the hooks see under the trainer's precision: ``torch.bfloat16``
+    or ``torch.float16`` for the mixed and true half precisions, None for float32 (or wider)."""
+    import torch
+
+    precision = str(getattr(trainer, "precision", ""))
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
+
+
+def optimizer_unscales(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales its gradients inside its own ``step()`` (fused Adam and
+    AdamW, ``_step_supports_amp_scaling``): Lightning then skips ``scaler.unscale_`` before
+    ``on_before_optimizer_step``, and ``.grad`` there is still multiplied by the loss scale."""
+    return bool(getattr(getattr(optimizer, "_optimizer", optimizer), "_step_supports_amp_scaling", False))
+
+
 def batch_size(batch: Any) -> int | None:
     """Examples in a batch, as Lightning counts them for logging; None when it cannot tell."""
     from pytorch_lightning.utilities.data import extract_batch_size

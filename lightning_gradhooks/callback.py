@@ -217,7 +217,8 @@ class GradHooksLogic:
         self.gradient_log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=self.statistics,
                                         histograms=self.histograms, thresholds=self._thresholds,
                                         histogram_every_n_steps=self.histogram_every_n_steps,
-                                        sync_dist=self.sync_dist, echo=self._echo(trainer))
+                                        sync_dist=self.sync_dist, echo=self._echo(trainer),
+                                        precision=_trainer.gradient_dtype(trainer))
         if self._restored is not None:
             self.gradient_log.load_state_dict(self._restored)
         # A head left out of `configure_optimizers` gets gradients and never moves: its
@@ -365,10 +366,11 @@ class GradHooksLogic:
     def _write(self, trainer: pl.Trainer, record: GradientRecord, optimizer: Any, pool: bool = True) -> None:
         # Under a gradient scaler the hooks saw gradients of the scaled loss; the scale has not
         # changed since that backward (it is updated after the optimizer step). Parameter
-        # gradients are already unscaled by the time `on_before_optimizer_step` runs.
+        # gradients are unscaled by then, unless the optimizer unscales in its own step: then
+        # Lightning skips `scaler.unscale_` and they are divided here too.
         scale = _trainer.loss_scale(trainer)
         if scale is not None:
-            record = record.unscaled(scale)
+            record = record.unscaled(scale, parameters=optimizer is not None and _trainer.optimizer_unscales(optimizer))
         if self.gradient_log is not None:
             # Lightning runs this hook inside `optimizer.step(closure)`, after the step's
             # pre-hook: the log copies the weights now, and the post-hook measures the update.

@@ -49,7 +49,7 @@ import math
 import statistics as _statistics
 from array import array
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._text import counted, listed
@@ -62,6 +62,15 @@ OVERFLOW_NORM = math.sqrt(3.4028234663852886e38)
 _STATE_VERSION = 2
 #: Why a parameter that gets gradients is ``stalled`` at once: no optimizer holds it.
 UNOWNED = "in no optimizer: it gets gradients, but nothing steps it"
+#: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
+#: unless a step's summary says the gradients were of another precision (``precision`` entry).
+FLOAT32_EPS = 2.0 ** -23
+#: A noted parameter keeps its note while its gradient is below this share of its module's.
+NOTE_HOLD_RATIO = 1e-3
+#: A learning rate at most this share of its group's highest so far is cut (0, or tiny).
+LR_CUT = 1e-6
+#: The kind of a flag on a param group (its learning rate).
+PARAM_GROUP = "param_group"
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,13 @@ class Thresholds:
         vanishing_update_ratio: ... this share of the model's median update ratio (a small
             gradient that an Adam-family optimizer still turns into normal steps is not a
             problem); where no update was measured, the gradient alone decides.
-        no_gradient_ratio: a parameter gradient whose norm is below this share of the norm of
-            the gradient its module receives (``grad_output``), ``vanishing_steps`` logged
-            steps in a row, is zero by construction (float round-off: a bias followed by a
-            normalisation layer): a note, never a flag.
+        round_off_factor: a parameter gradient whose norm is below this many float round-offs
+            of the gradient its module receives (``grad_output``: ``eps`` of the gradients'
+            precision times the square root of its element count over the parameter's),
+            ``vanishing_steps`` logged steps in a row, is zero by construction (a bias followed
+            by a normalisation layer): a note, never a flag; unless a smaller parameter of the
+            same module gets a gradient above round-off (then the bigger one's is small because
+            its input is: a weight behind a vanishing signal, not a redundant parameter).
         exploding_factor: RMS this many times the median of its own last values ...
         exploding_window: ... over this many logged steps (the baseline) ...
         exploding_steps: ... for this many logged steps in a row (also for update ratios).
@@ -98,7 +110,7 @@ class Thresholds:
     vanishing_ratio: float = 1e-3
     vanishing_steps: int = 3
     vanishing_update_ratio: float = 1e-2
-    no_gradient_ratio: float = 1e-3
+    round_off_factor: float = 64.0
     exploding_factor: float = 100.0
     exploding_window: int = 5
     exploding_steps: int = 2
@@ -134,7 +146,7 @@ _RANGES = {
     "vanishing_ratio": (0.0, 1.0, (False, False)),
     "vanishing_steps": (1, None, (True, True)),
     "vanishing_update_ratio": (0.0, 1.0, (True, True)),
-    "no_gradient_ratio": (0.0, 1.0, (True, False)),
+    "round_off_factor": (0.0, None, (False, True)),
     "exploding_factor": (1.0, None, (False, True)),
     "exploding_window": (1, None, (True, True)),
     "exploding_steps": (1, None, (True, True)),
@@ -285,12 +297,24 @@ def nonfinite_origin(stats: Mapping[Key, Mapping[str, float]]) -> tuple[str, str
         if key.kind == Kind.FORWARD:
             return key.label, f"born in the forward of `{key.label}`", count[key]
     gradients = [key for key in stats if key.kind in GRADIENT_KINDS]
+    ranks = next((s for key, s in stats.items() if key.kind == Kind.RANKS), None)  # bad before the all-reduce
+    elsewhere = ""
+    if ranks is not None:
+        more = int(ranks.get("nonfinite_ranks", 1)) - 1
+        elsewhere = f"rank {int(ranks.get('first_rank', 0))}" + (f" and {counted(more, 'other')}" if more else "")
     for key, why in bad:
         if key.kind in GRADIENT_KINDS:
             value = count[key] or stats[key].get("norm", 0.0)  # NaN/Inf count, or the overflowing norm
+            if ranks is not None and not ranks.get("own", 1) and key.kind == Kind.PARAM_GRAD:
+                # This rank's own backward was finite (its hooks, its local gradients): the
+                # collective that averages the ranks' gradients brought the NaN.
+                return key.module, (f"another rank: the gradients of {elsewhere} were already non-finite before the "
+                                    f"all-reduce, which brought them here (this rank's forward, loss and own gradients "
+                                    f"were finite); first seen in {key.kind} of `{key.label}` ({why})"), value
+            on = f" (on {elsewhere}, before the all-reduce)" if ranks is not None else ""
             if gradients and gradients[0] == key:
-                return key.module, f"the loss: the first gradient of backward ({key.kind} of `{key.label}`) is already bad: {why}", value
-            return key.module, f"born in backward: first seen in {key.kind} of `{key.label}` ({why})", value
+                return key.module, f"the loss: the first gradient of backward ({key.kind} of `{key.label}`) is already bad: {why}{on}", value
+            return key.module, f"born in backward: first seen in {key.kind} of `{key.label}` ({why}){on}", value
     key, why = bad[0]
     return key.module, f"the optimizer step: {why} of `{key.label}`", 0.0
 
@@ -321,6 +345,8 @@ class Judge:
         self._zero_grads: set[str] = set()  # parameters whose latest gradient is all zero
         self._notes: dict[str, Flag] = {}  # parameter -> its no-gradient note (while it holds)
         self._pending: dict[int, Summary] = {}  # steps not judged yet
+        self._lr_peaks: dict[str, float] = {}  # param group -> its highest learning rate so far
+        self._no_grad: dict[str, list[float]] = {}  # parameter without .grad -> [first step of it, norm then]
 
     @property
     def steps(self) -> int:
@@ -361,6 +387,9 @@ class Judge:
                 (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
         unowned = self._check_unowned(step, entries)
         quiet = self._check_no_gradient(step, entries) | unowned
+        # Explained by a cause of their own, not judged by their update: parameters without a
+        # gradient, and those of a param group whose learning rate is cut.
+        explained = self._check_gradient_none(step, entries) | self._check_groups(step, entries)
         moving = self._moving(entries)
         values = {key: rms(s) for key, s in entries.items() if key.kind in GRADIENT_KINDS and not _bad(key.kind, s)}
         medians = {kind: _median([v for key, v in values.items() if key.kind == kind]) for kind in GRADIENT_KINDS}
@@ -389,7 +418,7 @@ class Judge:
         # update says nothing about the parameters.
         if not any(_bad(key.kind, s) for key, s in entries.items() if key.kind in (*GRADIENT_KINDS, Kind.CAUGHT)):
             self._check_updates(step, [(key, s) for key, s in entries.items()
-                                       if key.kind == Kind.PARAM and key.label not in quiet])
+                                       if key.kind == Kind.PARAM and key.label not in quiet], explained)
         if first_bad and self._nonfinite is not None:
             self._promote_explosions()
 
@@ -410,21 +439,38 @@ class Judge:
     def _check_no_gradient(self, step: int, entries: Summary) -> set[str]:
         """Parameters whose gradient is float round-off next to the gradient their module
         receives: zero by construction (a bias followed by a normalisation layer). A note while
-        it holds, never a flag; returns the parameters that are that way at this step."""
+        it holds, never a flag; returns the parameters that are that way at this step.
+
+        Round-off of a sum of ``n`` terms of the module's output gradient spread over a
+        parameter's ``p`` elements is about ``eps * sqrt(n / p)`` of its norm. A parameter whose
+        smaller sibling (same module, fewer elements) gets more than round-off is no such
+        parameter: the module's gradient reaches its parameters, and this one's is small because
+        its input is."""
         t = self.thresholds
-        outputs: dict[str, float] = {}
+        eps = next((s.get("eps", FLOAT32_EPS) for key, s in entries.items() if key.kind == Kind.PRECISION), FLOAT32_EPS)
+        outputs: dict[str, list[float]] = {}  # module -> [norm, elements] of its output gradients
         for key, s in entries.items():
             if key.kind == Kind.GRAD_OUTPUT and not _bad(key.kind, s) and s.get("norm") is not None:
-                outputs[key.module] = math.hypot(outputs.get(key.module, 0.0), s["norm"])
-        quiet = set()
+                norm, size = outputs.setdefault(key.module, [0.0, 0.0])
+                outputs[key.module] = [math.hypot(norm, s["norm"]), size + (_size(s) or 0.0)]
+        found: dict[str, tuple[Key, float, float, bool]] = {}  # parameter -> key, ratio, elements, at round-off
         for key, s in entries.items():
             if key.kind != Kind.PARAM_GRAD or _bad(key.kind, s) or s.get("norm") is None:
                 continue
-            name = key.label
-            arriving = outputs.get(key.module, 0.0)
+            arriving, size = outputs.get(key.module, [0.0, 0.0])
+            elements = self._sizes.get(key.label, 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
-            none = ratio < t.no_gradient_ratio
+            limit = t.round_off_factor * eps * math.sqrt(size / elements) if size and elements else 0.0
+            found[key.label] = (key, ratio, elements, ratio == 0 or ratio < limit)
+        quiet = set()
+        for name, (key, ratio, elements, none) in found.items():
+            if none and any(not other[3] and 0 < other[2] < elements for other in found.values()
+                            if other[0].module == key.module):
+                none = False  # a weight whose input is small, beside a bias that gets its gradient
             track = self._track("no_gradient", name)
+            # Once noted, a parameter stays noted while its gradient stays far below its module's
+            # (a scale before a LayerNorm, whose eps lets a little through as training goes).
+            none = none or (name in self._notes and ratio < NOTE_HOLD_RATIO)
             if not none:
                 track.start, track.length = None, 0
                 self._notes.pop(name, None)
@@ -435,6 +481,69 @@ class Judge:
                 self._notes[name] = Flag("note", str(key.kind), name, track.start, ratio, key.module)
             quiet.add(name)
         return quiet
+
+    def _check_gradient_none(self, step: int, entries: Summary) -> set[str]:
+        """Parameters that require grad and sit in an optimizer, whose ``.grad`` is None when it
+        steps (``no_gradient``), and that nothing else moves either (their norm unchanged since
+        the logged step before): ``stalled``, one row per outermost module whose measured
+        parameters all have no gradient, naming the module nearest the loss among them.
+        Returns every parameter without a gradient at this step (one an EMA or another rule
+        moves is no problem, and is not judged by its update)."""
+        t = self.thresholds
+        measured = [(key, s) for key, s in entries.items() if key.kind == Kind.PARAM and "group" in s]
+        none = {key.label for key, s in measured if s.get("no_gradient") == 1.0}
+        for name in list(self._no_grad):
+            if name not in none:
+                del self._no_grad[name]
+        # Every module: are all the measured parameters under it without a gradient?
+        whole: dict[str, bool] = {}
+        for key, _ in measured:
+            for module in _ancestors(key.module):
+                whole[module] = whole.get(module, True) and key.label in none
+        roots = {key.label: next(m for m in _ancestors(key.module) if whole[m]) for key, _ in measured if key.label in none}
+        nearest = {root: module for root, module in ((roots[k.label], k.module) for k, _ in measured if k.label in roots)}
+        for key, s in measured:
+            if key.label not in none:
+                continue
+            norm = s.get("param_norm", math.nan)
+            start, before = self._no_grad.setdefault(key.label, [float(step), norm])
+            still = before == norm and start < step  # unmoved since the first logged step without it
+            if not still:
+                self._no_grad[key.label] = [float(step), norm]
+            root = roots[key.label]
+            reason = (f"gets no gradient (`.grad` is None when its optimizer steps, and nothing else moves it): its "
+                      f"output (nearest the loss: `{nearest[root]}`) does not reach the loss through autograd: a "
+                      f"`.detach()`, `torch.no_grad()`, or a branch the loss does not use")
+            self._run("stalled", _Subject(str(key.kind), key.label, root), step, still, max(1, t.stalled_steps - 1),
+                      0.0, reason=reason)
+            flag = self._flags.get(("stalled", f"{key.kind} {key.label}"))
+            if flag is not None and still and flag.since > start:
+                self._flags[("stalled", flag.name)] = replace(flag, since=int(start))
+        return none
+
+    def _check_groups(self, step: int, entries: Summary) -> set[str]:
+        """Param groups whose learning rate is 0, or tiny next to the group's highest so far
+        (``LR_CUT``): ``stalled``, one row per group naming it and its learning rate, read
+        from the optimizer's ``param_groups``; returns their parameters (explained by it)."""
+        t = self.thresholds
+        groups: dict[tuple[int | None, int], list[tuple[Key, float]]] = {}
+        for key, s in entries.items():
+            if key.kind == Kind.PARAM and "group" in s and math.isfinite(s.get("lr", math.nan)):
+                groups.setdefault((key.optimizer, int(s["group"])), []).append((key, s["lr"]))
+        cut_off = set()
+        for (optimizer, index), members in groups.items():
+            lr = members[0][1]
+            of = "" if optimizer is None else f" of optimizer {optimizer}"
+            label = f"param_groups[{index}]{of}"
+            peak = self._lr_peaks[label] = max(self._lr_peaks.get(label, 0.0), lr)
+            cut = lr <= LR_CUT * peak
+            module = _common_module([key.module for key, _ in members])
+            reason = (f"learning rate {lr:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
+                      f"the {counted(len(members), 'parameter')} of the group do not move")
+            self._run("stalled", _Subject(PARAM_GROUP, label, module), step, cut, t.stalled_steps, lr, reason=reason)
+            if cut:
+                cut_off |= {key.label for key, _ in members}
+        return cut_off
 
     def _moving(self, entries: Summary):  # noqa: ANN202
         """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
@@ -482,7 +591,10 @@ class Judge:
             value = min(z for values in kinds.values() for z in values)
             self._run("dead", _Subject("", module, module), step, dead, t.dead_steps, value)
 
-    def _check_updates(self, step: int, params: list[tuple[Key, Mapping[str, float]]]) -> None:
+    def _check_updates(self, step: int, params: list[tuple[Key, Mapping[str, float]]], explained: set[str]) -> None:
+        """``exploding`` and ``stalled`` from the update ratios; parameters whose stall has a
+        cause of its own (``explained``: a cut learning rate, no gradient) count towards the
+        model's medians but are not judged ``stalled`` here."""
         t = self.thresholds
         subjects = {key.label: _subject(key) for key, _ in params}
         ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
@@ -503,7 +615,8 @@ class Judge:
             far = big and size >= median_size / max(t.floor_ratio, 1e-12)
             self._run("exploding", subjects[name], step, big, 1 if far else t.exploding_steps, ratio, score=ratio)
             still = ratio == 0 or (median_ratio is not None and ratio < t.stalled_update_ratio * median_ratio)
-            self._run("stalled", subjects[name], step, still, t.stalled_steps, ratio)
+            if name not in explained:  # (their own check keeps their run of stalled steps)
+                self._run("stalled", subjects[name], step, still, t.stalled_steps, ratio)
 
     def _check_nonfinite(self, step: int, entries: Summary) -> None:
         first = self._nonfinite
@@ -549,6 +662,8 @@ class Judge:
             "notes": [asdict(f) for f in self._notes.values()],
             "pending": [[step, [[str(key.kind), key.name, key.optimizer, dict(s)] for key, s in stats.items()]]
                         for step, stats in self._pending.items()],
+            "lr_peaks": dict(self._lr_peaks),
+            "no_grad": {name: list(v) for name, v in self._no_grad.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -571,6 +686,8 @@ class Judge:
         self._zero_grads = set(state["zero_grads"])
         self._notes = {f["entry"]: Flag(**f) for f in state["notes"]}
         self._pending = {int(step): {Key(Kind(k), n, o): dict(s) for k, n, o, s in stats} for step, stats in state["pending"]}
+        self._lr_peaks = dict(state.get("lr_peaks", {}))
+        self._no_grad = {name: list(v) for name, v in state.get("no_grad", {}).items()}
 
     def _track(self, check: str, label: str) -> _Track:
         return self._tracks.setdefault((check, label), _Track())
@@ -672,6 +789,23 @@ class Judge:
         return present if flags is None else present & flags
 
 
+def _ancestors(module: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``: outermost first."""
+    parts = module.split(".")
+    return [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+
+
+def _common_module(modules: list[str]) -> str:
+    """The innermost module holding all of ``modules`` (``(model)`` for the model itself)."""
+    split = [m.split(".") for m in modules]
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common) or "(model)"
+
+
 def _median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and math.isfinite(v)]
     return _statistics.median(values) if len(values) > 2 else None
@@ -707,7 +841,9 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
         reasons: dict[str, list[str]] = {}
         for f in flags:
             reasons.setdefault(f.reason or "update ratio 0 or far below the model's", []).append(f.entry)
-        detail = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items())
+        # A param group's row says what the group is; other rows list the parameters.
+        detail = "; ".join(why if any(f.kind == PARAM_GROUP and f.reason == why for f in flags) else
+                           f"{why}: {listed(names, 6)}" for why, names in reasons.items())
     else:
         detail = listed(entries, 4)
         if flag == "exploding":

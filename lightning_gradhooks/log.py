@@ -47,7 +47,7 @@ from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
-from lightning_gradhooks.records import GradientRecord, Summary, step_summary
+from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker
@@ -148,6 +148,9 @@ class GradientLog:
             the global batch (one ``all_gather`` per logged step); default: rank 0's own.
         echo: how the report (and a note when matplotlib is missing) is printed: a function of
             one string; None: nothing is printed.
+        precision: the dtype the hooks' gradients are computed in when not float32
+            (``torch.bfloat16`` or ``torch.float16`` under autocast): what float round-off means
+            for the report's notes of parameters that get no gradient by construction.
 
     Raises:
         ValueError: an argument of the wrong type or out of range.
@@ -164,6 +167,7 @@ class GradientLog:
         thresholds: Thresholds | None = None,
         sync_dist: bool = False,
         echo: Callable[[str], Any] | None = print,
+        precision: torch.dtype | None = None,
     ) -> None:
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         for w in writers:
@@ -187,6 +191,9 @@ class GradientLog:
         self._histogram_step: int | None = None  # the last step whose histograms were written
         self.sync_dist = bool(sync_dist)
         self._echo = echo
+        if precision is not None and (not isinstance(precision, torch.dtype) or not precision.is_floating_point):
+            raise ValueError(f"`precision` expected a floating-point torch.dtype or None, got {precision!r}")
+        self._eps = None if precision in (None, torch.float32) else torch.finfo(precision).eps
         #: The health report of the steps written so far (kept after :meth:`close`).
         self.report = HealthReport(thresholds)
         #: Collectives made to pool records over the ranks (for tests and the curious).
@@ -207,7 +214,6 @@ class GradientLog:
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
         self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
-        self._noise_latest: tuple[float, float, int] | None = None  # value, batch per step, step
 
     # -- per step ------------------------------------------------------------------------------
     def histograms_due(self, step: int) -> bool:
@@ -341,7 +347,14 @@ class GradientLog:
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
         noise = self._write_noise(record.noise, step, metrics)
-        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise)
+        ranks = None
+        if record.noise is not None and record.noise.nonfinite_ranks:
+            # which ranks' own gradients were not finite before the all-reduce (the noise probe's)
+            bad = record.noise.nonfinite_ranks
+            ranks = {"nonfinite_ranks": float(len(bad)), "first_rank": float(bad[0]), "own": float(_rank() in bad)}
+        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise, ranks=ranks)
+        if self._eps is not None:  # round-off of the gradients the hooks saw
+            stats[Key(Kind.PRECISION, "gradient")] = {"eps": self._eps}
         for other in self._others:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if histograms else {})}, step=step)
@@ -369,10 +382,9 @@ class GradientLog:
         self._noise_last = sample
         if sample.reason is not None:
             return None
-        value = self.noise_scale.update(*sample.estimates())
+        value = self.noise_scale.update(*sample.estimates(), step=step, batch=sample.big, coverage=sample.coverage)
         if value is not None:
             metrics[f"{OVERVIEW}/noise_scale"] = value
-            self._noise_latest = (value, sample.big, step)
         return sample.stats()
 
     def _warn_skipped(self, record: GradientRecord) -> None:
@@ -426,6 +438,7 @@ class GradientLog:
             "report": self.report.state_dict(),
             "flow": self._flow.state_dict() if self._flow is not None else None,
             "in_nonfinite_episode": self.in_nonfinite_episode,
+            "noise_scale": self.noise_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -436,6 +449,8 @@ class GradientLog:
         if self._flow is not None and state.get("flow") is not None:
             self._flow.load_state_dict(state["flow"])
         self.in_nonfinite_episode = bool(state.get("in_nonfinite_episode", False))
+        if state.get("noise_scale") is not None:
+            self.noise_scale.load_state_dict(state["noise_scale"])
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> HealthReport | None:
@@ -454,10 +469,10 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
-                if self._noise_last is not None:  # the latest noise scale next to the batch per step
-                    value, batch, step = self._noise_latest or (None, 0.0, 0)
-                    self._echo(advice(value, batch, self._noise_last.reason,
-                                      None if value is None or value == self.noise_scale.value else step))
+                if self._noise_last is not None:  # the run's later noise scale next to the batch per step
+                    history = self.noise_scale.history
+                    self._echo(advice(self.noise_scale.summary(), self._noise_last.reason,
+                                      history[-1][0] if history and self._noise_last.reason is not None else None))
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)

@@ -51,6 +51,7 @@ moving averages, and gives the ratio of the smoothed values.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -98,6 +99,8 @@ class NoiseSample:
         coverage: the share of the step's parameter elements the estimate covers (below 1 for
             per-example norms, which only some layers give).
         reason: why there is no estimate (the numbers are then NaN); None when there is one.
+        nonfinite_ranks: under data parallelism, the ranks whose own gradient (each backward's,
+            before the all-reduce) was not finite; ``()`` when all were, or when not known.
     """
 
     small_sq: float
@@ -107,16 +110,19 @@ class NoiseSample:
     source: str
     coverage: float = 1.0
     reason: str | None = None
+    nonfinite_ranks: tuple[int, ...] = ()
 
     @classmethod
     def none(cls, reason: str, source: str = "", big: float = math.nan) -> NoiseSample:
         """A sample that holds no estimate, saying why."""
         return cls(math.nan, math.nan, math.nan, big, source, 0.0, reason)
 
-    def unscaled(self, scale: float) -> NoiseSample:
-        """A copy with what the hooks saw divided by a mixed-precision loss scale (``.grad`` is
-        read after the optimizer's unscale)."""
-        return replace(self, small_sq=self.small_sq / (scale * scale))
+    def unscaled(self, scale: float, parameters: bool = False) -> NoiseSample:
+        """A copy with what the hooks saw divided by a mixed-precision loss scale; with
+        ``parameters``, ``.grad`` too (read before any unscale: an optimizer that unscales in
+        its own step)."""
+        big_sq = self.big_sq / (scale * scale) if parameters else self.big_sq
+        return replace(self, small_sq=self.small_sq / (scale * scale), big_sq=big_sq)
 
     def estimates(self) -> tuple[float, float]:
         """``(|G|², tr(Σ))`` of this step, unsmoothed (NaN without an estimate)."""
@@ -139,6 +145,9 @@ class NoiseScale:
     difference of two large numbers and can be near zero or negative, where its ratio means
     nothing. Adam's bias correction makes the first steps the plain mean of the steps so far.
 
+    It keeps every step's raw estimates for :meth:`summary`: the sentence at the end of fit
+    reads the run's second half, not the latest smoothed value alone.
+
     Args:
         decay: each logged step's weight is ``1 - decay`` (0.9: about the last 10 logged steps).
     """
@@ -151,8 +160,11 @@ class NoiseScale:
         self._weight = 0.0  # 1 - decay**n: the bias correction
         #: The steps taken in so far.
         self.steps = 0
+        #: ``(step, |G|², tr(Σ), batch per step, coverage)``: every step's raw estimates taken in.
+        self.history: list[tuple[int, float, float, float, float]] = []
 
-    def update(self, grad_sq: float, trace: float) -> float | None:
+    def update(self, grad_sq: float, trace: float, step: int = -1, batch: float = math.nan,
+               coverage: float = 1.0) -> float | None:
         """Take in one step's estimates; returns :attr:`value`. Non-finite ones are skipped."""
         if math.isfinite(grad_sq) and math.isfinite(trace):
             d = self.decay
@@ -160,6 +172,7 @@ class NoiseScale:
             self._trace = d * self._trace + (1 - d) * trace
             self._weight = d * self._weight + (1 - d)
             self.steps += 1
+            self.history.append((step, float(grad_sq), float(trace), float(batch), float(coverage)))
         return self.value
 
     @property
@@ -180,26 +193,117 @@ class NoiseScale:
             return None
         return self.trace / self.grad_sq
 
+    def summary(self) -> NoiseSummary | None:
+        """The run's later part: ``tr(Σ) / |G|²`` of the sums of the raw estimates over the second
+        half of the logged steps with one (a long average, whose ratio is far less biased than
+        that of a short one), and a bootstrap interval of it; None before the first step."""
+        if not self.history:
+            return None
+        later = self.history[len(self.history) // 2:]
+        # Blocks of consecutive steps (at most BLOCKS) are resampled: neighbours may be correlated.
+        size = -(-len(later) // BLOCKS)
+        blocks = [(sum(h[1] for h in later[i:i + size]), sum(h[2] for h in later[i:i + size]))
+                  for i in range(0, len(later), size)]
+        rng = random.Random(0)  # the same interval for the same steps: printed and resumed alike
+        draws = sorted(_ratio(rng.choices(blocks, k=len(blocks))) for _ in range(RESAMPLES))
+        return NoiseSummary(_ratio(blocks), _quantile(draws, 0.1), _quantile(draws, 0.9), len(later),
+                            later[-1][3], sum(h[4] for h in later) / len(later), later[0][0])
 
-def advice(noise_scale: float | None, batch: float, reason: str | None = None, step: int | None = None) -> str:
-    """One sentence the user can act on: the noise scale next to the batch per optimizer step.
+    def state_dict(self) -> dict:
+        """Plain values for a checkpoint: the averages and the history."""
+        return {"grad_sq": self._grad_sq, "trace": self._trace, "weight": self._weight, "steps": self.steps,
+                "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._grad_sq, self._trace, self._weight = state["grad_sq"], state["trace"], state["weight"]
+        self.steps, self.history = state["steps"], [tuple(h) for h in state["history"]]
+
+
+def _ratio(blocks: Sequence[tuple[float, float]]) -> float:
+    """``tr(Σ) / |G|²`` of summed estimates: ``inf`` where ``|G|²`` is not positive (the noise
+    drowns the signal), 0 where ``tr(Σ)`` is negative."""
+    grad_sq, trace = sum(g for g, _ in blocks), sum(t for _, t in blocks)
+    return max(trace, 0.0) / grad_sq if grad_sq > 0 else math.inf
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated linearly (``inf`` where a neighbour is)."""
+    at = (len(ordered) - 1) * q
+    low, high = ordered[math.floor(at)], ordered[math.ceil(at)]
+    return high if math.isinf(high) else low + (high - low) * (at - math.floor(at))
+
+
+#: Logged estimates the run's second half needs before its interval can back any advice.
+MIN_VALUES = 8
+#: The bootstrap of :meth:`NoiseScale.summary`: resamples, and blocks of consecutive steps.
+RESAMPLES, BLOCKS = 200, 100
+
+
+@dataclass(frozen=True)
+class NoiseSummary:
+    """The noise scale of a run's later part (:meth:`NoiseScale.summary`).
+
+    Attributes:
+        median: ``tr(Σ) / |G|²`` of the raw estimates summed over the second half of the logged
+            steps with an estimate (``inf``: the noise drowns the signal there).
+        low, high: the 10th and 90th percentiles of it over bootstrap resamples of those steps.
+        values: how many logged steps that half holds.
+        batch: the batch per optimizer step of the latest of them.
+        coverage: the mean share of the parameters' elements the estimates cover.
+        since: the first step of that half.
+    """
+
+    median: float
+    low: float
+    high: float
+    values: int
+    batch: float
+    coverage: float
+    since: int
+
+
+def _regime(noise_scale: float, batch: float) -> str:
+    """Which advice a noise scale gives for a batch: ``"larger"``, ``"near"`` or ``"smaller"``."""
+    return "larger" if batch < noise_scale / 2 else "near" if batch <= 2 * noise_scale else "smaller"
+
+
+def _examples(n: float) -> str:
+    return "∞" if math.isinf(n) else f"{n:,.0f}"
+
+
+def advice(summary: NoiseSummary | None, reason: str | None = None, step: int | None = None) -> str:
+    """One sentence the user can act on: the noise scale of the run's later part next to the
+    batch per optimizer step; advice only where its whole interval gives the same.
 
     Args:
-        noise_scale: the latest smoothed value; None: there is none (``reason`` says why).
-        batch: the batch per optimizer step.
-        reason: why there is no estimate.
-        step: the step of ``noise_scale`` when the last logged steps gave none (it is named).
+        summary: from :meth:`NoiseScale.summary`; None: there is no estimate (``reason`` says why).
+        reason: why there is no estimate (at the latest logged steps).
+        step: the latest step with an estimate, when the logged steps since gave none (it is named).
     """
-    if noise_scale is None:
-        why = reason or "the smoothed |G|² is not positive (the noise drowns the signal at this batch size)"
+    drowned = "|G|² summed over the run's second half is not positive (the noise drowns the signal at this batch size)"
+    if summary is None or math.isinf(summary.median):
+        why = reason if summary is None and reason else drowned
         return f"GradHooks: no gradient noise scale estimate: {why}."
-    n, b = f"{noise_scale:,.0f}", f"{batch:,.0f}"
-    at = "" if step is None else f" (at step {step}; the logged steps since gave no estimate)"
-    head = f"GradHooks: gradient noise scale ~ {n} examples{at}; your batch per optimizer step is {b}: "
-    if batch < noise_scale / 2:
+    n, b = _examples(summary.median), f"{summary.batch:,.0f}"
+    spread = (f"over the run's second half: {summary.values} logged steps since step {summary.since}; 80% "
+              f"interval {_examples(summary.low)} to {_examples(summary.high)}")
+    if summary.coverage < 0.995:
+        share = f"{summary.coverage:.0%}" if summary.coverage >= 0.01 else "under 1%"
+        spread += (f"; from per-example norms covering {share} of the parameters (the "
+                   f"{', '.join(t.__name__ for t in SOURCE_TYPES)} layers): the noise scale of those")
+    at = "" if step is None else f"; the logged steps after step {step} gave no estimate"
+    head = f"GradHooks: gradient noise scale ~ {n} examples ({spread}{at}); your batch per optimizer step is {b}: "
+    regime = _regime(summary.median, summary.batch)
+    if summary.values < MIN_VALUES:
+        return head + (f"too few logged estimates ({summary.values} in the second half, {MIN_VALUES} needed) to "
+                       "advise; log more steps (a smaller `every_n_steps`).")
+    if {_regime(summary.low, summary.batch), _regime(summary.high, summary.batch)} != {regime}:
+        return head + ("the estimate is uncertain: its interval spans different advice, so none is given; log "
+                       "more steps for a steadier estimate.")
+    if regime == "larger":
         return head + (f"a larger batch (up to ~{n}) would cut the number of steps almost in proportion "
                        "(scale the learning rate with it).")
-    if batch <= 2 * noise_scale:
+    if regime == "near":
         return head + ("the batch is near the critical batch size: a larger one would save fewer steps than it "
                        "costs in examples.")
     return head + (f"the batch is above the critical batch size: a smaller one (down to ~{n}) would need about "
@@ -481,17 +585,25 @@ class NoiseProbe:
             return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
         first = None if self._small is None else self._small / self._backwards  # the mean over micro-batches
         device = first.device if first is not None else next((p.device for p in params), torch.device("cpu"))
-        local = first if first is not None else torch.full((), math.nan, device=device)
-        if world > 1:  # the one collective: the mean over the ranks of |G_b|²
-            local = local.to(torch.float64 if device.type == "cpu" else torch.float32).reshape(1)
-            dist.all_reduce(local)
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        # Each rank's |G_b|² in a slot of its own (and whether a backward reached its parameters),
+        # so that a NaN of one rank says which rank it is and leaves the others' slots finite.
+        slots = torch.zeros(2, world, dtype=dtype, device=device)
+        rank = dist.get_rank() if world > 1 else 0
+        if first is not None:
+            slots[0, rank], slots[1, rank] = first.to(dtype), 1.0
+        if world > 1:  # the one collective
+            dist.all_reduce(slots)
             self.collectives += 1
-            local = local / world
+        values, reached = slots.tolist()
         b = self._batch
         big = b * k * world
-        small_sq = float(local.sum()) * k * k  # the micro-batch's loss was divided by k
-        if math.isnan(small_sq):
+        bad = tuple(r for r, v in enumerate(values) if not math.isfinite(v))
+        if bad:  # before the collective: these ranks' own gradients were not finite
+            return replace(NoiseSample.none("the gradients are not finite", source, big), nonfinite_ranks=bad)
+        if not all(reached):
             return NoiseSample.none("no backward pass reached the parameters on a rank", source, big)
+        small_sq = sum(values) / world * k * k  # the micro-batch's loss was divided by k
         big_sq = _squares(p.grad for p in params)
         big_sq = 0.0 if big_sq is None else float(big_sq)
         return self._checked(NoiseSample(small_sq, big_sq, b, big, source))

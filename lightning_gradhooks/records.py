@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,6 +48,12 @@ class Kind(enum.StrEnum):
     CAUGHT = "caught"
     #: In the summary only: the gradient noise scale's raw estimates.
     NOISE = "noise"
+    #: In the summary only: under data parallelism, the ranks whose own gradients were not
+    #: finite before the all-reduce (``nonfinite_ranks``, ``first_rank``, ``own``).
+    RANKS = "ranks"
+    #: In the summary only: the relative precision (``eps``) of the gradients the hooks see,
+    #: when not float32's (autocast to bfloat16 or float16): what round-off means.
+    PRECISION = "precision"
 
 
 #: The kinds that are gradients, in the order of the docs.
@@ -178,14 +184,21 @@ class GradientRecord:
         """A copy holding ``entries`` instead, with the same monitor facts."""
         return replace(self, entries=entries)
 
-    def unscaled(self, scale: float, kinds: Collection[str] = (Kind.GRAD_OUTPUT, Kind.GRAD_INPUT)) -> GradientRecord:
-        """A copy with the gradients of ``kinds`` (and the noise sample's hook-seen gradient)
-        divided by a mixed-precision loss scale.
+    def unscaled(self, scale: float, parameters: bool = False) -> GradientRecord:
+        """A copy with the gradients the hooks saw (``grad_output``, ``grad_input`` and the noise
+        sample's small-batch gradient) divided by a mixed-precision loss scale.
+
+        Args:
+            scale: the scaler's scale at the step's backward (``scaler.get_scale()``).
+            parameters: the parameter gradients are still scaled too: no
+                ``scaler.unscale_(optimizer)`` ran before :meth:`GradientMonitor.collect`, as
+                with an optimizer that unscales inside its own ``step()`` (fused Adam, AdamW).
 
         ``norm``, ``mean``, ``std``, ``absmax`` and the range (``low``, ``high``, the histogram's)
         scale with the gradient; ``nonfinite``, ``zero_fraction``, ``count`` and the bin counts
         do not.
         """
+        kinds = (*GRADIENT_KINDS,) if parameters else (Kind.GRAD_OUTPUT, Kind.GRAD_INPUT)
         entries = []
         for e in self.entries:
             if e.kind in kinds:
@@ -195,7 +208,7 @@ class GradientRecord:
             entries.append(e)
         record = self.with_entries(entries)
         if record.noise is not None:  # its small-batch gradient is seen by hooks, scaled
-            record.noise = record.noise.unscaled(scale)
+            record.noise = record.noise.unscaled(scale, parameters)
         return record
 
     def for_optimizer(self, index: int) -> GradientRecord:
@@ -213,10 +226,11 @@ def step_summary(
     *,
     optimizer: int | None = None,
     unowned: Iterable[str] = (),
-    updates: Mapping[str, tuple[float, float]] | None = None,
+    updates: Mapping[str, tuple[float, ...]] | None = None,
     caught: Sequence[str] = (),
     checked: int = 0,
     noise: Mapping[str, float] | None = None,
+    ranks: Mapping[str, float] | None = None,
 ) -> Summary:
     """The summary of (what is known of) one step: every statistic of every entry of ``record``
     (with ``calls`` where an entry pools several gradients), and what the log learns beside it.
@@ -225,9 +239,12 @@ def step_summary(
         record: the monitor's record of the step.
         optimizer: the optimizer index of the names below (``record``'s entries carry their own).
         unowned: parameters that get a gradient but that no optimizer holds (``in_optimizer`` 0).
-        updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``.
+        updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``, or
+            :class:`~lightning_gradhooks.updates.Update` with its param group, the group's
+            learning rate and whether it had a gradient (``no_gradient`` 1 when not).
         caught: parameters whose non-finite gradient the sentinel caught, of ``checked``.
         noise: the noise scale's raw estimates (:meth:`NoiseSample.stats`).
+        ranks: which ranks' own gradients were not finite before the all-reduce.
 
     Example:
         >>> step_summary(updates={"net.0.weight": (0.01, 2.0)}, optimizer=1)
@@ -241,12 +258,20 @@ def step_summary(
         summary[e.key] = values
     for name in unowned:
         summary[Key(Kind.PARAM, name, optimizer)] = {"in_optimizer": 0.0}
-    for name, (ratio, norm) in (updates or {}).items():
-        summary[Key(Kind.PARAM, name, optimizer)] = {"update_ratio": ratio, "param_norm": norm}
+    for name, (ratio, norm, *facts) in (updates or {}).items():
+        values = {"update_ratio": ratio, "param_norm": norm}
+        if facts:
+            group, lr, gradient = facts
+            values.update(group=float(group), lr=lr)
+            if not gradient:
+                values["no_gradient"] = 1.0
+        summary[Key(Kind.PARAM, name, optimizer)] = values
     for name in caught:
         summary[Key(Kind.CAUGHT, name, optimizer)] = {"nonfinite": 1.0, "checked": float(checked)}
     if noise is not None:
         summary[Key(Kind.NOISE, "gradient")] = dict(noise)
+    if ranks is not None:
+        summary[Key(Kind.RANKS, "gradient")] = dict(ranks)
     return summary
 
 

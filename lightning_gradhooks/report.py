@@ -53,9 +53,9 @@ def _note_line(judge: Judge) -> str | None:
     names = [f.entry for f in notes]
     shown = listed(names, 6)
     verb = "gets" if len(notes) == 1 else "get"
-    return (f"note: {counted(len(notes), 'parameter')} {verb} no gradient by construction (below "
-            f"{judge.thresholds.no_gradient_ratio:g} of the gradient its module receives: a bias followed by a "
-            f"normalisation layer, a shift or scale that a later operation removes); never trained, removable: {shown}")
+    return (f"note: {counted(len(notes), 'parameter')} {verb} no gradient by construction (float round-off next "
+            f"to the gradient its module receives: a bias followed by a normalisation layer, a shift or scale that a "
+            f"later operation removes); never trained, removable: {shown}")
 
 
 def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:

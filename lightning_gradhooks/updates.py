@@ -28,8 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +43,29 @@ def _ratio(update: float, before: float) -> float:
     if before > 0:
         return update / before
     return 0.0 if update == 0 else float("inf")
+
+
+class Update(NamedTuple):
+    """What one optimizer step did to one parameter, and what the optimizer held for it then."""
+
+    #: ``‖w_after - w_before‖ / ‖w_before‖``.
+    update_ratio: float
+    #: ``‖w_after‖``.
+    param_norm: float
+    #: The index of its param group in ``optimizer.param_groups``.
+    group: int = 0
+    #: Its group's learning rate at the step (``param_groups[group]["lr"]``; NaN without one).
+    lr: float = math.nan
+    #: Whether it had a gradient when the step began: False for a parameter that requires grad
+    #: and whose ``.grad`` is None (the optimizer skips it).
+    gradient: bool = True
+
+
+def _lr(group: Mapping[str, Any]) -> float:
+    try:
+        return float(group.get("lr", math.nan))
+    except (TypeError, ValueError):  # a schedule object in place of a number
+        return math.nan
 
 
 class UpdateTracker:
@@ -78,20 +102,22 @@ class UpdateTracker:
         due = self._due.pop(id(optimizer), None)
         if due is None:
             return
-        names, params = [], []
-        for group in optimizer.param_groups:
+        names, params, facts = [], [], []
+        for index, group in enumerate(optimizer.param_groups):
+            lr = _lr(group)
             for p in group["params"]:
                 if id(p) in self._names:
                     names.append(self._names[id(p)])
                     params.append(p)
+                    facts.append((index, lr, p.grad is not None or not p.requires_grad))
         if params:
             with torch.no_grad():
-                self._snapshot = (id(optimizer), *due, names, params, [p.detach().clone() for p in params])
+                self._snapshot = (id(optimizer), *due, names, params, [p.detach().clone() for p in params], facts)
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._snapshot is None or self._snapshot[0] != id(optimizer):
             return
-        _, step, index, names, params, before = self._snapshot
+        _, step, index, names, params, before, facts = self._snapshot
         self._snapshot = None
         with torch.no_grad():
             now = [p.detach() for p in params]
@@ -104,24 +130,23 @@ class UpdateTracker:
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._landing.append((step, index, names, host, event))
+            self._landing.append((step, index, names, facts, host, event))
         else:
-            self._landing.append((step, index, names, values.cpu(), None))
+            self._landing.append((step, index, names, facts, values.cpu(), None))
 
-    def ready(self) -> list[tuple[int, int | None, dict[str, tuple[float, float]]]]:
+    def ready(self) -> list[tuple[int, int | None, dict[str, Update]]]:
         """The measured steps, waiting for their numbers to reach the host:
-        ``(step, index, {name: (update_ratio, param_norm)})``, in step order (``index`` as given
-        to :meth:`expect`). A copy whose step never came (a step the gradient scaler skipped) is
-        dropped here."""
+        ``(step, index, {name: Update})``, in step order (``index`` as given to :meth:`expect`).
+        A copy whose step never came (a step the gradient scaler skipped) is dropped here."""
         self._snapshot = None
         out = []
-        for step, index, names, host, event in self._landing:
+        for step, index, names, facts, host, event in self._landing:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
             n = len(names)
             out.append((step, index, {
-                name: (_ratio(values[k], values[2 * n + k]), values[n + k])
+                name: Update(_ratio(values[k], values[2 * n + k]), values[n + k], *facts[k])
                 for k, name in enumerate(names)
             }))
         self._landing = []

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks, GradientMonitor
 from lightning_gradhooks.__main__ import read_folder
+from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
 from lightning_gradhooks.records import Key, Kind
-from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, advice, noise_estimates
 
 from conftest import hook_snapshot, make_trainer, read_events
 from launch import run_script
@@ -101,23 +101,58 @@ def test_two_batch_estimates_invert_their_expectations():
 
 def test_smoothing_takes_the_ratio_of_the_averages():
     scale = NoiseScale(decay=0.5)
-    assert scale.value is None
+    assert scale.value is None and scale.summary() is None
     assert scale.update(-1.0, 10.0) is None  # |G|² not positive yet: no estimate
     # weights 0.25 and 0.5 (the bias correction divides both averages alike)
     assert scale.update(3.0, 30.0) == pytest.approx((0.25 * 10 + 0.5 * 30) / (0.25 * -1 + 0.5 * 3))
     assert scale.update(math.nan, 1.0) == scale.value and scale.steps == 2  # skipped
+    assert [(g, t) for _, g, t, _, _ in scale.history] == [(-1.0, 10.0), (3.0, 30.0)]  # raw, for the summary
     with pytest.raises(ValueError, match=r"`decay` expected a number in \[0, 1\), got 1"):
         NoiseScale(decay=1)
 
 
-def test_advice_is_a_sentence_to_act_on():
-    assert advice(850, 64) == ("GradHooks: gradient noise scale ~ 850 examples; your batch per optimizer step is 64: "
-                               "a larger batch (up to ~850) would cut the number of steps almost in proportion "
-                               "(scale the learning rate with it).")
-    assert "near the critical batch size" in advice(100, 64)
-    assert "a smaller one (down to ~10)" in advice(10, 64)
-    assert "~ 900 examples (at step 380; the logged steps since gave no estimate); your batch" in advice(900, 32, step=380)
-    assert advice(None, 64, "the gradients are all zero") == \
+def summary_of(traces: list[float], batch: float = 64, coverage: float = 1.0, grad_sq: float = 1.0) -> NoiseSummary:
+    """The summary of a run whose logged steps estimate ``|G|² = grad_sq`` and ``tr(Σ) = traces[i]``."""
+    scale = NoiseScale()
+    for step, trace in enumerate(traces):
+        scale.update(grad_sq, trace, step=10 * step, batch=batch, coverage=coverage)
+    restored = NoiseScale()
+    restored.load_state_dict(scale.state_dict())  # a resumed run goes on from the same history
+    assert restored.summary() == scale.summary()
+    return scale.summary()
+
+
+def test_the_summary_is_a_long_average_over_the_runs_second_half_with_an_interval():
+    # the first half is not read; one noisy late step (40) does not flip the advice
+    summary = summary_of([5.0] * 8 + [800.0, 900.0, 1000.0, 1100.0, 850.0, 40.0, 950.0, 900.0])
+    assert summary.median == pytest.approx((800 + 900 + 1000 + 1100 + 850 + 40 + 950 + 900) / 8)
+    assert (summary.values, summary.since) == (8, 80) and 600 < summary.low < summary.median < summary.high < 1050
+    assert advice(summary) == (
+        "GradHooks: gradient noise scale ~ 818 examples (over the run's second half: 8 logged steps since step 80; "
+        f"80% interval {summary.low:,.0f} to {summary.high:,.0f}); your batch per optimizer step is 64: a larger "
+        "batch (up to ~818) would cut the number of steps almost in proportion (scale the learning rate with it).")
+    assert "near the critical batch size" in advice(summary_of([100.0] * 16))
+    assert "a smaller one (down to ~10)" in advice(summary_of([10.0] * 16))
+    # a ratio of sums: steps whose |G|² comes out negative (noise) pull the sum down, not to -inf
+    assert summary_of([1.0] * 16, grad_sq=-0.5).median == math.inf
+
+
+def test_advice_only_where_the_interval_allows_it():
+    straddling = summary_of([60, 90, 150, 400, 90, 150, 300, 60] * 2)  # around 2 x 64, noisily
+    assert straddling.low < 128 < straddling.high
+    assert advice(straddling).endswith("your batch per optimizer step is 64: the estimate is uncertain: its "
+                                       "interval spans different advice, so none is given; log more steps for a "
+                                       "steadier estimate.")
+    assert "too few logged estimates (7 in the second half, 8 needed) to advise" in advice(summary_of([900] * 14))
+    assert advice(summary_of([1.0] * 16, grad_sq=-1.0)) == (
+        "GradHooks: no gradient noise scale estimate: |G|² summed over the run's second half is not positive (the "
+        "noise drowns the signal at this batch size).")
+    partial = advice(summary_of([900.0] * 16, coverage=0.354))
+    assert "from per-example norms covering 35% of the parameters (the Linear, LayerNorm, RMSNorm, GroupNorm " \
+           "layers): the noise scale of those" in partial
+    assert "covering under 1% of the parameters" in advice(summary_of([900.0] * 16, coverage=0.004))
+    assert "; the logged steps after step 150 gave no estimate)" in advice(summary_of([900.0] * 16), step=150)
+    assert advice(None, "the gradients are all zero") == \
         "GradHooks: no gradient noise scale estimate: the gradients are all zero."
 
 
@@ -194,6 +229,11 @@ def logged(tmp_path) -> tuple[list[float], list[dict[str, float]]]:  # noqa: ANN
     return charted, [s[key] for _, s in sorted(steps.items()) if key in s]
 
 
+def trace_over_grad_sq(model, x, y) -> float:  # noqa: ANN001
+    grad_sq, trace = truth(model, mse, x, y)
+    return trace / grad_sq
+
+
 def check_against_truth(tmp_path, model, x, y, batch_per_step) -> tuple[list[float], list[dict]]:  # noqa: ANN001
     grad_sq, trace = truth(model, mse, x, y)
     charted, raw = logged(tmp_path)
@@ -217,8 +257,11 @@ def test_lightning_runs_against_brute_force(tmp_path, accumulation):
     trainer.fit(Fit(model), loader)
     charted, raw = check_against_truth(tmp_path, model, x, y, 32)
     assert raw[0]["small_batch"] == (1 if accumulation == 1 else 8)
-    assert messages[-1].startswith(f"GradHooks: gradient noise scale ~ {hooks.gradient_log.noise_scale.value:,.0f} "
-                                   "examples; your batch per optimizer step is 32: ")
+    summary = hooks.gradient_log.noise_scale.summary()
+    assert summary.values == 24 and summary.low <= summary.median <= summary.high
+    assert summary.median == pytest.approx(trace_over_grad_sq(model, x, y), rel=0.25)
+    assert messages[-1].startswith(f"GradHooks: gradient noise scale ~ {summary.median:,.0f} examples (over the "
+                                   "run's second half: 24 logged steps since step 24; 80% interval")
 
 
 def test_plain_loop_with_accumulation_against_brute_force():

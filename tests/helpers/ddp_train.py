@@ -1,8 +1,9 @@
 """Trains a small model with ``Trainer(strategy="ddp", accelerator="cpu", devices=2)``.
 
-Run by ``tests/shell/test_ddp.py`` as ``python ddp_train.py OUT_DIR MODE`` (``local`` or ``sync``);
-Lightning starts rank 1 by running this script again. Each rank saves the gradients of ``net.2``'s
-output at every step (captured with a plain tensor hook, the test's reference) to OUT_DIR.
+Run by ``tests/shell/test_ddp.py`` as ``python ddp_train.py OUT_DIR MODE`` (``local`` or ``sync``;
+``nan``: local, with a NaN in one example of rank 1's batch at step 1); Lightning starts rank 1 by
+running this script again. Each rank saves the gradients of ``net.2``'s output at every step
+(captured with a plain tensor hook, the test's reference) to OUT_DIR, and rank 0 the report.
 """
 
 import json
@@ -24,13 +25,19 @@ STEPS = 3
 
 
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, nan_on_rank_1_at: int | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.nan_at = nan_on_rank_1_at
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        logits = self.net(x)
+        if self.global_rank == 1 and batch_idx == self.nan_at:
+            poison = torch.ones_like(logits)
+            poison[0] = float("nan")  # one example of rank 1's batch; rank 0's stays finite
+            logits = logits * poison
+        return nn.functional.cross_entropy(logits, y)
 
     def configure_optimizers(self):  # noqa: ANN201
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -55,6 +62,8 @@ class Reference(pl.Callback):
         facts = {"collectives": self.gradhooks.gradient_log.collectives, "offload_dir": offload.directory,
                  "offload_written": offload.bytes_written}
         (self.out / f"facts-rank{trainer.global_rank}.json").write_text(json.dumps(facts))
+        if trainer.is_global_zero:
+            (self.out / "report.txt").write_text(self.gradhooks.gradient_log.report.table())
 
 
 def main() -> None:
@@ -77,7 +86,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    trainer.fit(Net(), DataLoader(data, batch_size=8))
+    trainer.fit(Net(1 if mode == "nan" else None), DataLoader(data, batch_size=8))
     finish()
 
 

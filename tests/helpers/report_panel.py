@@ -62,6 +62,11 @@ class Lit(pl.LightningModule):
         frozen_lr: prefixes of parameter names put in a param group of their own with lr 0.
         events: ``{global step: fn(lit)}``, each called once before the first batch of that step
             (damage mid-run: ``fn`` sets a bias to -50).
+        group_lr: prefixes of parameter names put in a param group of their own with that
+            learning rate (discriminative learning rates).
+        lr_zero_at: from this global step on, the schedule's factor is 0 (a scheduler that sets
+            the learning rate to 0), for the group holding ``lr_zero_group`` (a prefix of
+            ``group_lr``) or, when that is None, for every group.
     """
 
     def __init__(self, net: nn.Module, optimizer: str = "adamw", lr: float = 1e-3, task: str = "classify",
@@ -69,13 +74,16 @@ class Lit(pl.LightningModule):
                  *, nan_input_once: bool = False, schedule: str | None = None, warmup: int = 0,
                  total_steps: int | None = None, weight_decay: float = 0.0, label_smoothing: float = 0.0,
                  momentum: float = 0.9,
-                 left_out: tuple[str, ...] = (), frozen_lr: tuple[str, ...] = (), events: dict | None = None) -> None:
+                 left_out: tuple[str, ...] = (), frozen_lr: tuple[str, ...] = (), events: dict | None = None,
+                 group_lr: dict[str, float] | None = None, lr_zero_at: int | None = None,
+                 lr_zero_group: str | None = None) -> None:
         super().__init__()
         self.net, self.optimizer, self.lr, self.task = net, optimizer, lr, task
         self.loss_scale, self.nan_weights_at, self.nan_input_at = loss_scale, nan_weights_at, nan_input_at
         self.nan_input_once, self.schedule, self.warmup, self.total_steps = nan_input_once, schedule, warmup, total_steps
         self.weight_decay, self.label_smoothing, self.momentum = weight_decay, label_smoothing, momentum
         self.left_out, self.frozen_lr, self.events = tuple(left_out), tuple(frozen_lr), dict(events or {})
+        self.group_lr, self.lr_zero_at, self.lr_zero_group = dict(group_lr or {}), lr_zero_at, lr_zero_group
         self.losses: list[float] = []
 
     def on_train_batch_start(self, batch, batch_idx) -> None:  # noqa: ANN001
@@ -93,6 +101,9 @@ class Lit(pl.LightningModule):
             loss = self.net(input_ids=x, labels=x).loss
         elif self.task == "seq2seq":
             loss = self.net(input_ids=x, labels=y).loss
+        elif self.task == "contrastive":  # two towers: net(x, y) scores every x against every y of the batch
+            logits, target = self.net(x, y), torch.arange(len(x), device=x.device)
+            loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
         elif self.task == "mse":
             out = self.net(x)
             loss = F.mse_loss(out, F.one_hot(y, out.shape[-1]).to(out.dtype))
@@ -114,20 +125,32 @@ class Lit(pl.LightningModule):
             return any(name == p or name.startswith(p + ".") for p in prefixes)
 
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and not under(n, self.left_out)]
-        params = [p for n, p in named if not under(n, self.frozen_lr)]
-        groups: list = [{"params": params}]
+        own = (*self.frozen_lr, *self.group_lr)
+        groups: list = [{"params": [p for n, p in named if not under(n, own)]}]
         if self.frozen_lr:
             groups.append({"params": [p for n, p in named if under(n, self.frozen_lr)], "lr": 0.0})
+        for prefix, lr in self.group_lr.items():
+            groups.append({"params": [p for n, p in named if under(n, (prefix,))], "lr": lr})
         if self.optimizer == "sgd":
             opt = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         elif self.optimizer == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
+        elif self.optimizer == "adafactor":
+            opt = torch.optim.Adafactor(groups, lr=self.lr, weight_decay=self.weight_decay)
         else:
             opt = torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
-        if self.schedule is None:
+        if self.schedule is None and self.lr_zero_at is None:
             return opt
         total = self.total_steps or self.trainer.max_steps
-        scheduler = warmup_decay(opt, self.warmup, total, self.schedule)
+        shape = warmup_decay(opt, self.warmup, total, self.schedule).lr_lambdas[0] if self.schedule else (lambda s: 1.0)
+        cut_group = None if self.lr_zero_group is None else 1 + bool(self.frozen_lr) + list(self.group_lr).index(
+            self.lr_zero_group)
+        cut = [self.lr_zero_at is not None and cut_group in (None, i) for i in range(len(groups))]
+
+        def factor(i: int):  # noqa: ANN202
+            return lambda step: 0.0 if cut[i] and step >= self.lr_zero_at else shape(step)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, [factor(i) for i in range(len(groups))])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -1087,6 +1110,290 @@ def mlp_mse(seed: int, lr: float) -> tuple[Lit, TensorDataset]:
     Checked: ``lr=5``: the loss grows 0.33, 5.9, 3.2e3, ... and is inf at step 10, NaN after."""
     net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
     return Lit(net, "sgd", lr, task="mse"), points(seed)
+
+
+# -- the causes panel (issue 37): practices of no earlier panel, and faults whose cause is not
+# the module flagged (a learning rate, a detached output, an input that vanished upstream)
+
+def tiny_init(net: nn.Module, std: float = 0.01) -> nn.Module:
+    """Weights from N(0, std), biases 0."""
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.normal_(0.0, std) if name.endswith("weight") else p.zero_()
+    return net
+
+
+def tiny_tanh_mlp(seed: int) -> tuple[Lit, TensorDataset]:
+    """An 8-layer tanh MLP (64 wide) initialised with std 0.01: the backward signal shrinks
+    ~0.08x per layer, so the first layers' gradients vanish; the last layers' weights get small
+    gradients because their inputs are small (not zero by construction). SGD 0.1 momentum."""
+    layers: list[nn.Module] = [nn.Linear(8, 64)]
+    for _ in range(6):
+        layers += [nn.Tanh(), nn.Linear(64, 64)]
+    layers += [nn.Tanh(), nn.Linear(64, 3)]
+    return Lit(tiny_init(nn.Sequential(*layers)), "sgd", 0.1), points(seed)
+
+
+def tiny_tanh_cnn(seed: int) -> tuple[Lit, TensorDataset]:
+    """8 tanh 3x3 convs (8 channels) initialised with std 0.01, global pooling, a head. SGD 0.1."""
+    layers: list[nn.Module] = []
+    for i in range(8):
+        layers += [nn.Conv2d(3 if i == 0 else 8, 8, 3, 1, 1), nn.Tanh()]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)]
+    return Lit(tiny_init(nn.Sequential(*layers)), "sgd", 0.1), images(seed, size=8)
+
+
+class EncoderHead(nn.Module):
+    """``head(encoder(x))``; ``detach``: the encoder's output is detached (by mistake), so no
+    gradient reaches the encoder."""
+
+    def __init__(self, detach: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 3)
+        self.detach = detach
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)
+        return self.head(h.detach() if self.detach else h)
+
+
+def detached_encoder(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`EncoderHead` whose encoder output is detached: the encoder's parameters sit in the
+    optimizer with ``.grad`` None at every step. Adam 3e-3."""
+    return Lit(EncoderHead(detach=True), "adam", 3e-3), points(seed)
+
+
+class ConvWithSide(nn.Module):
+    """A CNN whose logits get a side branch ``net.side`` computed under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, 1, 1), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(16, 4)
+        self.side = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        with torch.no_grad():
+            side = self.side(h)
+        return self.head(h) + side
+
+
+def no_grad_side_cnn(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`ConvWithSide`: the side branch's parameters get no gradient. SGD 0.05, cosine."""
+    return Lit(ConvWithSide(), "sgd", 0.05, schedule="cosine", warmup=10), images(seed)
+
+
+def lr_cut_resnet(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`ResNet` (frozen stem) under SGD momentum with a scheduler whose factor is 0 from
+    step 120: every parameter stops at once."""
+    return Lit(ResNet(), "sgd", 0.05, schedule="cosine", warmup=10, lr_zero_at=120), images(seed)
+
+
+class GRUClassifier(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.gru = nn.GRU(dim, dim, batch_first=True)
+        self.fc = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(self.emb(x))
+        return self.fc(out.mean(1))
+
+
+def lr_cut_gru(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`GRUClassifier`, AdamW with warmup + linear decay, every learning rate set to 0
+    from step 100 by the scheduler."""
+    return Lit(GRUClassifier(), "adamw", 3e-3, schedule="linear", warmup=10, lr_zero_at=100), sequences(seed)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding + learned positions, 2 pre-norm encoder layers, mean pooling, a head."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, length: int = 24) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(length, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.1, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.emb(x) + self.pos).mean(1))
+
+
+def group_cut_transformer(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`TinyTransformer`, AdamW, discriminative learning rates (head 3e-3, the rest 1e-3);
+    the scheduler sets the head's group to 0 from step 60 while the rest goes on."""
+    return Lit(TinyTransformer(), "adamw", 1e-3, group_lr={"net.head": 3e-3}, lr_zero_at=60,
+               lr_zero_group="net.head"), sequences(seed)
+
+
+def adafactor_transformer(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`TinyTransformer` under ``torch.optim.Adafactor`` (lr 1e-2), warmup 10 + linear."""
+    return Lit(TinyTransformer(), "adafactor", 1e-2, schedule="linear", warmup=10), sequences(seed)
+
+
+class WithEMA(nn.Module):
+    """``body`` and an EMA copy of it (``torch.optim.swa_utils.AveragedModel``, decay 0.99),
+    updated from the weights at each training forward; the copy's parameters require grad, sit
+    in no optimizer and get no gradient (it is evaluated, not trained)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.body = body
+        self.ema = AveragedModel(body, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.ema.update_parameters(self.body)
+            return self.body(x)
+        return self.ema(x)
+
+
+def ema_layernorm_mlp(seed: int) -> tuple[Lit, TensorDataset]:
+    """An MLP with LayerNorm and an EMA copy (:class:`WithEMA`); Adam 3e-3, warmup 10 + cosine."""
+    body = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.GELU(), nn.Linear(64, 3))
+    return Lit(WithEMA(body), "adam", 3e-3, schedule="cosine", warmup=10), points(seed)
+
+
+def ema_gru(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`GRUClassifier` with an EMA copy (:class:`WithEMA`); Adam 3e-3, warmup + linear."""
+    return Lit(WithEMA(GRUClassifier()), "adam", 3e-3, schedule="linear", warmup=10), sequences(seed)
+
+
+def weight_norm_mlp(seed: int) -> tuple[Lit, TensorDataset]:
+    """A tanh MLP whose Linear layers are weight-normalised
+    (``torch.nn.utils.parametrizations.weight_norm``: ``original0`` the norm, ``original1`` the
+    direction); Adam 3e-3, warmup 10 + cosine."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    net = nn.Sequential(weight_norm(nn.Linear(8, 64)), nn.Tanh(), weight_norm(nn.Linear(64, 64)), nn.Tanh(),
+                        weight_norm(nn.Linear(64, 3)))
+    return Lit(net, "adam", 3e-3, schedule="cosine", warmup=10), points(seed)
+
+
+class StemCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), nn.BatchNorm2d(16), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(),
+                                  nn.Conv2d(32, 32, 3, 1, 1), nn.BatchNorm2d(32), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+        for p in self.stem.parameters():
+            p.requires_grad_(False)  # a frozen (pretrained) stem
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def discriminative_frozen_stem(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`StemCNN`: frozen stem, body at lr 0.01, head in its own group at 0.05; SGD
+    momentum, wd 5e-4, warmup 10 + cosine."""
+    return Lit(StemCNN(), "sgd", 0.01, group_lr={"net.head": 0.05}, schedule="cosine", warmup=10,
+               weight_decay=5e-4), images(seed)
+
+
+def bf16_resnet(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`ResNet` under SGD momentum, warmup 10 + cosine (run with ``precision="bf16-mixed"``)."""
+    return Lit(ResNet(), "sgd", 0.05, schedule="cosine", warmup=10), images(seed)
+
+
+class Distill(nn.Module):
+    """A student MLP and a frozen teacher (``requires_grad`` False, eval mode, in no optimizer):
+    the student's logits, and a distillation loss (KL at temperature 2) as ``aux_loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 3))
+        self.teacher.requires_grad_(False)
+        self.student = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.teacher.eval()
+        with torch.no_grad():
+            soft = F.softmax(self.teacher(x) / 2, -1)
+        logits = self.student(x)
+        self.aux_loss = F.kl_div(F.log_softmax(logits / 2, -1), soft, reduction="batchmean") * 4
+        return logits
+
+
+def distill_frozen_teacher(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`Distill`; AdamW 3e-3, warmup 10 + cosine."""
+    return Lit(Distill(), "adamw", 3e-3, schedule="cosine", warmup=10), points(seed)
+
+
+class TwoTowers(nn.Module):
+    """CLIP-style: an image tower (a small CNN) and a text tower (embedding bag + MLP) projected
+    to 32 dims, normalised, scored against each other with a learned temperature."""
+
+    def __init__(self, vocab: int = 50) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU(),
+                                   nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 32))
+        self.text_emb = nn.Embedding(vocab, 32)
+        self.text = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        a = F.normalize(self.image(images), dim=-1)
+        b = F.normalize(self.text(self.text_emb(tokens).mean(1)), dim=-1)
+        return self.logit_scale.exp().clamp(max=100) * a @ b.T
+
+
+def clip_towers(seed: int) -> tuple[Lit, TensorDataset]:
+    """:class:`TwoTowers` on images and captions: a caption's tokens are drawn from 8 of 50
+    according to the image's class and colour; AdamW 1e-3 wd 0.1, warmup 10 + cosine."""
+    data = images(seed, n=512, size=8)
+    g = torch.Generator().manual_seed(seed + 7)
+    x, y = data.tensors
+    tokens = y[:, None] * 8 + torch.randint(0, 8, (len(y), 12), generator=g)
+    tokens[:, :4] = ((x.mean((2, 3)) > 0).long() @ torch.tensor([1, 2, 4]) + 40)[:, None]  # the colour, in words
+    return Lit(TwoTowers(), "adamw", 1e-3, task="contrastive", schedule="cosine", warmup=10,
+               weight_decay=0.1), TensorDataset(x, tokens)
+
+
+class SparseBag(pl.LightningModule):
+    """A bag of sparse embeddings (``nn.Embedding(sparse=True)``) under ``SparseAdam`` and an MLP
+    under Adam, stepped by hand (manual optimization, two optimizers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.emb = nn.Embedding(2000, 32, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        sparse, dense = self.optimizers()
+        loss = F.cross_entropy(self.mlp(self.emb(x).mean(1)), y)
+        self.losses.append(loss.item())
+        sparse.zero_grad()
+        dense.zero_grad()
+        self.manual_backward(loss)
+        sparse.step()
+        dense.step()
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return [torch.optim.SparseAdam(list(self.emb.parameters()), lr=1e-2),
+                torch.optim.Adam(self.mlp.parameters(), lr=3e-3)]
+
+
+def sparse_adam_manual(seed: int) -> tuple[SparseBag, TensorDataset]:
+    """:class:`SparseBag` on Zipf-distributed tokens of a 2,000 vocabulary, the label whether the
+    rare tokens (id >= 100) outnumber a few frequent ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = zipf_tokens(g, (512, 16), 2000)
+    y = ((x >= 100).sum(1) > (x < 3).sum(1)).long()
+    return SparseBag(), TensorDataset(x, y)
 
 
 # -- one fit, and the CLI on its log ---------------------------------------------------------

@@ -63,6 +63,7 @@ class Run:
     resume_at: int | None = None
     schedule: bool = False  # a warmup + decay schedule stepped every optimizer step
     seeds: tuple[int, ...] | None = None  # the seeds its ground truth was checked on, when it depends on the seed
+    forbid: tuple[str, ...] = ()  # phrases the report must not say (a false cause, a wrong note)
 
     @property
     def healthy(self) -> bool:
@@ -118,6 +119,27 @@ TUNE = {r.name: r for r in [
     Run("gpt2_block_lr0", lambda seed: panel.gpt2_schedule(seed, frozen_lr=("net.transformer.h.1",)),
         "GPT-2 (transformers), tied embeddings", "block 1 in a param group with lr 0", 60, 5, trainer=CLIP,
         schedule=True, expect=Expect("stalled", "net.transformer.h.1", (0, 10))),
+    # -- the causes (issue 37): healthy
+    Run("ema_layernorm_mlp", panel.ema_layernorm_mlp, "LayerNorm GELU MLP + EMA copy (AveragedModel)",
+        "Adam, warmup 10 + cosine; the EMA copy requires grad, in no optimizer", 200, 10, schedule=True),
+    Run("weight_norm_mlp", panel.weight_norm_mlp, "tanh MLP, weight_norm parametrizations",
+        "Adam, warmup 10 + cosine", 200, 10, schedule=True),
+    Run("discriminative_frozen_stem", panel.discriminative_frozen_stem, "CNN + BN, frozen stem",
+        "SGD momentum, wd, body lr 0.01 / head group 0.05, warmup 10 + cosine", 200, 10, schedule=True),
+    Run("bf16_sgd_resnet", panel.bf16_resnet, "ResNet (bias=False, frozen stem)",
+        "bf16-mixed, SGD momentum, warmup 10 + cosine", 100, 10, trainer={"precision": "bf16-mixed"}, schedule=True),
+    Run("distill_frozen_teacher", panel.distill_frozen_teacher, "student MLP + frozen teacher MLP",
+        "AdamW, CE + KL at T=2, warmup 10 + cosine", 200, 10, schedule=True),
+    # -- the causes: broken
+    Run("tiny_init_tanh_mlp", panel.tiny_tanh_mlp, "8-layer tanh MLP, init std 0.01",
+        "SGD 0.1 momentum: gradients vanish geometrically", 100, 5,
+        expect=Expect("vanishing", None, (0, 10)), forbid=("removable", "by construction")),
+    Run("lr_to_zero_resnet", panel.lr_cut_resnet, "ResNet (bias=False, frozen stem)",
+        "SGD momentum, warmup + cosine; the scheduler sets lr 0 from step 120", 200, 10, schedule=True,
+        expect=Expect("stalled", None, (120, 130), "learning rate"), forbid=("follows from it",)),
+    Run("detached_encoder", panel.detached_encoder, "MLP encoder + linear head",
+        "Adam; the encoder's output is .detach()ed by mistake", 60, 5,
+        expect=Expect("stalled", "net.encoder", (0, 5), "no gradient"), forbid=("follows from it",)),
 ]}
 
 HELDOUT = {r.name: r for r in [
@@ -167,6 +189,28 @@ HELDOUT = {r.name: r for r in [
     Run("mlp_dies_mid_run", lambda seed: panel.relu_mlp(seed, kill_at=100), "ReLU MLP",
         "Adam, warmup + cosine; net.2's bias set to -50 before step 100", 200, 10, schedule=True,
         expect=Expect("dead", "net.2", (100, 110))),
+    # -- the causes (issue 37): healthy
+    Run("adafactor_transformer", panel.adafactor_transformer, "pre-norm Transformer encoder classifier",
+        "torch.optim.Adafactor, warmup 10 + linear, dropout", 200, 10, schedule=True),
+    Run("ema_gru", panel.ema_gru, "GRU classifier + EMA copy (AveragedModel)",
+        "Adam, warmup 10 + linear", 200, 10, schedule=True),
+    Run("clip_towers", panel.clip_towers, "CLIP-style image and text towers, learned temperature",
+        "AdamW wd 0.1, contrastive loss, warmup 10 + cosine", 200, 10, batch=32, schedule=True),
+    Run("sparse_adam_manual", panel.sparse_adam_manual, "sparse embedding bag + MLP",
+        "manual optimization: SparseAdam (embedding) + Adam (MLP)", 200, 10),
+    # -- the causes: broken
+    Run("tiny_init_tanh_cnn", panel.tiny_tanh_cnn, "8-conv tanh CNN, init std 0.01",
+        "SGD 0.1 momentum: gradients vanish geometrically", 60, 5,
+        expect=Expect("vanishing", None, (0, 10)), forbid=("removable", "by construction")),
+    Run("no_grad_side_branch", panel.no_grad_side_cnn, "CNN + a side branch run under torch.no_grad()",
+        "SGD momentum, warmup + cosine", 60, 5, schedule=True,
+        expect=Expect("stalled", "net.side", (0, 10), "no gradient"), forbid=("follows from it",)),
+    Run("lr_to_zero_gru", panel.lr_cut_gru, "GRU classifier (mean over time)",
+        "AdamW, warmup + linear; the scheduler sets lr 0 from step 100", 200, 10, schedule=True,
+        expect=Expect("stalled", None, (100, 110), "learning rate"), forbid=("follows from it",)),
+    Run("head_group_lr_to_zero", panel.group_cut_transformer, "Transformer encoder classifier, 2 groups",
+        "AdamW, head group 3e-3 set to 0 from step 60 by the scheduler, the rest 1e-3", 100, 5,
+        expect=Expect("stalled", None, (60, 65), "learning rate"), forbid=("follows from it",)),
 ]}
 
 HALVES = {"tune": TUNE, "heldout": HELDOUT}
@@ -200,6 +244,10 @@ def judge(run: Run, report, losses: list[float]) -> tuple[bool, str]:  # noqa: A
         detail = getattr(r, "detail", "") or ""
         candidates.append((r.flag, r.module, r.since, detail))
         candidates += [(c.flag, c.module, c.since, detail) for c in getattr(r, "consequences", None) or []]
+    text = report.table() if hasattr(report, "table") else ""
+    said = [phrase for phrase in run.forbid if phrase in text]
+    if said:
+        return False, f"says {said[0]!r}, which is not so here"
     found = []
     for e in run.expects:
         ok, why = _expected(e, candidates)

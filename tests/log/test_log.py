@@ -112,6 +112,54 @@ def test_the_documented_loop_runs_verbatim_in_lightning_fabric(tmp_path):
     check_events(tmp_path, [0, 50])
 
 
+def test_under_a_gradient_scaler_the_log_gets_unscaled_gradients_in_fabric_and_plain_loops(tmp_path):
+    """Before `scaler.unscale_(optimizer)` (Fabric's `optimizer.step()` unscales inside, as a
+    fused optimizer does) the parameter gradients are scaled too: `unscaled(scale,
+    parameters=True)` divides them, and the log equals that of the same loop without a scaler."""
+    fabric_module = pytest.importorskip("lightning.fabric")
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    def loop(wrapped, optimizer, scaler, log_dir, unscale_first=False):  # noqa: ANN001
+        monitor, writer = GradientMonitor(wrapped), SummaryWriter(log_dir)
+        log = GradientLog(writer, optimizers=[optimizer], echo=None)
+        with monitor.attach():
+            for step, batch in enumerate(batches(3)):
+                monitor.arm()
+                loss = wrapped(batch).float().square().mean()
+                if scaler is None:
+                    loss.backward()
+                    log.write(monitor.collect(), step)
+                elif unscale_first:  # a plain loop that unscales (to clip, say) before the log
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(optimizer)
+                    log.write(monitor.collect().unscaled(scaler.get_scale()), step)
+                else:
+                    fabric.backward(loss)
+                    log.write(monitor.collect().unscaled(scaler.get_scale(), parameters=True), step)
+                (scaler.step(optimizer), scaler.update()) if unscale_first else optimizer.step()
+                optimizer.zero_grad()
+        log.close()
+        writer.close()
+        events = read_events(str(log_dir))
+        return {(t, e.step): e.value for t in events.Tags()["scalars"] if t.startswith(("∇4", "∇2"))
+                for e in events.Scalars(t)}
+
+    net = model()
+    reference = loop(net, torch.optim.Adam(net.parameters(), lr=1e-3), None, tmp_path / "fp32")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    net = model()
+    wrapped, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3, fused=True))
+    scaled = loop(wrapped, optimizer, scaler, tmp_path / "fabric")
+    net = model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    plain = loop(net, torch.optim.Adam(net.parameters(), lr=1e-3), scaler, tmp_path / "plain", unscale_first=True)
+    assert len(reference) == 3 * 6 and set(scaled) == set(plain) == set(reference)
+    for key, value in reference.items():
+        assert scaled[key] == pytest.approx(value, rel=1e-2), key
+        assert plain[key] == pytest.approx(value, rel=1e-5), key
+
+
 def test_a_plain_loop_never_imports_lightning(tmp_path):
     script = textwrap.dedent(f"""
         import sys

@@ -203,7 +203,11 @@ def test_huge_learning_rate_is_flagged_exploding_and_a_frozen_lr_group_stalled(t
     _, report = fit_report(tmp_path, Net(net, groups=groups), steps=6)
     exploding, stalled = flags_of(report, "exploding"), flags_of(report, "stalled")
     assert exploding.get("param net.2.weight") == 0
-    assert stalled == {"param net.0.weight": 0, "param net.0.bias": 0}
+    # The frozen group is one row: the group and its learning rate, read from the optimizer.
+    assert stalled == {"param_group param_groups[0]": 0}
+    row = next(r for r in report.rows() if r.flag == "stalled")
+    assert (row.module, row.since) == ("net.0", 0) and row.detail.startswith(
+        "learning rate 0 (`param_groups[0]['lr']`, its highest so far 0): the 2 parameters of the group do not move")
     assert not [n for n in exploding if "net.0" in n or "net.4" in n]
 
 
@@ -303,3 +307,75 @@ def test_a_flag_carries_its_kind_and_entry_and_a_read_judges_the_pending_step_in
     # The read judged step 40: what comes for it later is ignored, as for any judged step.
     report.add_stats(40, {("grad_output", "late"): {"mean": 0.0, "std": 1.0}})
     assert report.steps == 5 and "late" not in report.table(full=True)
+
+
+def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
+    """The noise probe's ("ranks", "gradient") entry: which ranks' own gradients were bad before
+    the all-reduce. Finite hooks on this rank and a bad param_grad: another rank (DDP run:
+    tests/shell/test_ddp.py). Statistics pooled over the ranks (`sync_dist`) that are bad on the
+    hooks: born in backward, on that rank."""
+    from lightning_gradhooks.records import Key
+    from lightning_gradhooks.report import nonfinite_origin
+
+    nan = {"nonfinite": 4.0, "norm": math.nan}
+    finite = {"nonfinite": 0.0, "norm": 1.0}
+    local = {Key("grad_output", "net.2"): finite, Key("param_grad", "net.0.weight"): nan,
+             Key("ranks", "gradient"): {"nonfinite_ranks": 2.0, "first_rank": 1.0, "own": 0.0}}
+    module, detail, _ = nonfinite_origin(local)
+    assert module == "net.0" and detail.startswith(
+        "another rank: the gradients of rank 1 and 1 other were already non-finite before the all-reduce")
+    pooled = {Key("grad_output", "net.4"): finite, Key("grad_output", "net.2"): nan,
+              Key("param_grad", "net.0.weight"): nan,
+              Key("ranks", "gradient"): {"nonfinite_ranks": 1.0, "first_rank": 1.0, "own": 0.0}}
+    assert nonfinite_origin(pooled)[1] == ("born in backward: first seen in grad_output of `net.2` (4 NaN/Inf) "
+                                           "(on rank 1, before the all-reduce)")
+    alone = {key: s for key, s in local.items() if key.kind != "ranks"}
+    assert "rank" not in nonfinite_origin(alone)[1]  # one process, or no probe: as before
+
+
+def test_round_off_is_that_of_the_precision_the_gradients_were_computed_in():
+    """A bias gradient at 1e-4 of its module's: far above float32 round-off (no note), at
+    bfloat16 round-off (a note) when the step's summary says the hooks saw bfloat16 gradients."""
+    from lightning_gradhooks import GradientLog
+    from lightning_gradhooks.records import Key
+
+    def fill(report: HealthReport, eps: float | None) -> None:
+        for step in range(3):
+            stats = {Key("grad_output", "m"): {"norm": 1.0, "mean": 0.0, "std": 1 / 32, "zero_fraction": 0.0},
+                     Key("param_grad", "m.weight"): {"norm": 0.5, "mean": 0.0, "std": 0.5 / 32, "zero_fraction": 0.0},
+                     Key("param_grad", "m.bias"): {"norm": 1e-4, "mean": 0.0, "std": 1e-4 / 32 ** 0.5,
+                                                   "zero_fraction": 0.0}}
+            if eps is not None:
+                stats[Key("precision", "gradient")] = {"eps": eps}
+            report.add_stats(step, stats)
+
+    for eps, noted in [(None, []), (torch.finfo(torch.bfloat16).eps, ["param_grad m.bias"])]:
+        report = HealthReport()
+        fill(report, eps)
+        assert [f.name for f in report.notes()] == noted
+    with pytest.raises(ValueError, match=r"`precision` expected a floating-point torch.dtype or None, got 'bf16'"):
+        GradientLog(precision="bf16")
+
+
+def test_a_learning_rate_cut_to_zero_is_one_row_naming_the_group_since_the_cut():
+    """Every parameter of a group stops at once: one row, the group and its learning rate, since
+    the first logged step at 0; the tail of a cosine schedule (1e-4 of the peak) is no cut, and a
+    parameter whose .grad is None but that something else moves (an EMA copy) is no problem."""
+    from lightning_gradhooks.records import Key
+
+    def fill(lrs: list[float]) -> HealthReport:
+        report = HealthReport()
+        for i, lr in enumerate(lrs):
+            stats = {Key("param", f"net.{m}.weight"): {"update_ratio": 1e-3 if lr else 0.0, "param_norm": 1.0,
+                                                         "group": 0.0, "lr": lr} for m in range(4)}
+            stats[Key("param", "ema.weight")] = {"update_ratio": 0.0, "param_norm": 1.0 + i, "group": 0.0, "lr": lr,
+                                                 "no_gradient": 1.0}
+            report.add_stats(10 * i, stats)
+        return report
+
+    report = fill([0.1, 0.1, 0.05, 0.0, 0.0, 0.0, 0.0])
+    (row,) = report.rows()
+    assert (row.flag, row.module, row.since) == ("stalled", "(model)", 30)
+    assert row.detail == ("learning rate 0 (`param_groups[0]['lr']`, its highest so far 0.1): the 5 parameters of the "
+                          "group do not move") and not row.consequences
+    assert fill([0.1, 0.1, 0.05, 1e-5, 1e-5, 1e-5]).rows() == []  # 1e-4 of the peak: a schedule's tail

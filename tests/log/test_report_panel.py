@@ -235,7 +235,8 @@ def test_the_runner_judges_rows_it_does_not_know():
 
 QUICK = ["scale_before_layernorm", "dcgan_manual", "relu_rnn_explodes", "orphan_head_resnet", "dead_conv_layer",
          "nan_batch_unlogged_resnet", "unet_bias_bn", "gru_attention_pool", "dead_mlp_resumed", "orphan_head_bert",
-         "mobilenet_block_lr0", "mlp_dies_mid_run"]
+         "mobilenet_block_lr0", "mlp_dies_mid_run", "tiny_init_tanh_mlp", "detached_encoder", "ema_layernorm_mlp",
+         "no_grad_side_branch"]
 
 
 @pytest.mark.parametrize("name", QUICK)
@@ -252,3 +253,23 @@ def test_the_report_meets_each_quick_panel_runs_expected_outcome_printed_and_fro
     if run.healthy:
         code, out, err = panel.cli("report", log_dir, "--fail-on", ",".join(FLAGS))
         assert code == 0, out  # notes never fail
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_the_causes_runs_are_what_they_claim():
+    """The tiny-init MLP's last weights get gradients far below their module's while their biases
+    do not (small inputs, not zero by construction); the detached encoder and the no_grad branch
+    get no .grad at all; the scheduler cuts the learning rate to 0 at the step named."""
+    lit, data = panel.tiny_tanh_mlp(0)
+    ratios = _grad_ratios(lit, data, ["net.10.weight", "net.12.weight", "net.12.bias"])
+    assert ratios["net.10.weight"] < 1e-3 and ratios["net.12.weight"] < 1e-5 and ratios["net.12.bias"] > 1e-1
+    for make, cut in [(panel.detached_encoder, "net.encoder."), (panel.no_grad_side_cnn, "net.side.")]:
+        lit, data = make(0)
+        out = lit.net(data.tensors[0][:16])
+        torch.nn.functional.cross_entropy(out, data.tensors[1][:16]).backward()
+        assert {n for n, p in lit.named_parameters() if p.grad is None} == {
+            n for n, _ in lit.named_parameters() if n.startswith(cut)}
+    lit, _ = panel.lr_cut_resnet(0)
+    lit.total_steps = 200
+    scheduler = lit.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert scheduler.lr_lambdas[0](119) > 0 and scheduler.lr_lambdas[0](120) == 0.0

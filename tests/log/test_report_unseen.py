@@ -201,8 +201,8 @@ def test_two_optimizers_count_one_logged_step_printed_and_from_the_log(tmp_path)
     text = printed_equals_cli(callback, log_dir)
     # The critic's last bias gets exactly no gradient (it cancels between real and fake): a note.
     assert text == ("GradHooks: no gradient problems seen in 5 logged steps.\nnote: 1 parameter gets no gradient by "
-                    "construction (below 0.001 of the gradient its module receives: a bias followed by a normalisation "
-                    "layer, a shift or scale that a later operation removes); never trained, removable: "
+                    "construction (float round-off next to the gradient its module receives: a bias followed by a "
+                    "normalisation layer, a shift or scale that a later operation removes); never trained, removable: "
                     "optimizer_1/disc.2.bias")
 
 
@@ -267,8 +267,8 @@ def test_catch_nonfinite_is_checked_at_construction():
 
 
 def test_new_thresholds_are_range_checked():
-    with pytest.raises(ValueError, match=r"Thresholds.no_gradient_ratio expected a number in \[0, 1\), got 2"):
-        Thresholds(no_gradient_ratio=2)
+    with pytest.raises(ValueError, match=r"Thresholds.round_off_factor expected a number > 0, got 0"):
+        Thresholds(round_off_factor=0)
     with pytest.raises(ValueError, match=r"Thresholds.vanishing_update_ratio"):
         Thresholds(vanishing_update_ratio=-1)
-    assert math.isclose(Thresholds().no_gradient_ratio, 1e-3)
+    assert math.isclose(Thresholds().round_off_factor, 64.0)

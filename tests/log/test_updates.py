@@ -42,7 +42,7 @@ def test_an_sgd_step_gives_the_ratio_and_the_norm_computed_by_hand():
     [(step, index, values)] = tracker.ready()
     assert (step, index) == (7, None) and sorted(values) == ["bias", "weight"]
     for name, p in model.named_parameters():
-        ratio, norm = values[name]
+        ratio, norm = values[name][:2]
         assert ratio == pytest.approx(0.1 * grads[name].norm().item() / before[name].norm().item(), rel=1e-5)
         assert norm == pytest.approx(p.norm().item(), rel=1e-6)
     assert tracker.ready() == []  # read once
@@ -141,3 +141,18 @@ def test_remove_takes_the_hooks_off_the_optimizer_and_is_idempotent():
     tracker.expect(sgd, step=1)
     sgd.step()
     assert tracker.ready() == []  # no hook, nothing measured
+
+
+def test_each_update_says_its_group_its_learning_rate_and_whether_it_had_a_gradient():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    sgd = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.0}], lr=0.1)
+    tracker = UpdateTracker(dict(model.named_parameters()))
+    tracker.attach(sgd)
+    model[1](torch.ones(4, 3)).sum().backward()  # model[0] gets no gradient: .grad stays None
+    tracker.expect(sgd, step=0)
+    sgd.step()
+    [(_, _, values)] = tracker.ready()
+    assert {n: (u.group, u.lr, u.gradient, u.update_ratio) for n, u in values.items()} == {
+        "0.weight": (0, 0.1, False, 0.0), "0.bias": (0, 0.1, False, 0.0),
+        "1.weight": (1, 0.0, True, 0.0), "1.bias": (1, 0.0, True, 0.0)}
+    tracker.remove()

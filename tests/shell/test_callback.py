@@ -277,6 +277,39 @@ def test_mixed_precision_statistics_are_unscaled_and_the_scale_is_logged(tmp_pat
         assert norms[1024.0][tag] == pytest.approx(value, rel=1e-2), tag
 
 
+class AdamMLP(MLP):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
+
+
+def test_an_optimizer_that_unscales_in_its_own_step_logs_unscaled_gradients(tmp_path):
+    """Lightning skips `scaler.unscale_` before `on_before_optimizer_step` for fused Adam, which
+    unscales inside its step: the logged parameter gradients, total norm and noise scale must still
+    be those of the unscaled gradients, as with the unfused Adam."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    logged = {}
+    for fused in (False, True):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        pl.seed_everything(0, verbose=False)
+        callback = GradHooks(every_n_steps=1)
+        trainer, _ = fit(tmp_path / str(fused), callback, model=AdamMLP(fused), max_steps=3,
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        events = read_events(trainer.logger.log_dir)
+        tags = [t for t in events.Tags()["scalars"] if t.startswith(("∇4 param_grad_norm/", "∇1 overview/total_norm"))]
+        logged[fused] = {(t, e.step): e.value for t in tags for e in events.Scalars(t)}
+        noise = callback.gradient_log.noise_scale  # |G|² and tr(Σ): both scale with the loss scale squared
+        assert noise.steps == 3
+        logged[fused] |= {("grad_sq", 3): noise.grad_sq, ("trace", 3): noise.trace}
+    assert set(logged[True]) == set(logged[False]) and len(logged[True]) == 3 * 7 + 2
+    for key, value in logged[False].items():
+        assert logged[True][key] == pytest.approx(value, rel=1e-2), key
+
+
 def test_resume_from_checkpoint_keeps_the_schedule_and_state(tmp_path):
     pl.seed_everything(0, verbose=False)
     model = MLP(nan_at=1)  # step 1 is non-finite (and everything after it)

@@ -15,6 +15,7 @@ from lightning_gradhooks.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
 from launch import run_script
+from report_panel import cli_table
 
 
 def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
@@ -53,3 +54,17 @@ def test_ddp_on_two_cpu_processes(tmp_path, mode):
         assert facts[0]["collectives"] == steps + 3
     else:
         assert facts[0]["collectives"] == 0
+
+
+def test_a_nan_from_another_rank_is_named_with_its_rank(tmp_path):
+    """Rank 1's batch holds a NaN at step 1; rank 0's forward, loss and own gradients are finite,
+    and the all-reduce brings the NaN. The report says so, and names rank 1 (the noise probe reads
+    each rank's gradient before the all-reduce); the command says the same."""
+    run_ddp(tmp_path, "nan")
+    report = (tmp_path / "report.txt").read_text()
+    first = report.splitlines()[2].split()
+    assert first[:3] == ["nonfinite", "net.0", "1"], report
+    assert ("another rank: the gradients of rank 1 were already non-finite before the all-reduce, which brought "
+            "them here (this rank's forward, loss and own gradients were finite); first seen in param_grad of") in report
+    assert "born in backward" not in report
+    assert cli_table(str(next((tmp_path / "logs").glob("version_*")))) == report
