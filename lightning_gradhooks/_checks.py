@@ -87,26 +87,24 @@ def check_folder(argument: str, value: object, pathlike: bool = False) -> str | 
     return path
 
 
-def check_callback_arguments(arguments: dict, default_statistics: Sequence[str], statistics: Sequence[str]) -> dict:
-    """``GradHooks``'s constructor arguments (its ``locals()``), each checked and converted: the
-    values to keep, by name; ``statistics`` are the names accepted, ``default_statistics`` what
-    None means."""
-    a = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
-    check_int("every_n_steps", a["every_n_steps"], allow_none=True)
-    for name in ("offload_threshold_bytes", "offload_budget_bytes"):
-        check_int(name, a[name], allow_none=True)
-    a["offload_dir"] = check_folder("offload_dir", a["offload_dir"])
-    for name in ("offload_budget_bytes", "offload_dir"):
-        if a[name] is not None and a["offload_threshold_bytes"] is None:
-            raise ValueError(f"`{name}` expected `offload_threshold_bytes` to be set too, got {name}={a[name]!r} "
-                             "with offload_threshold_bytes=None (offload off)")
-    check_int("histogram_bins", a["histogram_bins"], maximum=MAX_BINS)
-    check_int("histogram_every_n_steps", a["histogram_every_n_steps"])
-    for name in ("histograms", "sync_dist", "catch_nonfinite", "offload_fix_mmap_threshold", "noise_scale"):
-        check_bool(name, a[name])
-    a["include"] = check_patterns("include", a["include"], allow_empty=False)
-    a["exclude"] = check_patterns("exclude", a["exclude"])
-    a["statistics"] = (list(default_statistics) if a["statistics"] is None
-                       else check_choices("statistics", a["statistics"], list(statistics)))
-    a["report_thresholds"] = dict(a["report_thresholds"] or {})
-    return a
+def check_needs(argument: str, value: object, needed: str, needed_value: object, off: str) -> None:
+    """``argument`` set (not None) needs ``needed`` set too; ``off``: what ``needed=None`` means."""
+    if value is not None and needed_value is None:
+        raise ValueError(f"`{argument}` expected `{needed}` to be set too, got {argument}={value!r} "
+                         f"with {needed}=None ({off})")
+
+
+def check_overrides(argument: str, value: object, known: Sequence[str]) -> dict:
+    """``value`` as a dict whose keys are among ``known`` (None: an empty dict)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not set(value) <= set(known):
+        raise ValueError(f"`{argument}` expected a dict with keys from {sorted(known)}, got {value!r}")
+    return dict(value)
+
+
+def check_instance(argument: str, value: object, accepted: type | tuple[type, ...], described: str) -> object:
+    """``value`` if it is an instance of ``accepted`` (``described`` in the message)."""
+    if not isinstance(value, accepted):
+        raise ValueError(f"`{argument}` expected {described}, got {type(value).__name__}")
+    return value

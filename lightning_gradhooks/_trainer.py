@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from lightning_gradhooks.report import Thresholds
+from lightning_gradhooks.updates import unheld, unwrapped
 
 
 def tensorboard_loggers(trainer: Any) -> list[Any]:
@@ -68,7 +68,7 @@ def optimizer_unscales(optimizer: Any) -> bool:
     """Whether ``optimizer`` unscales its gradients inside its own ``step()`` (fused Adam and
     AdamW, ``_step_supports_amp_scaling``): Lightning then skips ``scaler.unscale_`` before
     ``on_before_optimizer_step``, and ``.grad`` there is still multiplied by the loss scale."""
-    return bool(getattr(getattr(optimizer, "_optimizer", optimizer), "_step_supports_amp_scaling", False))
+    return bool(getattr(unwrapped(optimizer), "_step_supports_amp_scaling", False))
 
 
 def batch_size(batch: Any) -> int | None:
@@ -84,20 +84,17 @@ def batch_size(batch: Any) -> int | None:
 def unowned(trainer: Any, pl_module: Any) -> list[Any]:
     """Trainable parameters that no optimizer of the trainer holds (a head left out of
     ``configure_optimizers``): they get gradients and never move."""
-    held = {id(p) for o in trainer.optimizers for group in o.param_groups for p in group["params"]}
-    return [p for p in pl_module.parameters() if p.requires_grad and id(p) not in held]
+    return [p for _, p in unheld(pl_module.named_parameters(), trainer.optimizers) if p.requires_grad]
 
 
 def optimizer_params(optimizer: Any) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def thresholds(overrides: dict[str, float]) -> Thresholds:
-    """The report's thresholds with ``overrides``, each range-checked."""
-    known = Thresholds.__dataclass_fields__
-    if not isinstance(overrides, dict) or not set(overrides) <= set(known):
-        raise ValueError(f"`report_thresholds` expected a dict with keys from {sorted(known)}, got {overrides!r}")
-    return Thresholds(**overrides)
+def echo(trainer: Any, callback: Any) -> Any:
+    """How the report is printed: through the progress bar (above it, once), else Lightning's log."""
+    bar = trainer.progress_bar_callback
+    return bar.print if bar is not None and getattr(bar, "is_enabled", True) else logger_of(callback).info
 
 
 def logger_of(callback: Any) -> logging.Logger:

@@ -106,7 +106,7 @@ def flow_data(modules: Sequence[str], rms: Sequence[dict[str, float]]) -> FlowDa
     return FlowData(grid, bars, (low, high))
 
 
-def _label(name: str) -> str:
+def _shortened(name: str) -> str:
     """``name``, or its last dotted parts that fit in :data:`LABEL_CHARS` after an ellipsis."""
     if len(name) <= LABEL_CHARS:
         return name
@@ -194,7 +194,7 @@ class GradientFlow:
         font = FONT_PX * 72 / DPI  # points
         figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
         FigureCanvasAgg(figure)
-        labels = [_label(m) for m in self.modules]
+        labels = [_shortened(m) for m in self.modules]
         # Axes placed in pixels: labels on the left, heatmap, bars; under the bars, the colour
         # bar is their axis; under everything, the two axis titles on one line.
         left = 12 + 0.6 * FONT_PX * max((len(s) for s in labels), default=1)

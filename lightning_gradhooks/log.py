@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
@@ -50,7 +51,7 @@ from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
 from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
-from lightning_gradhooks.updates import UpdateTracker
+from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -93,7 +94,7 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
     return values
 
 
-def _columns(metrics: dict[str, float]) -> dict[str, float]:
+def _table_columns(metrics: dict[str, float]) -> dict[str, float]:
     """What a table of columns (CSV, MLflow, ...) gets: the overview and the norms, named without
     the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
     which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
@@ -176,15 +177,12 @@ class GradientLog:
                     "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
                     f"those or None, got {type(w).__name__}"
                 )
-        statistics = list(DEFAULT_STATISTICS if statistics is None else statistics)
-        unknown = [s for s in statistics if s not in LOGGED_STATISTICS]
-        if unknown:
-            raise ValueError(f"`statistics` expected names from {list(LOGGED_STATISTICS)}, got {unknown}")
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise ValueError(f"`thresholds` expected a Thresholds or None, got {type(thresholds).__name__}")
+        statistics = list(DEFAULT_STATISTICS if statistics is None else
+                          check_choices("statistics", statistics, LOGGED_STATISTICS))
+        check_instance("thresholds", thresholds, (Thresholds, type(None)), "a Thresholds or None")
         self._tensorboards = [w for w in writers if _is_tensorboard(w)]
         self._others = [w for w in writers if not _is_tensorboard(w)]
-        self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning/Fabric wrappers
+        self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers
         self.statistics = statistics
         self.histograms = bool(histograms)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps)
@@ -297,7 +295,7 @@ class GradientLog:
         for writer in self._tensorboards:
             write_step(writer, metrics, None, step, stats)
         for other in self._others:
-            other.log_metrics(metrics if _is_wandb(other) else _columns(metrics), step=step)
+            other.log_metrics(metrics if _is_wandb(other) else _table_columns(metrics), step=step)
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
 
@@ -311,7 +309,7 @@ class GradientLog:
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
         if optimizer is None:
             return None
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped(optimizer)
         for i, o in enumerate(self.optimizers):
             if o is optimizer:
                 return i
@@ -322,8 +320,7 @@ class GradientLog:
         ``param`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
         if not self.optimizers or not record.parameters:
             return []
-        held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
-        return [name for name, p in record.parameters.items() if id(p) not in held and getattr(p, "grad", None) is not None]
+        return [name for name, p in unheld(record.parameters.items(), self.optimizers) if getattr(p, "grad", None) is not None]
 
     def _measure_update(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
                         stepping: bool) -> None:
@@ -359,7 +356,7 @@ class GradientLog:
             if _is_wandb(other):
                 other.log_metrics({**metrics, **(_wandb_histograms(record) if histograms else {})}, step=step)
             else:  # a table of columns (CSV): the overview and the norms
-                other.log_metrics(_columns(metrics), step=step)
+                other.log_metrics(_table_columns(metrics), step=step)
         for writer in self._tensorboards:
             write_step(writer, metrics, record if histograms else None, step, stats)
             if not self._layout_written:

@@ -15,14 +15,12 @@ in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRe
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import fnmatch
 import functools
 import gc
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -33,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int, check_patterns
 from lightning_gradhooks._text import listed
+from lightning_gradhooks.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
@@ -66,10 +65,6 @@ class CollectorPause:
             gc.enable()
 
 
-#: A module hook of the monitor: the module, whether it is a forward pre-hook, the hook.
-_Hook = tuple[nn.Module, bool, Callable]
-
-
 class MonitorHandle:
     """Removes every hook a :class:`GradientMonitor` attached; idempotent; a context manager.
 
@@ -82,7 +77,7 @@ class MonitorHandle:
         self._on_remove = on_remove
         self.active = True
 
-    def put(self, hooks: Sequence[_Hook]) -> None:
+    def put(self, hooks: Sequence[Hook]) -> None:
         """Register hooks on their modules, until :meth:`park`."""
         for module, pre, hook in hooks:
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
@@ -190,29 +185,9 @@ class _Probe:
         return {name: frozenset(self.seen.get(name, set()) | ({NOT_RUN} if name not in ran else set())) for name in names}
 
 
-def _tensor_leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Tensor]]:
-    """The tensors in a module's output or inputs, with their key paths, however nested.
-
-    Walks tensors, mappings (``ModelOutput`` is one), lists and tuples (named tuples by field
-    name) and dataclasses; other objects are opaque.
-    """
-    if isinstance(value, Tensor):
-        yield path, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _tensor_leaves(item, (*path, str(key)))
-    elif isinstance(value, (list, tuple)):
-        names = getattr(value, "_fields", None)
-        for i, item in enumerate(value):
-            yield from _tensor_leaves(item, (*path, names[i] if names else str(i)))
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _tensor_leaves(getattr(value, f.name), (*path, f.name))
-
-
 def _grad_tensors(value: Any) -> list[tuple[tuple[str, ...], Tensor]]:
     """The tensors requiring grad in ``value``, with their key paths."""
-    return [(path, t) for path, t in _tensor_leaves(value) if t.requires_grad]
+    return [(path, t) for path, t in tensor_leaves(value) if t.requires_grad]
 
 
 def _full_hook_sees(output: Any) -> bool:
@@ -414,19 +389,12 @@ class GradientMonitor:
         self.bins = bins
         self._model = model
         self._with_parameters = parameters
-        self._forward_checks = forward_checks
         # With forward checks, every other module (parameterless ones too) gets a forward hook
         # on armed steps that checks its inputs and outputs only: a NaN is named where it is made.
-        self._checked = {
-            _label(name): module
-            for name, module in _named_modules(model).items()
-            if _label(name) not in self._hooked and id(module) not in compiled
-        } if self._forward_checks else {}
-        self._check_hooks: list[_Hook] = [
-            (module, False, functools.partial(self._check_only, label)) for label, module in self._checked.items()
-        ]
-        self._weights_checked = False  # on this armed step
-        self._seen_tensors: dict[int, tuple[weakref.ref, int]] = {}  # checked this armed step: (tensor, version)
+        unmonitored = {_label(name): module for name, module in _named_modules(model).items()
+                       if _label(name) not in self._hooked and id(module) not in compiled}
+        self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
+            if forward_checks else None
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -438,7 +406,7 @@ class GradientMonitor:
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
-        self._hooks: list[_Hook] | None = None  # the hooks of the plan: made again when it changes
+        self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
         check_bool("noise_scale", noise_scale)
         #: The :class:`~lightning_gradhooks.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
@@ -467,7 +435,8 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks of each module's plan in the modules."""
-        self._handle.put(self._check_hooks)
+        if self._checks is not None:
+            self._handle.put(self._checks.hooks)
         if self._probe is None and any(p.read is Read.PROBE for p in self._plan.values()):
             self._probe = _Probe()  # again, if a probe's backward never came
         if self._hooks is None:  # made once per plan, registered and removed at every logged step
@@ -511,8 +480,8 @@ class GradientMonitor:
         return sorted(name for name, p in self._plan.items() if p.read is Read.OUTPUT_ONLY)
 
     def _park(self) -> None:
-        self._weights_checked = False
-        self._seen_tensors = {}
+        if self._checks is not None:
+            self._checks.reset()
         self._probe = None  # a probe whose backward never came is run again at the next arm
         if self._handle is not None:
             self._handle.park()
@@ -580,7 +549,8 @@ class GradientMonitor:
         """Whether the hooks collected anything that :meth:`collect` has not returned yet."""
         return bool(self._pending)
 
-    def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1) -> _Armed:
+    def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1,
+            noise: bool = True) -> _Armed:
         """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
 
         Arm before the forward of the step to log; for gradient accumulation, once before the
@@ -609,7 +579,8 @@ class GradientMonitor:
 
         ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
         passes accumulated into the step) tell the noise probe where its two batches come from
-        (see :mod:`lightning_gradhooks.noise`).
+        (see :mod:`lightning_gradhooks.noise`); ``noise=False`` leaves the noise probe out of this
+        step (one noise sample a step: that of its first optimizer).
         """
         if not check_bool("when", when):
             return _Armed(self, armed=False)
@@ -626,13 +597,28 @@ class GradientMonitor:
         self._armed = True
         if self._handle is not None and self._handle.active:
             self._register()
-            if self.noise is not None:
+            if self.noise is not None and noise:
                 self.noise.arm(batch_size, accumulation)
         return _Armed(self, armed=True)
 
-    def disarm(self) -> None:
-        """Stop collecting, take the hooks out and drop what was collected but not returned."""
-        if self.noise is not None and self._armed:  # a probe armed on its own stays armed
+    def arm_noise(self, batch_size: int | None = None, accumulation: int = 1) -> None:
+        """Measure this rank's gradient for the noise scale alone, on a step the monitor is not
+        armed for: in a distributed job, a rank that logs nothing itself still takes part in the
+        noise probe's ``all_reduce`` (:meth:`collect_noise`). Nothing when already armed."""
+        if self.noise is not None and not self._armed and not self.noise.armed:
+            self.noise.arm(batch_size, accumulation)
+
+    def collect_noise(self, parameters: Iterable[Tensor] | None = None) -> None:
+        """Collect what :meth:`arm_noise` measured (its ``all_reduce``); nothing when the
+        monitor is armed (:meth:`collect` collects it then) or the noise probe is not."""
+        if self.noise is not None and not self._armed and self.noise.armed:
+            self.noise.collect(parameters)
+
+    def disarm(self, noise: bool = False) -> None:
+        """Stop collecting, take the hooks out and drop what was collected but not returned;
+        ``noise``: also a noise probe armed on its own (:meth:`arm_noise`), which otherwise
+        stays armed until its optimizer step."""
+        if self.noise is not None and (self._armed or noise):
             self.noise.disarm()
         self._armed = False
         self._pending.clear()
@@ -652,9 +638,8 @@ class GradientMonitor:
                 if watched is None:
                     watched = list(args)
                 watched[i] = arg.view_as(arg)
-                known = self._seen_tensors.get(id(arg))  # forward checks: the view is not summed again
-                if known is not None and known[0]() is arg and known[1] == arg._version:
-                    self._seen_tensors[id(watched[i])] = (weakref.ref(watched[i]), arg._version)
+                if self._checks is not None:  # the view is not summed again
+                    self._checks.same_as(watched[i], arg)
                 self._hook(watched[i], Kind.GRAD_INPUT, name if len(args) == 1 else f"{name}/{i}", False)
         return None if watched is None else tuple(watched)
 
@@ -667,8 +652,8 @@ class GradientMonitor:
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
-        if self._forward_checks and module.training:
-            self._check_forward(name, args, output)
+        if self._checks is not None and module.training:
+            self._checks.check(name, args, output)
 
     def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool) -> None:
         """Reduce the gradient of ``t`` when backward computes it. A hook on the node that made
@@ -688,47 +673,6 @@ class GradientMonitor:
 
     def _leaf_grad(self, kind: Kind, label: str, histogram: bool, grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, (grad,))
-
-    def _check_only(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        """The forward hook of a module that is not monitored, with forward checks on."""
-        if self._armed and torch.is_grad_enabled() and module.training:
-            self._check_forward(name, args, output)
-
-    def _check_forward(self, name: str, args: tuple, output: Any) -> None:
-        """One sum per floating input (``"forward_input"``) and output (``"forward"``): NaN or Inf
-        exactly when an element is (barring a float32 overflow of a sum of finite values). The
-        first check of an armed step also checks the weights (:meth:`_check_weights`)."""
-        if not self._weights_checked:
-            self._weights_checked = True
-            self._check_weights()
-        seen = self._seen_tensors
-        for kind, value in ((Kind.FORWARD_INPUT, args), (Kind.FORWARD, output)):
-            floating = []
-            for _, t in _tensor_leaves(value):
-                # A tensor another check already summed, unchanged since (a module's input that
-                # is the output of the module before it, a container's output): not again.
-                known = seen.get(id(t))
-                if not t.is_floating_point() or (known is not None and known[0]() is t and known[1] == t._version):
-                    continue
-                seen[id(t)] = (weakref.ref(t), t._version)
-                floating.append(t.detach())
-            sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
-            if sums:
-                self._reduce(kind, name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)
-
-    def _check_weights(self) -> None:
-        """Whether the model's weights were already non-finite when the armed step began: the
-        L2 norm of each floating parameter (NaN or Inf when it holds one; also Inf for weights so
-        large that their squares overflow float32, beyond 1e19), one ``"weights"`` entry whose
-        ``nonfinite`` counts those parameters. (The norm: ~4x faster on the CPU than the max.)"""
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for p in self._model.parameters():
-            if p.is_floating_point() and type(p.data) is Tensor:  # sharded (DTensor) ones: their pieces differ per rank
-                by_device.setdefault(p.device, []).append(p.detach())
-        with torch.no_grad():
-            for params in by_device.values():
-                norms = torch._foreach_norm(params)
-                self._reduce(Kind.WEIGHTS, ROOT_NAME, torch.stack([n.float() for n in norms]), False)
 
     def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool) -> None:
         if grad is None or not grad.is_floating_point():

@@ -47,9 +47,6 @@ class NonfiniteSentinel:
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]]) -> None:
         self._named = [(n, p) for n, p in named_parameters if p.requires_grad]
-        #: Steps checked, and steps caught with a non-finite gradient (for the curious).
-        self.checked = 0
-        self.caught = 0
         self.last_checked = 0
 
     def check(self, parameters: Iterable[Tensor] | None = None) -> list[str] | None:
@@ -63,11 +60,9 @@ class NonfiniteSentinel:
         wanted = None if parameters is None else {id(p) for p in parameters}
         named = [(n, p.grad) for n, p in self._named if p.grad is not None and (wanted is None or id(p) in wanted)]
         grads = [g.coalesce().values() if g.is_sparse else g for _, g in named]
-        self.checked += 1
         self.last_checked = len(grads)
         if not grads or math.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True).item()):
             return None
-        self.caught += 1
         norms = [float(torch.linalg.vector_norm(g)) for g in grads]
         bad = [n for (n, _), norm in zip(named, norms) if not math.isfinite(norm)]
         return bad or [n for n, _ in named]

@@ -29,11 +29,23 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+
+def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer of a Lightning ``LightningOptimizer`` or Fabric ``_FabricOptimizer``
+    (which hold it as ``_optimizer``); an optimizer as it is."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def unheld(named: Iterable[tuple[str, Tensor]], optimizers: Sequence[Any]) -> list[tuple[str, Tensor]]:
+    """The ``(name, parameter)`` pairs of ``named`` that no optimizer of ``optimizers`` holds."""
+    held = {id(p) for o in map(unwrapped, optimizers) for group in o.param_groups for p in group["params"]}
+    return [(n, p) for n, p in named if id(p) not in held]
 
 
 def _ratio(update: float, before: float) -> float:

@@ -46,7 +46,7 @@ from lightning_gradhooks.offload._files import (
     _State,
 )
 from lightning_gradhooks.offload._memory import (
-    _buffer,
+    _bytes_at,
     _fix_mmap_threshold,
     _host_buffer,
     _to_device,
@@ -598,7 +598,7 @@ class _Engine:
                 if event is not None:
                     event.synchronize()
                 address = pinned.data_ptr() if pinned is not None else src.untyped_storage().data_ptr() + rec.byte_start
-                _pwrite_all(fd, _buffer(address, n), rec.offset)
+                _pwrite_all(fd, _bytes_at(address, n), rec.offset)
             except Exception as exc:  # noqa: BLE001 - the step fails, the training thread is told
                 failure = _failure(exc, f"save_on_disk: could not write {n} bytes to folder {self.folder!r} "
                                         f"({_where(rec)})")
@@ -808,10 +808,10 @@ class _Engine:
         fd = seg.fd
         if rec.device.type == "cpu":
             buf = _host_buffer(n)
-            _pread_all(fd, _buffer(buf.data_ptr(), n), rec.offset)
+            _pread_all(fd, _bytes_at(buf.data_ptr(), n), rec.offset)
             return buf, None
         pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        _pread_all(fd, _buffer(pinned.data_ptr(), n), rec.offset)
+        _pread_all(fd, _bytes_at(pinned.data_ptr(), n), rec.offset)
         return _to_device(pinned, rec.device, self._stream(rec.device))
 
     # -- introspection and teardown

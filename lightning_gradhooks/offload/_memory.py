@@ -54,7 +54,7 @@ def _fix_mmap_threshold(threshold_bytes: int) -> None:
         "offload_fix_mmap_threshold=False) leaves the allocator alone", value)
 
 
-def _buffer(address: int, nbytes: int) -> memoryview:
+def _bytes_at(address: int, nbytes: int) -> memoryview:
     """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 

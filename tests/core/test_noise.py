@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import pytorch_lightning as pl
@@ -19,7 +20,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradhooks import GradHooks, GradientMonitor
+from lightning_gradhooks import GradHooks, GradientMonitor, _trainer
 from lightning_gradhooks.__main__ import read_folder
 from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
 from lightning_gradhooks.records import Key, Kind
@@ -245,13 +246,13 @@ def check_against_truth(tmp_path, model, x, y, batch_per_step) -> tuple[list[flo
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
-def test_lightning_runs_against_brute_force(tmp_path, accumulation):
+def test_lightning_runs_against_brute_force(tmp_path, accumulation, monkeypatch):
     model, x, y = models()["mlp"]
     micro = 32 if accumulation == 1 else 8
     messages = []
     hooks = GradHooks(every_n_steps=1, histograms=False)
     trainer = make_trainer(tmp_path, [hooks], max_steps=48, accumulate_grad_batches=accumulation)
-    hooks._echo = lambda trainer: messages.append  # what the user reads at the end of fit
+    monkeypatch.setattr(_trainer, "echo", lambda trainer, callback: messages.append)  # what the user reads at the end
     loader = DataLoader(TensorDataset(x, y), batch_size=micro, shuffle=True,
                         generator=torch.Generator().manual_seed(1))
     trainer.fit(Fit(model), loader)
@@ -325,8 +326,8 @@ def fit_and_warnings(tmp_path, model: nn.Module, x, y, batch_size: int, **kwargs
     messages = []
     hooks = GradHooks(every_n_steps=1, histograms=False)
     trainer = make_trainer(tmp_path, [hooks], max_steps=3, **kwargs)
-    hooks._echo = lambda trainer: messages.append
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, \
+            mock.patch.object(_trainer, "echo", lambda trainer, callback: messages.append):
         warnings.simplefilter("always")
         trainer.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=batch_size))
     said = [str(w.message) for w in caught if "noise scale" in str(w.message)]

@@ -203,7 +203,7 @@ def test_offload_in_a_plain_loop_leaves_nothing(tmp_path):
 def test_log_arguments_are_checked_and_a_second_close_is_a_no_op(tmp_path):
     with pytest.raises(ValueError, match="`writer` expected a SummaryWriter"):
         GradientLog(writer=42)
-    with pytest.raises(ValueError, match="`statistics` expected names from"):
+    with pytest.raises(ValueError, match="`statistics` expected a list drawn from"):
         GradientLog(statistics=["norm", "speed"])
     log = GradientLog(echo=None)
     report = log.close()

@@ -252,7 +252,7 @@ def test_the_sentinel_skips_a_nan_step_that_is_not_logged_and_names_it(tmp_path)
     assert "which was skipped (the weights are still finite)" in first.detail
     assert "at step 9, logged in full after it: born in the forward of `net.3`" in first.detail
     printed_equals_cli(callback, log_dir)
-    assert callback._sentinel is None  # let go with the fit
+    assert callback._fit is None  # the sentinel is let go with the fit
 
 
 def test_without_the_sentinel_the_weights_go_nan_and_the_report_can_only_say_so(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradhooks.updates import UpdateTracker
+from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
 
 
 def layer() -> nn.Linear:
@@ -156,3 +156,16 @@ def test_each_update_says_its_group_its_learning_rate_and_whether_it_had_a_gradi
         "0.weight": (0, 0.1, False, 0.0), "0.bias": (0, 0.1, False, 0.0),
         "1.weight": (1, 0.0, True, 0.0), "1.bias": (1, 0.0, True, 0.0)}
     tracker.remove()
+
+
+class _Wrapper:  # as Lightning's LightningOptimizer and Fabric's _FabricOptimizer hold theirs
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+
+def test_parameters_no_optimizer_holds_are_found_through_wrappers():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    assert unwrapped(_Wrapper(sgd)) is sgd and unwrapped(sgd) is sgd
+    assert [n for n, _ in unheld(model.named_parameters(), [_Wrapper(sgd)])] == ["1.weight", "1.bias"]
+    assert unheld(model.named_parameters(), [sgd, torch.optim.SGD(model[1].parameters(), lr=0.1)]) == []
