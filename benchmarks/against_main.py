@@ -12,9 +12,10 @@ rotated each round). A window is one untimed step and the mean of ``--steps`` st
 clock and the worker's CPU time, steadier on a shared machine) of a plain loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
 
 Variants: ``bare`` (no monitor), ``attached`` (a monitor attached, not armed: what a step that
-is not logged pays) and ``armed``, in both. The table gives the median window of each variant
-and the medians over rounds of its ratios to its own worker's ``bare``, then of this
-checkout's armed step to the other's.
+is not logged pays) and ``armed`` in both; in a checkout with compiled statistics also
+``armed, eager`` (``GradientMonitor(compile_statistics=False)``). The table gives the median window of each
+variant and the medians over rounds of its ratios to its own worker's ``bare``, then of this
+checkout's armed step to each armed variant of the other.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def worker(models: list[str], threads: int) -> None:
         model = case.make()
         state = {k: v.clone() for k, v in model.state_dict().items()}
         monitors = {"armed": GradientMonitor(model), "attached": GradientMonitor(model)}
+        try:  # a checkout with compiled statistics: its eager ops too
+            monitors["armed, eager"] = GradientMonitor(model, compile_statistics=False)
+        except TypeError:
+            pass
         loops[name] = (case, model, state, torch.optim.SGD(model.parameters(), lr=1e-4), monitors)
 
     def step(name: str, monitor: Any, armed: bool) -> tuple[float, float]:

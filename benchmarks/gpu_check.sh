@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check: the GPU tests, then the GPU figures, in at most 8 minutes on one H100.
+# The GPU check: the GPU tests, then the GPU figures, in at most 9 minutes on one H100.
 #
 #     bash benchmarks/gpu_check.sh
 #
-# 1. tests/core/test_gpu.py (statistics against a float64 CPU reference, AMP fp16 with a GradScaler,
-#    offload bitwise equal with a lower torch.cuda.max_memory_allocated, the in-place refusal,
-#    no growth of memory or files over 50 logged and offloaded steps) and the CUDA test of
-#    tests/offload/test_offload.py;
-# 2. the figures: benchmarks/logged_step.py --device cuda on ResNet-50 and GPT-2 small (built
+# 1. tests/core/test_gpu.py (statistics against a float64 CPU reference, compiled (Triton) and eager
+#    statistics agreeing, AMP fp16 with a GradScaler, precision="16-mixed" with a fused Adam
+#    logging the norms of an unfused one within 1 %, offload bitwise equal with a lower
+#    torch.cuda.max_memory_allocated, the in-place refusal, no growth of memory or files over 50
+#    logged and offloaded steps) and the CUDA test of tests/offload/test_offload.py;
+# 2. the floor: benchmarks/floor.py --device cuda, compiled and eager statistics side by side, in
+#    reads of the gradient bytes (target: at most 3);
+# 3. the figures: benchmarks/logged_step.py --device cuda on ResNet-50 and GPT-2 small (built
 #    from transformers' configs, no download): bare, logged and offloaded steps, their step
 #    time, ratio to bare and peak device memory.
 # Each part runs under its own time limit. Without CUDA it says so and exits 0.
@@ -41,6 +44,7 @@ run() {  # run LIMIT_S NAME COMMAND...: a time limit, and the status remembered
 
 run 200 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/core/test_gpu.py \
     "tests/offload/test_offload.py::test_cuda_roundtrip_and_grads"
+run 60 "the floor, compiled and eager" python benchmarks/floor.py --device cuda --rounds 3
 for model in resnet50 gpt2; do
     run 130 "GPU figures, $model" python benchmarks/logged_step.py --device cuda --models "$model" \
         --variants bare,logged --offload --rounds 3 --steps 5

@@ -12,7 +12,8 @@ window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64
 4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
-that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``per-param norm``
+that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, eager`` (the
+same with ``compile_statistics=False``), ``per-param norm``
 (``torch.stack([p.grad.norm() ...]).tolist()``), ``wandb idle`` / ``wandb logging``
 (``wandb.watch(model, log="all")`` offline, log_freq 10**9 / 1). A window is one untimed step
 and the mean of ``--steps`` steps; rounds run every window, the order rotated each round; the
@@ -179,6 +180,7 @@ class Loop:
         self.model.load_state_dict(state)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.monitor = GradientMonitor(self.model)
+        self.eager = GradientMonitor(self.model, compile_statistics=False)  # the same torch ops, uncompiled
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:
@@ -209,8 +211,8 @@ class Loop:
         yield variant
 
     @contextlib.contextmanager
-    def monitored(self, armed: bool) -> Iterator[Variant]:
-        monitor = self.monitor
+    def monitored(self, armed: bool, eager: bool = False) -> Iterator[Variant]:
+        monitor = self.eager if eager else self.monitor
         with monitor.attach():
             # `arm().__enter__()`: what `with monitor.arm():` does, arm and pause the collector
             # until collect(), as the documented loop and GradHooks do (a bare arm() does not pause).
@@ -234,6 +236,7 @@ class Loop:
             "bare": lambda: self.plain(Variant()),
             "attached": lambda: self.monitored(False),
             "armed": lambda: self.monitored(True),
+            "armed, eager": lambda: self.monitored(True, eager=True),
         }
         setups |= {
             "per-param norm": lambda: self.plain(Variant(after=self.norms)),
@@ -453,6 +456,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
     }
     if args.breakdown:
         variants["every step, no histograms"] = lambda: [GradHooks(every_n_steps=1, histograms=False)]
+        variants["every step, eager statistics"] = lambda: [GradHooks(every_n_steps=1, compile_statistics=False)]
         variants["every step, reductions skipped"] = lambda: [SkippedReductions(every_n_steps=1)]
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
@@ -508,7 +512,8 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         monitor = GradientMonitor(model)
         # A second monitor on the same model, whose plan gives no module a grad_input hook.
         no_inputs = GradientMonitor(model)
-        others = {"armed + collect, no grad_input": no_inputs}
+        others = {"armed + collect, no grad_input": no_inputs,
+                  "armed + collect, no histograms": GradientMonitor(model, histograms=False)}
 
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
@@ -531,9 +536,9 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             return time.perf_counter() - start
 
         stages = ["bare", "hooks only", "hooks + reductions", "armed + collect",
-                  "armed + collect, no grad_input"]
+                  "armed + collect, no grad_input", "armed + collect, no histograms"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach():
+        with monitor.attach(), no_inputs.attach(), others["armed + collect, no histograms"].attach():
             with no_grad_input():  # its probe step plans it
                 step("armed + collect, no grad_input")
             for stage in ("armed + collect", *stages):  # the probe step, then warm-up
@@ -542,12 +547,62 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             timings.rounds(windows, args.rounds)
             print(f"\n{case.name}, where an armed step's time goes ({case.modules} hooked modules, no optimizer)")
             timings.table("bare")
+            profile_table(case, model, monitor, timings)
             monitor.arm()
             case.loss(model, case.batch).backward()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 monitor.collect()
             model.zero_grad(set_to_none=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def profile_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
+    """A logged step's time by part: the device side from the stages (medians), the host side
+    (``GradientLog.write``: TensorBoard events, the report's bookkeeping, the flow picture) from
+    cProfile over 5 logged steps, each file's own time."""
+    import cProfile
+    import pstats
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog
+
+    t = {name: statistics.median(v) * 1e3 for name, v in timings.times.items() if v}
+    parts = {
+        "hooks (firing, no reduction)": t["hooks only"] - t["bare"],
+        "reductions, statistics (in the hooks)": t["hooks + reductions"] - t["hooks only"] - (
+            t["armed + collect"] - t["armed + collect, no histograms"]),
+        "histograms": t["armed + collect"] - t["armed + collect, no histograms"],
+        "collect: the transfer, rows, records": t["armed + collect"] - t["hooks + reductions"],
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        writer = SummaryWriter(folder)
+        log = GradientLog(writer)
+        records = []
+        for _ in range(5):
+            with monitor.arm():
+                case.loss(model, case.batch).backward()
+                records.append(monitor.collect())
+            model.zero_grad(set_to_none=True)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for step, record in enumerate(records):
+            log.write(record, step)
+        writer.flush()
+        profiler.disable()
+        log.close()
+        writer.close()
+    own: dict[str, float] = {"write (TensorBoard events)": 0.0, "report": 0.0, "picture (gradient flow)": 0.0}
+    for (file, _, _), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        part = ("report" if file.endswith(("report.py", "noise.py")) else "picture (gradient flow)"
+                if file.endswith("flow.py") or "matplotlib" in file or "PIL" in file else "write (TensorBoard events)")
+        own[part] += tottime * 1e3 / len(records)
+    parts |= own
+    print(f"{case.name}: a logged step by part (ms; device side: medians of the stages; host side: cProfile, "
+          "its own overhead included)\n| part | ms |\n| --- | --- |")
+    for name, ms in parts.items():
+        print(f"| {name} | {ms:.1f} |")
+    print()
 
 
 def start_wandb(disabled: bool, logdir: str) -> Any:

@@ -1,6 +1,6 @@
 """Step-time overhead of GradHooks (and of wandb.watch, where installed) on a Transformer encoder.
 
-    python benchmarks/overhead.py [--steps 50] [--rounds 3] [--no-wandb]
+    python benchmarks/overhead.py [--steps 50] [--rounds 3] [--no-wandb] [--threads N]
 
 One process, variants interleaved: each round fits every variant for ``--steps`` optimizer steps
 with a fresh Trainer and the same initial weights, in turn, the order rotated every round. A step's time runs from
@@ -56,13 +56,15 @@ class Encoder(pl.LightningModule):
 class StepTimer(pl.Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self._start = self._cpu = 0.0
 
     def on_train_batch_start(self, *args: object) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, *args: object) -> None:
         self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 class WandbWatch(pl.Callback):
@@ -82,7 +84,7 @@ class WandbWatch(pl.Callback):
         wandb.unwatch(pl_module)
 
 
-def fit_once(callbacks: list[pl.Callback], steps: int, logdir: str, state: dict) -> float:
+def fit_once(callbacks: list[pl.Callback], steps: int, logdir: str, state: dict) -> tuple[float, float]:
     model = Encoder()
     model.load_state_dict(state)
     timer = StepTimer()
@@ -97,7 +99,7 @@ def fit_once(callbacks: list[pl.Callback], steps: int, logdir: str, state: dict)
         log_every_n_steps=50,
     )
     trainer.fit(model, DataLoader(RepeatedBatch(steps), batch_size=None))
-    return statistics.fmean(timer.times)
+    return statistics.fmean(timer.times), statistics.fmean(timer.cpu)
 
 
 def machine() -> str:
@@ -116,7 +118,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per fit (one window)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-wandb", action="store_true", help="leave wandb.watch out even if installed")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     variants: dict[str, Callable[[], list[pl.Callback]]] = {
         "plain": lambda: [],
@@ -141,25 +146,25 @@ def main() -> None:
             wandb.init(mode="offline", dir=logdir, project="gradhooks-bench")
         for make in variants.values():  # warm-up
             fit_once(make(), 3, logdir, state)
-        means: dict[str, list[float]] = {name: [] for name in variants}
+        means: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         names = list(variants)
         for round_ in range(args.rounds):
             # Rotate the order each round, so no variant always runs first (or last).
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 means[name].append(fit_once(variants[name](), args.steps, logdir, state))
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {m[-1] * 1e3:.0f} ms" for n, m in means.items()))
+            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {m[-1][0] * 1e3:.0f} ms" for n, m in means.items() if m))
         if wandb is not None:
             wandb.finish()
 
     plain = means["plain"]
     print(f"\nMachine: {machine()}")
     print(f"{args.rounds} rounds x {args.steps} steps per variant, interleaved; medians over rounds\n")
-    print("| variant | mean step (ms) | ratio to plain |")
-    print("| --- | --- | --- |")
+    print("| variant | mean step (ms) | ratio to plain | CPU ratio to plain |")
+    print("| --- | --- | --- | --- |")
     for name, values in means.items():
-        ratio = statistics.median(v / p for v, p in zip(values, plain))
-        print(f"| {name} | {statistics.median(values) * 1e3:.1f} | {ratio:.3f}x |")
+        ratios = [statistics.median(v[i] / p[i] for v, p in zip(values, plain)) for i in (0, 1)]
+        print(f"| {name} | {statistics.median(v[0] for v in values) * 1e3:.1f} | {ratios[0]:.3f}x | {ratios[1]:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ class GradHooksLogic:
             lowers the peak (one INFO line says so).
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
             (:mod:`lightning_gradhooks.noise`).
+        compile_statistics: reduce gradients with kernels ``torch.compile`` builds once per process
+            (a few seconds at the first logged step, cached on disk); False: the same torch ops,
+            eagerly. Without a compiler the eager ops run anyway (said once at INFO).
         histogram_every_n_steps: count and write the histograms on the first logged step of each
             window of this many optimizer steps (default 500: every 10th logged step at the default
             ``log_every_n_steps=50``); scalars and the report's summary every logged step.
@@ -104,6 +107,7 @@ class GradHooksLogic:
         catch_nonfinite: bool = False,
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
+        compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
@@ -122,6 +126,7 @@ class GradHooksLogic:
         self.catch_nonfinite = check_bool("catch_nonfinite", catch_nonfinite)
         self.offload_fix_mmap_threshold = check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
         self.noise_scale = check_bool("noise_scale", noise_scale)
+        self.compile_statistics = check_bool("compile_statistics", compile_statistics)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
         self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start

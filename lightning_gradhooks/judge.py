@@ -669,12 +669,18 @@ class Judge:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` (the thresholds stay this report's own).
 
+        A state of version 1 (written before flags carried their kind and entry as fields) is
+        read too, so a checkpoint of an earlier release resumes.
+
         Raises:
-            ValueError: ``state`` is not a state of this version of the report.
+            ValueError: ``state`` is not a state of a version this report reads.
         """
+        if isinstance(state, Mapping) and state.get("version") == 1:
+            state = _from_version_1(state)
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"{type(self).__name__}.load_state_dict expected a state of version {_STATE_VERSION}, got {got!r}")
+            raise ValueError(f"{type(self).__name__}.load_state_dict expected a state of version 1 or "
+                             f"{_STATE_VERSION}, got {got!r}")
         self._seen = [int(s) for s in state["seen"]]
         self._flags = {(flag.flag, flag.name): flag for flag in (Flag(**f) for f in state["flags"])}
         self._tracks = {(c, label): _Track(start, length, list(values), last, score, _Subject(*subject))
@@ -849,3 +855,36 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
         if flag == "exploding":
             detail = f"worst x{worst.score:.3g}: " + detail
     return Row(flag, module, flags[0].since, worst.last, detail, entries, score=worst.score)
+
+
+def _split_label(label: str) -> tuple[str, str]:
+    """``"<kind> <entry>"`` (version 1's flag names and track labels) as ``(kind, entry)``; a
+    module's own label has no kind."""
+    kind, space, entry = label.partition(" ")
+    return (kind, entry) if space else ("", label)
+
+
+def _from_version_1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 state (flags named ``"<kind> <entry>"``, summary keys ``(kind, name)`` with
+    ``optimizer_<i>/`` in the name) in the shape of :data:`_STATE_VERSION`."""
+
+    def flag(f: Mapping[str, Any]) -> dict[str, Any]:
+        kind, entry = _split_label(f["name"])
+        return {**{k: v for k, v in f.items() if k != "name"}, "kind": kind, "entry": entry}
+
+    def subject(label: str) -> list[str]:
+        kind, entry = _split_label(label)
+        return [kind, entry, Key.of_label(kind, entry).module if kind else entry]
+
+    row = state["nonfinite"]
+    return {
+        **state,
+        "version": _STATE_VERSION,
+        "flags": [flag(f) for f in state["flags"]],
+        "tracks": [[c, label, start, length, values, last, score, subject(label)]
+                   for c, label, start, length, values, last, score in state["tracks"]],
+        "nonfinite": None if row is None else {**row, "consequences": [flag(f) for f in row["consequences"]]},
+        "notes": [flag(f) for f in state["notes"]],
+        "pending": [[step, [[k, key.name, key.optimizer, s] for k, n, s in stats for key in [Key.of_label(k, n)]]]
+                    for step, stats in state["pending"]],
+    }

@@ -328,6 +328,11 @@ class GradientMonitor:
             the gradients, and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
+        noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
+        compile_statistics: reduce gradients with kernels compiled once per process by
+            ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
+            there; False: the same torch ops, run eagerly (slower; no compile at the first logged
+            step). Where compiling is unavailable the eager ops run anyway, said once at INFO.
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
             or an ``include`` pattern that matches no module.
@@ -355,11 +360,13 @@ class GradientMonitor:
         forward_checks: bool = False,
         *,
         noise_scale: bool = True,
+        compile_statistics: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
-        for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks)):
+        for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks),
+                                ("compile_statistics", compile_statistics)):
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
@@ -387,6 +394,7 @@ class GradientMonitor:
             )
         self.histograms = histograms
         self.bins = bins
+        self.compile_statistics = compile_statistics
         self._model = model
         self._with_parameters = parameters
         # With forward checks, every other module (parameterless ones too) gets a forward hook
@@ -684,7 +692,7 @@ class GradientMonitor:
         device = grad.device
         reducer = self._reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch)
+            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
         reducer.add(grad, histogram)
         self._pending.append((kind, name, device))
 

@@ -1,14 +1,15 @@
 """Reductions of gradient tensors to statistics and histograms; pooling on the host.
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
-their own device with torch ops, one sequence of ops on every device, that reads no value to the
-host until :meth:`Reducer.finish` brings every result over in one transfer. Gradients are
-gathered into batches (a bigger tensor is a batch of its own), because on accelerators the
-launch count, not the bytes, is what costs; each batch is laid out in rows of :data:`ROW`
-elements and reduced a block of rows at a time with a fixed number of ops: segment reductions
-over rows, one count for all their histograms. Only the sizes depend on the device
-(:data:`SIZES`): on the CPU a block fits a core's cache and tensors of a block or more
-are read in place; on an accelerator a block is the whole batch.
+their own device, one source of torch ops on every device, that reads no value to the host until
+:meth:`Reducer.finish` brings every result over in one transfer. Gradients are gathered into
+batches (a bigger tensor is a batch of its own), because on accelerators the launch count, not
+the bytes, is what costs; each batch is laid out in rows of :data:`ROW` elements and each
+gradient is read at most twice: once for the moments of its rows (:func:`row_moments`), once
+for its histogram (:func:`row_histograms`). The two row functions are compiled by
+``torch.compile`` into one kernel each (C++ on the CPU, Triton on GPUs) where a compiler is
+there, with a fixed set of shapes, and run as the same torch ops eagerly elsewhere
+(:mod:`lightning_gradhooks._kernels`). Only the sizes depend on the device (:data:`SIZES`).
 
 The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
 finite minimum and maximum, zero count);
@@ -19,7 +20,6 @@ one NaN does not hide the shape of the rest of the gradient.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import math
@@ -29,6 +29,8 @@ from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from lightning_gradhooks import _kernels
 
 #: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
@@ -64,16 +66,16 @@ MOMENTS = 6
 
 class Sizes(NamedTuple):
     """How many elements a batch gathers before it is reduced (a bigger gradient is a batch of its
-    own, laid out in rows), and how many a block of its rows holds (a tensor of a block or more is
-    read in place)."""
+    own, laid out in rows), and from how many elements a tensor's rows are read in place rather
+    than copied into the batch's block."""
 
     batch: int
     block: int
 
 
-#: Sizes by device type. On the CPU a block and what its reductions write stay in a core's
-#: cache; elsewhere (:data:`DEVICE_SIZES`) a block is the whole batch, and batches are bigger:
-#: launches, not bytes, cost there. The ops are the same.
+#: Sizes by device type. On the CPU a tensor of a quarter of a million elements is read in place
+#: (a copy costs more than a call); elsewhere (:data:`DEVICE_SIZES`) batches are bigger and only
+#: a batch-sized tensor is read in place: launches, not bytes, cost there. The ops are the same.
 SIZES: dict[str, Sizes] = {"cpu": Sizes(batch=1 << 22, block=1 << 18)}
 DEVICE_SIZES = Sizes(batch=1 << 24, block=1 << 24)
 #: Width of the rows a batch is laid out in: every tensor starts a row, its last row is padded.
@@ -81,7 +83,7 @@ ROW = 1024
 
 
 def _flat(tensor: Tensor) -> Tensor:
-    """Detached, flat, in float32 or float64: a view where the elements are dense (contiguous,
+    """Detached, flat, in a float dtype (others become float32): a view where the elements are dense (contiguous,
     or channels-last: statistics and histograms do not depend on the order of the elements).
 
     A sparse gradient (``nn.Embedding(sparse=True)``) is made dense: its statistics are those of
@@ -90,7 +92,7 @@ def _flat(tensor: Tensor) -> Tensor:
     x = tensor.detach() if tensor.requires_grad else tensor
     if x.layout != torch.strided:
         x = x.to_dense()
-    if x.dtype not in (torch.float32, torch.float64):
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:  # float8 too
         x = x.float()
     if x.is_contiguous():
         return x if x.dim() == 1 else x.view(-1)
@@ -105,7 +107,7 @@ SCRATCH_KEPT = 1 << 22
 
 
 class Scratch:
-    """Buffers that batches are copied into and temporaries written into (:func:`reduce_batch`).
+    """Buffers that batches are copied into (:func:`reduce_batch`).
 
     A fresh buffer of megabytes costs a page fault per 4 KiB on its first write on the CPU,
     often more than the arithmetic; reused, it costs nothing. A buffer grows to the largest
@@ -149,6 +151,8 @@ class Reducer:
         bins: histogram bins.
         scratch: where batches are copied into; pass the same one every step to reuse its
             buffers (by default each reducer has its own).
+        compiled: reduce with kernels compiled by ``torch.compile`` where a compiler is there
+            (:mod:`lightning_gradhooks._kernels`); False: the same torch ops, eagerly.
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer.
@@ -161,8 +165,9 @@ class Reducer:
         (5.0, [1.0, 0.0, 0.0, 1.0])
     """
 
-    def __init__(self, bins: int, scratch: Scratch | None = None) -> None:
+    def __init__(self, bins: int, scratch: Scratch | None = None, compiled: bool = True) -> None:
         self.bins = bins
+        self.compiled = compiled
         # Reduced blocks: (moments (k, MOMENTS), counts (k, bins) or None, positions of the k
         # tensors in the order added); the open batches, with and without histograms (they
         # cost more than the statistics); what was added.
@@ -189,7 +194,7 @@ class Reducer:
 
     def _flush(self, histogram: bool) -> None:
         batch = self._open.pop(histogram)
-        moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch)
+        moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled)
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[StatsRow, list[float] | None]]:
@@ -242,53 +247,41 @@ class _Layout:
         row_of: the tensor of each row, the rows in the order the blocks hold them.
         owners: ``row_of`` on the host.
         pads: each tensor's padding.
-        laid_out: each tensor's element count with its padding (float64).
-        in_place: the blocks read in place, each ``(tensor, first element, end element, first
-            row)``: whole rows of a big tensor, or a lone tensor that fills its rows.
+        in_place: the blocks read in place, each ``(tensor, end element, first row)``: the whole
+            rows of a big tensor, or of a lone tensor that fills its rows.
         copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
             each to the tensor's end, then its padding.
-        padded: the rows that hold padding, in order.
-        block: rows per block.
     """
 
     row_of: Tensor
     owners: list[int]
     pads: list[int]
-    laid_out: Tensor
-    in_place: list[tuple[int, int, int, int]]
+    in_place: list[tuple[int, int, int]]
     copied: list[tuple[int, int]]
-    padded: list[int]
-    block: int
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device, block_elements: int) -> _Layout:
+def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: int) -> _Layout:
     """The rows of a batch, built once per layout (a model gives the same layouts every logged
     step) and copied to the device once.
 
     Tensor ``k`` fills ``ceil(n_k / ROW)`` rows (one if it is empty), the last one padded to
     :data:`ROW` elements. Its whole rows are read in place if it is alone and fills them, or if
-    it holds a block or more (``block_elements``); everything else is copied into one buffer.
+    it holds ``in_place_elements`` or more; everything else is copied into one buffer.
     """
     rows, pads = [_rows(n) for n in lengths], [-n % ROW if n else ROW for n in lengths]
-    block = max(1, block_elements // ROW)
     row_of: list[int] = []
-    in_place, copied, padded = [], [], []
+    in_place, copied = [], []
     for k, n in enumerate(lengths):
-        if (len(lengths) == 1 and n and not pads[k]) or n >= block_elements:
-            for first in range(0, n // ROW, block):
-                end = min(first + block, n // ROW)
-                in_place.append((k, first * ROW, end * ROW, len(row_of)))
-                row_of += [k] * (end - first)
-    read = {k: end for k, _, end, _ in in_place}
+        if (len(lengths) == 1 and n and not pads[k]) or (n >= in_place_elements and n >= ROW):
+            in_place.append((k, n // ROW * ROW, len(row_of)))
+            row_of += [k] * (n // ROW)
+    read = {k: end for k, end, _ in in_place}
     for k, n in enumerate(lengths):
         if read.get(k, 0) < n or not n:
             copied.append((k, read.get(k, 0)))
             row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
-            if pads[k]:
-                padded.append(len(row_of) - 1)
-    return _Layout(torch.tensor(row_of, device=device), row_of, pads,
-                   torch.tensor(rows, dtype=torch.float64, device=device) * ROW, in_place, copied, padded, block)
+    return _Layout(torch.tensor(row_of, device=device), row_of, pads, in_place, copied)
 
 
 def _rows(n: int) -> int:
@@ -302,39 +295,11 @@ def _padding(device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
     return torch.full((length,), math.nan, dtype=dtype, device=device)
 
 
-@functools.lru_cache(maxsize=64)
-def _columns(subs: int, bins: int, device: torch.device) -> Tensor:
-    """Offset of each column of a row into the ``subs`` histograms that count it."""
-    return (torch.arange(ROW, dtype=torch.int32) % subs * (bins + 1)).to(device)
-
-
-def _buffer(scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if scratch is not None:
-        return scratch.get(name, numel, dtype, device)
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-@dataclass(slots=True)
-class _Block:
-    """Consecutive rows of a batch: their values, the first row, the tensors they hold (first,
-    end); where temporaries go (a float view of the rows' shape)."""
-
-    x: Tensor
-    first: int
-    tensors: tuple[int, int]
-    work: Tensor | None = None
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.first, self.first + len(self.x))
-
-
-def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[_Block]:
-    """The batch as blocks of consecutive rows (:func:`_layout`): those read in place, then what
-    is copied into one buffer, each tensor on rows of its own, padded with NaN. A tensor read in
-    place is first converted to the batch's dtype if it has another (float32 beside float64)."""
-    read = {k: tensors[k].to(dtype) for k, *_ in layout.in_place}
-    blocks = [_Block(read[k][start:end].view(-1, ROW), first, (k, k + 1)) for k, start, end, first in layout.in_place]
+def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[Tensor]:
+    """The batch as blocks of rows of :data:`ROW` elements (:func:`_layout`): those read in
+    place, then one block copied into one buffer, each tensor on rows of its own, padded with
+    NaN. A tensor read in place is first converted to the batch's dtype if it has another."""
+    blocks = [tensors[k][:end].to(dtype).view(-1, ROW) for k, end, _ in layout.in_place]
     if not layout.copied:
         return blocks
     device = tensors[0].device
@@ -344,49 +309,75 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
         if layout.pads[k]:
             pieces.append(_padding(device, dtype, layout.pads[k]))
     copied = sum(p.numel() for p in pieces)
-    first = len(layout.owners) - copied // ROW
-    x = torch.cat(pieces, out=_buffer(scratch, "batch", copied, dtype, device)) if len(pieces) > 1 else pieces[0]
-    x = x.view(-1, ROW)
-    for r in range(0, len(x), layout.block):
-        start, end = first + r, first + min(r + layout.block, len(x))
-        blocks.append(_Block(x[r : r + layout.block], start, (layout.owners[start], layout.owners[end - 1] + 1)))
-    return blocks
+    out = scratch.get("batch", copied, dtype, device) if scratch is not None else None
+    x = torch.cat(pieces, out=out) if len(pieces) > 1 else pieces[0].to(dtype)
+    return [*blocks, x.view(-1, ROW)]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a block of ``dtype`` is reduced in: float32, or float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def row_moments(x: Tensor) -> Tensor:
+    """Per row of ``x`` (rows, width): finite count, the mean of the finite elements (the
+    pivot), the sum and the sum of squares of the finite elements minus the pivot (the
+    corrected two-pass formula: the row is read once, then again from cache), zero count,
+    finite minimum and maximum, as one ``(rows, 7)`` tensor in float32 (float64 for float64).
+
+    The first of the two reads of a gradient (:func:`reduce_batch`). Plain torch ops, fused
+    into one kernel by ``torch.compile`` (:mod:`lightning_gradhooks._kernels`).
+    """
+    x = x.to(_compute_dtype(x.dtype))
+    finite = x.isfinite()
+    count = finite.sum(1, dtype=x.dtype)
+    pivot = torch.where(finite, x, 0.0).sum(1) / count.clamp(min=1)
+    shifted = torch.where(finite, x - pivot[:, None], 0.0)
+    low = torch.where(finite, x, math.inf).amin(1)
+    high = torch.where(finite, x, -math.inf).amax(1)
+    zeros = (x == 0).sum(1, dtype=x.dtype)
+    return torch.stack([count, pivot, shifted.sum(1), shifted.square().sum(1), zeros, low, high], 1)
+
+
+def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
+    """Per row of ``x`` (rows, width): the counts of its finite elements in ``bins`` equal bins,
+    each row over the range of its tensor (``ranges``: per row the tensor's minimum and the two
+    factors of :func:`_bin_scale`), and in an extra last bin the rest, as int32 ``(rows, bins + 1)``.
+
+    The second read of a gradient. Each row counts into its own counters (a scatter along the
+    row): no counter is shared by rows, so compiled code needs no atomics across rows.
+    """
+    x = x.to(ranges.dtype)
+    position = (x - ranges[:, 0:1]) * ranges[:, 1:2] * ranges[:, 2:3]
+    index = torch.where(position.isfinite(), position, bins).clamp(0, bins).to(torch.int64)
+    counts = torch.zeros(x.shape[0], bins + 1, dtype=torch.int32, device=x.device)
+    return counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
 
 
 def reduce_batch(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of
     ops per block, without reading a value to the host.
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
-    with NaN, and reduced a block of rows at a time: one sweep for the statistics of each row
-    (:func:`_row_sums`, which reads a block twice while it is in cache), combined into those of
-    each tensor with ``index_add`` (in float64; the variances of the rows by Chan's formula),
-    and, for histograms, a second sweep (:class:`_Histograms`). Every temporary is written into one float buffer and one integer
-    buffer (``scratch``).
+    with NaN: the rows of big tensors read in place, the rest copied into one block. Each block is
+    read at most twice: once for the moments of each row (:func:`row_moments`), combined into
+    those of each tensor with ``index_add`` (in float64; the variances of the rows by Chan's
+    formula), and, for histograms, once more (:func:`row_histograms`). Both row functions are
+    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks._kernels`),
+    eager torch ops otherwise.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
     device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    block_elements = SIZES.get(device.type, DEVICE_SIZES).block
-    layout = _layout(tuple(t.numel() for t in tensors), device, block_elements)
+    layout = _layout(tuple(t.numel() for t in tensors), device, SIZES.get(device.type, DEVICE_SIZES).block)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
-    work = _buffer(scratch, "work", max(block.x.numel() for block in blocks), dtype, device)
-    sums, lows, highs = [], [], []
-    for block in blocks:
-        block.work = work[: block.x.numel()].view_as(block.x)
-        per_row, lo, hi = _row_sums(block)
-        sums.append(per_row)
-        lows.append(lo)
-        highs.append(hi)
-    # Per row: finite count, pivot (near the row's mean), the sum and the root of the sum of
-    # squares of the finite elements minus the pivot, zero count.
-    finite, pivot, shifted, norm, zeros = _joined(sums).to(f64).unbind(1)
-    squares = norm * norm
+    per_row = _joined([_kernels.run(row_moments, compiled, block) for block in blocks])
+    finite, pivot, shifted, squares, zeros = per_row[:, :5].to(f64).unbind(1)
     row_mean = pivot + shifted / finite.clamp(min=1)
     row_spread = squares - shifted * shifted / finite.clamp(min=1)  # sum of squares about the row's mean
     per_tensor = torch.zeros(m, 3, dtype=f64, device=device)
@@ -397,79 +388,21 @@ def reduce_batch(
     spread = torch.zeros(m, dtype=f64, device=device).index_add_(
         0, row_of, row_spread.clamp_(min=0.0) + finite * (row_mean - mean[row_of]).square_()
     )
-    low = torch.full((m,), math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(lows), "amin")
-    high = torch.full((m,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, row_of, _joined(highs), "amax")
-    moments = torch.stack([count, mean, spread, low, high, zeros], 1)
+    reduced = per_row.dtype
+    low = torch.full((m,), math.inf, dtype=reduced, device=device).scatter_reduce_(0, row_of, per_row[:, 5], "amin")
+    high = torch.full((m,), -math.inf, dtype=reduced, device=device).scatter_reduce_(0, row_of, per_row[:, 6], "amax")
+    moments = torch.stack([count, mean, spread, low.to(f64), high.to(f64), zeros], 1)
     if bins is None:
         return moments, None
-    histograms = _Histograms(blocks, layout, low, high, bins, scratch)
-    for block in blocks:  # the second sweep
-        histograms.count(block)
-    return moments, histograms.counts()
-
-
-def _row_sums(block: _Block) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of a block: the finite count (the NaN padding is not finite), the mean of the
-    finite elements in the block's dtype (the pivot), the sum and the root of the sum of
-    squares of the finite elements minus the pivot (the corrected two-pass formula, while the
-    row is in cache), the count of zeros, as one tensor of shape ``(rows, 5)``; the minimum and
-    the maximum of the finite elements.
-
-    Non-finite elements read as inf for the minimum, then as -inf for the maximum, then as 0
-    for the sum and the counts, then as the pivot for the sums about it.
-    """
-    x, w = block.x, block.work
-    low = torch.nan_to_num(x, math.inf, math.inf, math.inf, out=w).amin(1)
-    high = w.nan_to_num_(posinf=-math.inf).amax(1)
-    total = w.nan_to_num_(neginf=0.0).sum(1)
-    finite = x.shape[1] - w.eq_(0).sum(1)  # zeros and non-finite elements
-    zeros = torch.eq(x, 0, out=w).sum(1)
-    finite += zeros
-    pivot = total / finite.clamp(min=1)
-    shifted = torch.sub(x, pivot[:, None], out=w).nan_to_num_(0.0, 0.0, 0.0)
-    norm = torch.linalg.vector_norm(shifted, dim=1)
-    return torch.stack([finite, pivot, shifted.sum(1), norm, zeros], 1), low, high
-
-
-class _Histograms:
-    """The histograms of a batch, counted a block at a time over ``(tensor * subs + column %
-    subs) * (bins + 1) + bin``, the tensors numbered from the block's first (``subs``
-    histograms per tensor, so that runs of one bin do not wait on one counter; non-finite
-    elements and the padding in the extra bin ``bins``), with ``index_add`` (``bincount``
-    would read its maximum to the host)."""
-
-    def __init__(self, blocks: list[_Block], layout: _Layout, low: Tensor, high: Tensor, bins: int,
-                 scratch: Scratch | None) -> None:
-        m, device = len(low), low.device
-        # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-        # stack), so the shrunk scale keeps every finite element below `bins`.
-        scale = _bin_scale(high.double() - low.double(), bins, low.dtype)
-        self.lows, self.factors, self.row_of = low[layout.row_of, None], scale[:, layout.row_of, None], layout.row_of
-        local = max(end - first for first, end in (block.tensors for block in blocks))
-        self.bins, self.subs = bins, max(1, min(8, (1 << 15) // (local * (bins + 1))))
-        self.stride = self.subs * (bins + 1)
-        self.columns = _columns(self.subs, bins, device)
-        self.index = _buffer(scratch, "index", max(block.x.numel() for block in blocks), torch.int32, device)
-        self.m = m
-        self.table = torch.zeros(m * self.stride, dtype=torch.float64, device=device)
-        self.ones = torch.ones(1, dtype=torch.float64, device=device)
-
-    def count(self, block: _Block) -> None:
-        x, rows, bins = block.x, block.rows, self.bins
-        position = torch.sub(x, self.lows[rows], out=block.work).mul_(self.factors[0, rows]).mul_(self.factors[1, rows])
-        position.nan_to_num_(bins, bins, bins)
-        index = self.index[: x.numel()].view_as(x).copy_(position)
-        first, end = block.tensors
-        if end - first > 1:
-            index.add_(((self.row_of[rows] - first) * self.stride).to(torch.int32)[:, None])
-        if self.subs > 1:
-            index.add_(self.columns)
-        window = self.table[first * self.stride : end * self.stride]
-        window.index_add_(0, index.view(-1), self.ones.expand(index.numel()))
-
-    def counts(self) -> Tensor:
-        """float64, ``(tensors, bins)``."""
-        return self.table.view(self.m, self.subs, self.bins + 1).sum(1)[:, : self.bins]
+    # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
+    # stack), so the shrunk scale keeps every finite element below `bins`.
+    ranges = torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of].contiguous()
+    first, counts = 0, []
+    for block in blocks:  # the second read
+        counts.append(_kernels.run(row_histograms, compiled, block, ranges[first : first + len(block)], bins=bins))
+        first += len(block)
+    table = torch.zeros(m, bins + 1, dtype=f64, device=device).index_add_(0, row_of, _joined(counts).to(f64))
+    return moments, table[:, :bins]
 
 
 def _joined(parts: list[Tensor]) -> Tensor:
@@ -498,15 +431,18 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
 
 
 
-def reduce(tensors: Sequence[Tensor], bins: int | None = None) -> list[tuple[StatsRow, list[float] | None]]:
-    """Statistics rows (and histogram counts) of each tensor, read to the host at once.
+def reduce(
+    tensors: Sequence[Tensor], bins: int | None = None, compiled: bool = True
+) -> list[tuple[StatsRow, list[float] | None]]:
+    """Statistics rows (and histogram counts) of each tensor, read to the host at once
+    (``compiled``: as :class:`Reducer`).
 
     Example:
         >>> (row, counts), = reduce([torch.tensor([3.0, -4.0, float("nan")])], bins=2)
         >>> [round(v, 4) for v in row[:5]], counts
         ([5.0, -0.5, 4.9497, 4.0, 1.0], [1.0, 1.0])
     """
-    reducer = Reducer(bins or 1)
+    reducer = Reducer(bins or 1, compiled=compiled)
     for t in tensors:
         reducer.add(t, bins is not None)
     return reducer.finish()

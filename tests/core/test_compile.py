@@ -81,11 +81,14 @@ def test_patterns_use_names_without_the_compile_wrapper():
 
 
 def test_lightning_fit_of_a_compiled_module(tmp_path):
+    """The user's model is compiled, and so are the statistics' kernels: both work, and the
+    user's torch.compile settings are left as they were."""
     pl.seed_everything(0, verbose=False)
     model = MLP()
     before = hook_snapshot(model)
     compiled = torch.compile(model)  # the default inductor backend, on the CPU
     trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=1, offload_threshold_bytes=256)], max_steps=3)
+    settings = torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy()  # deterministic: set
     with pytest.warns(UserWarning, match="torch.compile: .*3 modules in compiled code"):
         trainer.fit(compiled, loader())
     assert hook_snapshot(model) == before
@@ -95,6 +98,8 @@ def test_lightning_fit_of_a_compiled_module(tmp_path):
     assert [e.step for e in events.Scalars("∇4 param_grad_norm/net.0.weight")] == [0, 1, 2]
     assert not [t for t in tags if t.startswith(("grad_output", "grad_input")) or "_orig_mod" in t]
     assert len(model.losses) == 3 and all(torch.isfinite(loss) for loss in model.losses)
+    after = torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy()
+    assert [{k: (v, now[k]) for k, v in was.items() if now[k] != v} for was, now in zip(settings, after)] == [{}, {}]
 
 
 class CompiledStep(MLP):

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_gradhooks import GradientLog, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
+from lightning_gradhooks.stats import reduce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,6 +58,9 @@ def test_hooks_never_synchronise_with_the_host():
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)).cuda()
     x = torch.randn(512, 64, device="cuda", requires_grad=True)
     monitor = GradientMonitor(model, forward_checks=True)
+    # Compiling the statistics' kernels (once per process) may time Triton configs, which
+    # synchronises: compile them first, then check the steps.
+    reduce([torch.randn(5000, device="cuda")], bins=monitor.bins)
     with monitor.attach():
         records = []
         for _ in range(2):  # the first armed step is the in-place probe (no grad_input); the second is planned
@@ -97,6 +101,51 @@ def test_16_mixed_on_gpu_logs_unscaled_statistics(tmp_path):
         values[offload] = [e.value for e in events.Scalars("∇2 grad_output_norm/net.4")]
     # Divided by the scale: of the order of a float32 run's gradients, not 65536 times larger.
     assert all(v < 10 for v in values[None]) and values[256] == pytest.approx(values[None], rel=1e-4)
+
+
+def test_compiled_and_eager_statistics_agree_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, device="cuda", generator=g) for n in (1, 1000, 1 << 20, (1 << 24) + 5)]
+    tensors[1][::9] = 0.0
+    tensors[2][3] = float("nan")
+    tensors.append(tensors[1].to(torch.bfloat16))
+    for (row, counts), (want_row, want_counts) in zip(reduce(tensors, 64), reduce(tensors, 64, compiled=False)):
+        assert row[3:] == want_row[3:]
+        assert row[:3] == pytest.approx(want_row[:3], rel=1e-5, abs=1e-5 * want_row[2] + 1e-30)
+        assert sum(counts) == sum(want_counts) and sum(abs(a - b) for a, b in zip(counts, want_counts)) <= 4
+
+
+def test_16_mixed_with_fused_adam_logs_the_norms_of_unfused_adam(tmp_path):
+    """Lightning makes the gradient scaler itself for ``precision="16-mixed"``; with a fused Adam
+    the unscaling happens inside the optimizer step. The logged norms must not depend on it."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_gradhooks import GradHooks
+
+    from conftest import MLP, loader, read_events
+
+    class AdamMLP(MLP):
+        def __init__(self, fused: bool) -> None:
+            super().__init__()
+            self.fused = fused
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
+
+    norms = {}
+    for fused in (False, True):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=1, precision="16-mixed", max_steps=3, enable_progress_bar=False,
+            enable_checkpointing=False, logger=TensorBoardLogger(str(tmp_path), name=f"fused{fused}"),
+            callbacks=[GradHooks(every_n_steps=1)],
+        )
+        trainer.fit(AdamMLP(fused), loader())
+        events = read_events(trainer.logger.log_dir)
+        norms[fused] = [e.value for tag in ("∇4 param_grad_norm/net.0.weight", "∇4 param_grad_norm/net.4.bias")
+                        for e in events.Scalars(tag)]
+    assert len(norms[True]) == 6 and norms[True] == pytest.approx(norms[False], rel=1e-2)
 
 
 def deep_mlp() -> nn.Module:

@@ -259,10 +259,10 @@ def test_a_batch_is_reduced_in_a_fixed_number_of_ops_without_reading_the_host(bl
         reducer = Reducer(16)
         for k, t in enumerate(tensors):
             reducer.add(t, histogram=k % 2 == 0)
-        stats.reduce_batch(tensors, 16)  # layouts are cached per model
+        stats.reduce_batch(tensors, 16, compiled=False)  # layouts are cached per model
         ops = []
-        with Ops():
-            stats.reduce_batch(tensors, 16)
+        with Ops():  # the eager ops: compiled, each row function is one kernel
+            stats.reduce_batch(tensors, 16, compiled=False)
         counted.append(ops)
         (row, counts), *_ = reducer.finish()
         assert row[0] == pytest.approx(tensors[0].norm().item(), rel=1e-5) and sum(counts) == tensors[0].numel()
@@ -328,3 +328,123 @@ def test_zero_fraction_equals_reference_whatever_the_padding(blocks):
     pooled = pool_stats([row for row, _ in rows[:4]])
     whole = torch.cat(tensors[:4])
     assert pooled.zero_fraction == pytest.approx((whole == 0).double().mean().item(), abs=1e-12)
+
+
+# -- compiled and eager ---------------------------------------------------------------------
+
+
+def _awkward(dtype: torch.dtype) -> list[torch.Tensor]:
+    """NaN, Inf and zeros, empty and one-element tensors, non-contiguous and channels-last."""
+    g = torch.Generator().manual_seed(13)
+    special = torch.randn(3000, generator=g) * 4
+    special[::7] = 0.0
+    special[5], special[77], special[1500] = float("nan"), float("inf"), float("-inf")
+    return [t.to(dtype) for t in (
+        special,
+        torch.zeros(0),
+        torch.tensor([2.5]),
+        torch.tensor([float("nan")]),
+        torch.randn(40, 30, generator=g).t(),  # non-contiguous
+        torch.randn(4, 8, 6, 5, generator=g).to(memory_format=torch.channels_last),
+        torch.randn(BIG, generator=g) * 1e-3 + 3.0,  # read in place, far from zero
+        torch.zeros(1025),
+    )]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_compiled_and_eager_statistics_agree(dtype):
+    tensors = _awkward(dtype)
+    compiled, eager = reduce(tensors, bins=32), reduce(tensors, bins=32, compiled=False)
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is not stats.row_moments  # it did compile
+    for t, (row, counts), (want_row, want_counts) in zip(tensors, compiled, eager):
+        assert row[3:] == want_row[3:]  # absmax, nonfinite, zero fraction, count, low, high: exact
+        # Summation order: a mean near zero is exact to a small part of the spread.
+        assert row[:3] == pytest.approx(want_row[:3], rel=1e-5, abs=1e-5 * want_row[2] + 1e-30)
+        assert sum(counts) == sum(want_counts) == torch.isfinite(t).sum().item()
+        assert sum(abs(a - b) for a, b in zip(counts, want_counts)) <= 2  # an element on a bin edge
+    finite = tensors[0][torch.isfinite(tensors[0])].double()
+    assert compiled[0][0][0] == pytest.approx(finite.norm().item(), rel=1e-5)
+    assert list(compiled[1][0][:5]) == [0.0] * 5 and compiled[2][0][:2] == pytest.approx([2.5, 2.5], rel=1e-3)
+
+
+def test_compiles_stay_bounded_over_a_loop_of_a_model_with_many_shapes():
+    """One kernel per row function whatever the shapes: the row count is dynamic."""
+    from torch import nn
+
+    from lightning_gradhooks import GradientMonitor
+
+    widths = [3, 17, 64, 5, 300, 1, 1025, 9, 48, 2000, 7]
+    model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    monitor = GradientMonitor(model)
+    with monitor.attach():
+        for batch in (1, 8, 33):  # and different gradient shapes every step
+            with monitor.arm():
+                model(torch.randn(batch, 3)).sum().backward()
+                record = monitor.collect()
+    assert len(record.entries) > 30
+    assert counters["unique_graphs"] - before <= 2  # both row functions, at most once each (float32)
+    for function in (stats.row_moments, stats.row_histograms):
+        assert stats._kernels._compiled[function, "cpu"] is not function
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+    """No kernel compiled and nothing said yet in this process, restored afterwards."""
+    monkeypatch.setattr(stats._kernels, "_compiled", {})
+    monkeypatch.setattr(stats._kernels, "_said", set())
+
+
+def test_the_eager_ops_run_where_compiling_is_unavailable_said_once(fresh_kernels, monkeypatch, caplog):
+    monkeypatch.setattr(stats._kernels, "unavailable", lambda device_type: "no C++ compiler (g++) on PATH")
+    tensors = _awkward(torch.float32)
+    with caplog.at_level("INFO", logger="lightning_gradhooks"):
+        first, second = reduce(tensors, bins=16), reduce(tensors, bins=16)
+    said = [r for r in caplog.records if "eager" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO" and "no C++ compiler" in said[0].getMessage()
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is stats.row_moments
+    assert first == second == reduce(tensors, bins=16, compiled=False)
+
+
+def test_a_compile_that_raises_falls_back_to_the_eager_ops_said_once(fresh_kernels, monkeypatch, caplog):
+    def broken(function):
+        def kernel(*args, **kwargs):
+            raise RuntimeError("InductorError: CppCompileError: no such header\nmore lines")
+        return kernel
+
+    monkeypatch.setattr(stats._kernels, "_compile", broken)
+    tensors = _awkward(torch.float32)
+    with caplog.at_level("INFO", logger="lightning_gradhooks"):
+        got = reduce(tensors, bins=16)
+        reduce(tensors, bins=16)
+    said = [r.getMessage() for r in caplog.records if "eager" in r.getMessage()]
+    assert said == ["lightning_gradhooks: gradient statistics run as eager torch ops: torch.compile raised "
+                    "RuntimeError: InductorError: CppCompileError: no such header"]
+    assert got == reduce(tensors, bins=16, compiled=False)
+
+
+def test_disabled_torch_compile_is_respected(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    assert "disabled" in stats._kernels.unavailable("cpu")
+    reduce([torch.randn(10)])
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is stats.row_moments
+
+
+def test_a_dispatch_mode_of_the_users_runs_the_eager_ops_once_and_leaves_compiling_on(fresh_kernels, caplog):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen: list[str] = []
+    tensors = _awkward(torch.float32)
+    with caplog.at_level("INFO", logger="lightning_gradhooks"), Seen():
+        inside = reduce(tensors, bins=16)
+    assert any("scatter_add" in name for name in seen)  # the eager ops, visible to the mode
+    assert not [r for r in caplog.records if "eager" in r.getMessage()]
+    assert inside == reduce(tensors, bins=16, compiled=False)
+    reduce(tensors, bins=16)
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is not stats.row_moments

@@ -91,7 +91,8 @@ def lightning_fit(folder: str, ddp_fork: bool, forever: bool = False) -> None:
     trainer = pl.Trainer(
         max_steps=10**6 if forever else 4, max_epochs=-1, accelerator="cpu", devices=2 if ddp_fork else 1, strategy="ddp_fork" if ddp_fork else "auto",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[GradHooks(offload_threshold_bytes=1 << 16, offload_dir=folder)],
+        # Eager statistics: the signal tests' time limits leave no room for a compile at step 0.
+        callbacks=[GradHooks(offload_threshold_bytes=1 << 16, offload_dir=folder, compile_statistics=False)],
     )
     trainer.fit(Model(), data)
 

@@ -29,6 +29,7 @@ CALLBACK_CASES = [
     (dict(histogram_bins=10**12), "`histogram_bins` expected an int from 1 to 4096, got 1000000000000"),
     (dict(histograms="no"), r"`histograms` expected a bool \(True or False\), got 'no'"),
     (dict(histograms=None), r"`histograms` expected a bool \(True or False\), got None"),
+    (dict(compile_statistics="eager"), r"`compile_statistics` expected a bool \(True or False\), got 'eager'"),
     (dict(every_n_steps=3.0), "`every_n_steps` expected a positive int or None, got 3.0"),
     (dict(offload_threshold_bytes=-1), "`offload_threshold_bytes` expected a positive int or None, got -1"),
 ]
@@ -52,6 +53,7 @@ MONITOR_CASES = [
     (dict(parameters="no"), r"`parameters` expected a bool \(True or False\), got 'no'"),
     (dict(forward_checks="no"), r"`forward_checks` expected a bool \(True or False\), got 'no'"),
     (dict(forward_checks=1), r"`forward_checks` expected a bool \(True or False\), got 1"),
+    (dict(compile_statistics=None), r"`compile_statistics` expected a bool \(True or False\), got None"),
 ]
 
 
