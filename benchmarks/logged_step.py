@@ -149,9 +149,10 @@ def worker(args: argparse.Namespace) -> None:
         loss_fn(model, batch).backward()
         record = monitor.collect()
         from lightning_gradhooks._tensorboard import scalar_metrics
+        from lightning_gradhooks.records import step_summary
 
         metrics = scalar_metrics(record, log.statistics, set())
-        stats = {(e.kind, e.name): e.stats for e in record.entries}
+        stats = step_summary(record)
         sync()
         t0 = time.perf_counter()
         for i in range(2, 2 + args.steps):

@@ -2,8 +2,9 @@
 
 Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event files is one run),
 checking every record's length and CRC-32C as TensorBoard writes them, rebuilds every logged
-step from the compact summary GradHooks writes at each (``gradhooks/stats``; the scalar charts
-in logs written before it) and prints the report of :mod:`lightning_gradhooks.report`. Works
+step from the compact summary GradHooks writes at each (``gradhooks/stats``: packed numbers in an
+event of its own, or the JSON of earlier versions; the scalar charts in logs written before it)
+and prints the report of :mod:`lightning_gradhooks.report`. Works
 while the run is still going. A file that is cut short or damaged is read up to the damage, and
 a warning names it and says what was read.
 
@@ -21,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from lightning_gradhooks._tensorboard import OVERVIEW, _masked_crc32c, read_stats_value
+from lightning_gradhooks._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, _masked_crc32c
 from lightning_gradhooks._text import counted
 from lightning_gradhooks.records import Key, Kind, Summary
 from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
@@ -91,8 +92,15 @@ class Run:
     damage: list[_Damage]
 
 
+#: Where a packed summary's tag lies in its event: after the wall time, the step and the lengths.
+_STATS_BYTES, _STATS_WITHIN = STATS_TAG.encode(), 48
+
+
 def read_folder(folder: Path) -> Run:
     """Read the event files directly in ``folder``, in name (= creation) order.
+
+    Once a file is seen to hold packed summaries (each an event of its own), its other events
+    (charts, histograms) are skipped without being parsed: the summaries hold all the report reads.
 
     A run resumed from a checkpoint writes a new file into the same folder; where it logs a step
     that an earlier file holds already (a checkpoint older than the last logged step), the
@@ -104,22 +112,24 @@ def read_folder(folder: Path) -> Run:
     steps: dict[int, Summary] = defaultdict(dict)
     damage, gradhooks = [], False
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        events, logged = 0, set()
+        events, logged, reader = 0, set(), SummaryReader()
         restart: int | None = None  # the first step of this file with a summary
         for record in read_records(path):
             if isinstance(record, _Damage):
                 record.events, record.steps = events, len(logged)
                 damage.append(record)
                 break
+            events += 1
+            if reader.packed and _STATS_BYTES not in record[:_STATS_WITHIN]:
+                continue  # charts: not what the report reads
             try:
                 event = Event.FromString(record)
             except Exception as error:  # a record whose CRC holds but whose bytes are no Event
-                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events, len(logged)))
+                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events - 1, len(logged)))
                 break
-            events += 1
             for value in event.summary.value:
                 gradhooks = gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's overview, an older log's
-                summary = read_stats_value(value)
+                summary = reader.read(value)
                 if restart is None and summary is not None:
                     restart = event.step
                     for stale in [s for s in steps if s >= restart]:
@@ -127,8 +137,13 @@ def read_folder(folder: Path) -> Run:
                 if summary is not None:  # every statistic of the step, compact
                     gradhooks = True
                     logged.add(event.step)
-                    for key, stats in summary.items():
-                        steps[event.step].setdefault(key, {}).update(stats)
+                    step = steps.setdefault(event.step, summary)
+                    if step is not summary:  # a step's update ratios come in a summary of their own, later
+                        for key, stats in summary.items():
+                            if key in step:
+                                step[key].update(stats)
+                            else:
+                                step[key] = stats
                     continue
                 parsed = _parse_tag(value.tag)  # a scalar chart of an older log
                 if parsed is None:

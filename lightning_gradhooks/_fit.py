@@ -62,7 +62,8 @@ class Fit:
         self.unowned = _trainer.unowned(trainer, pl_module)
         self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if hooks.catch_nonfinite else None
         log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=hooks.statistics,
-                          histograms=hooks.histograms, thresholds=hooks._thresholds,
+                          histograms=hooks.histograms, histogram_every_n_steps=hooks.histogram_every_n_steps,
+                          thresholds=hooks._thresholds,
                           sync_dist=hooks.sync_dist, echo=_trainer.echo(trainer, hooks),
                           precision=_trainer.gradient_dtype(trainer))
         if restored is not None:

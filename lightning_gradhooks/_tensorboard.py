@@ -17,6 +17,15 @@ A logged step is written as a single event holding every scalar and histogram of
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
 ``add_histogram_raw`` write, but serialised once instead of once per tag (~85 us each).
 
+Every logged step also writes its compact summary (:data:`STATS_TAG`: every statistic of every
+entry, what the health report and the ``report`` command read) as an event of its own, written
+before the step's charts: packed float64 numbers, whose names (each entry's kind, name and
+statistics: its *layout*) are written once per file, the first time a layout is used, and named
+by a number after. The ``report`` command reads those events alone and skips the rest unparsed.
+Histograms are written on the first logged step of each window of ``histogram_every_n_steps``
+steps (:class:`~lightning_gradhooks.log.GradientLog`), with each run of empty buckets written as
+one bucket, as TensorFlow writes them: the chart is the same.
+
 These events go to an event file of our own in the writer's folder
 (``events.out.tfevents.<time>.<host>.<pid>.gradhooks``), which TensorBoard reads like the
 writer's own. TensorBoard's writer (without TensorFlow) checksums every record with a CRC-32C
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from array import array
 import socket
 import struct
 import time
@@ -123,46 +134,116 @@ def scalar_metrics(
 #: what the health report reads (``python -m lightning_gradhooks report`` reads it back).
 STATS_TAG = "gradhooks/stats"
 _STATS_PLUGIN = "gradhooks"  # a plugin no TensorBoard dashboard shows: no chart, no Text card
+#: The version of the packed summary (``{"v": 2, ...}`` in the plugin data); the JSON summary of
+#: earlier versions has none.
+_PACKED = 2
+#: A summary's layout: ``(kind, label, statistics)`` per entry, in order.
+Layout = tuple[tuple[str, str, tuple[str, ...]], ...]
+_BIG_ENDIAN = sys.byteorder == "big"  # TensorProto's tensor_content is little-endian
 
 
-def stats_value(stats: Summary) -> SummaryProto.Value:
-    """One step's :data:`~lightning_gradhooks.records.Summary` as one summary value: a JSON
-    string tensor under :data:`STATS_TAG` (the report rounds what it reads to float32, as scalar
-    events hold them, so the report of the log is the printed one)."""
-    rows = [[key.kind, key.label, {k: float(v) for k, v in values.items()}] for key, values in stats.items()]
-    text = json.dumps(rows, separators=(",", ":"), allow_nan=True).encode()
-    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN))
-    tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text], tensor_shape=TensorShapeProto())
+def stats_value(stats: Summary, layouts: dict[Layout, int] | None = None) -> SummaryProto.Value:
+    """One step's :data:`~lightning_gradhooks.records.Summary` as one summary value under
+    :data:`STATS_TAG`: its numbers as a float64 tensor, and in the plugin data the number of its
+    layout (``{"v": 2, "id": n}``), with the layout itself (``"keys": [[kind, label,
+    [statistic, ...]], ...]``) the first time.
+
+    Args:
+        stats: the summary.
+        layouts: the layouts written so far to the file the value goes to, with their numbers
+            (updated here); None: the layout is written with the value.
+    """
+    layout = tuple((key.kind, key.label, tuple(values)) for key, values in stats.items())
+    numbers = array("d", [v for values in stats.values() for v in values.values()])
+    if _BIG_ENDIAN:
+        numbers.byteswap()
+    known = layouts is not None and layout in layouts
+    if known:
+        header = {"v": _PACKED, "id": layouts[layout]}
+    else:
+        number = len(layouts) if layouts is not None else 0
+        header = {"v": _PACKED, "id": number, "keys": [[str(k), label, list(names)] for k, label, names in layout]}
+        if layouts is not None:
+            layouts[layout] = number
+    content = json.dumps(header, separators=(",", ":")).encode()
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN, content=content))
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=len(numbers))])
+    tensor = TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_shape=shape, tensor_content=numbers.tobytes())
     return SummaryProto.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
 
 
+class SummaryReader:
+    """Reads back what :func:`stats_value` wrote to one file (it keeps the file's layouts), and
+    the JSON summary of earlier versions. The optimizer index of a name, written as its
+    ``optimizer_<i>/`` prefix, is read back into its field here, the one place that reads names."""
+
+    def __init__(self) -> None:
+        # Per layout number: (key, statistics) per entry, in the order of the numbers, and how many.
+        self._layouts: dict[int, tuple[list[tuple[Key, tuple[str, ...]]], int]] = {}
+        #: Whether a packed summary was read (a file of this version: each summary is an event of its own).
+        self.packed = False
+
+    def read(self, value: Any) -> Summary | None:
+        """The summary of a summary value read back; None for other values (and for a packed
+        summary whose layout the file never gave, or whose numbers do not fit it)."""
+        if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
+            return None
+        content = value.metadata.plugin_data.content
+        if not content:  # written by a version before the packed summary: JSON rows
+            rows = json.loads(value.tensor.string_val[0])
+            return {Key.of_label(_kind(kind), label): values for kind, label, values in rows}
+        header = json.loads(content)
+        if header.get("v") != _PACKED:  # a later version's: not guessed at
+            return None
+        if "keys" in header:
+            plan = [(Key.of_label(_kind(k), label), tuple(names)) for k, label, names in header["keys"]]
+            self._layouts[header["id"]] = plan, sum(len(names) for _, names in plan)
+        plan, size = self._layouts.get(header["id"], (None, -1))
+        numbers = array("d", value.tensor.tensor_content)
+        if len(numbers) != size:
+            return None
+        self.packed = True
+        if _BIG_ENDIAN:
+            numbers.byteswap()
+        it = iter(numbers.tolist())  # zip takes a name first: each entry takes its own numbers, no more
+        return {key: dict(zip(names, it)) for key, names in plan}
+
+
+def _kind(kind: str) -> str:
+    return Kind._value2member_map_.get(kind, kind)
+
+
 def read_stats_value(value: Any) -> Summary | None:
-    """What :func:`stats_value` wrote, from a summary value read back; None for other values.
-    The optimizer index of a name, written as its ``optimizer_<i>/`` prefix, is read back into
-    its field here, the one place that reads names."""
-    if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
-        return None
-    rows = json.loads(value.tensor.string_val[0])
-    kinds = Kind._value2member_map_
-    return {Key.of_label(kinds.get(kind, kind), label): values for kind, label, values in rows}
+    """What :func:`stats_value` wrote (with its layout), from a summary value read back; None for
+    other values."""
+    return SummaryReader().read(value)
 
 
 def histogram_values(record: GradientRecord) -> list[SummaryProto.Value]:
-    """The histograms of ``record`` as summary values (entries with no finite value are skipped)."""
+    """The histograms of ``record`` as summary values (entries with no finite value are skipped).
+    Each run of empty buckets is written as one bucket, reaching to the last one's right edge
+    (as TensorFlow's writer does): TensorBoard draws the same histogram from fewer bytes."""
     values = []
     for entry in record.entries:
         hist = entry.histogram
         num = sum(hist.counts) if hist is not None else 0
         if num == 0:
             continue
+        limits, counts = [], []
+        for limit, count in zip(histogram_edges(hist.low, hist.high, len(hist.counts)), hist.counts):
+            if count == 0 and counts and counts[-1] == 0:
+                limits[-1] = limit
+            else:
+                limits.append(limit)
+                counts.append(count)
         proto = HistogramProto(
             min=hist.low,
             max=hist.high,
             num=num,
             sum=entry.stats.mean * num,
             sum_squares=entry.stats.norm**2,
-            bucket_limit=histogram_edges(hist.low, hist.high, len(hist.counts)),
-            bucket=hist.counts,
+            bucket_limit=limits,
+            bucket=counts,
         )
         values.append(SummaryProto.Value(tag=histogram_tag(entry), histo=proto))
     return values
@@ -174,37 +255,49 @@ def _record(data: bytes) -> bytes:
     return header + struct.pack("<I", _masked_crc32c(header)) + data + struct.pack("<I", _masked_crc32c(data))
 
 
-#: The event file of ours beside each SummaryWriter's own (a path: no file stays open).
-_EVENT_FILES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+class _EventFile:
+    """Our event file in a writer's folder: its path, and the summary layouts written to it."""
 
-
-def event_file(writer: Any) -> str:
-    """The path of our event file in ``writer``'s folder; the file is created (holding the
-    ``file_version`` event that every event file starts with) the first time."""
-    path = _EVENT_FILES.get(writer)
-    if path is None:
-        folder = writer.get_logdir()
+    def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.gradhooks"
-        path = _EVENT_FILES[writer] = os.path.join(folder, name)
-        with open(path, "ab") as f:
+        self.path = os.path.join(folder, name)
+        self.layouts: dict[Layout, int] = {}
+        with open(self.path, "ab") as f:
             f.write(_record(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))
-    return path
+
+
+#: The event file of ours beside each SummaryWriter's own (a path: no file stays open).
+_EVENT_FILES: weakref.WeakKeyDictionary[Any, _EventFile] = weakref.WeakKeyDictionary()
+
+
+def event_file(writer: Any) -> _EventFile:
+    """Our event file in ``writer``'s folder; the file is created (holding the ``file_version``
+    event that every event file starts with) the first time."""
+    file = _EVENT_FILES.get(writer)
+    if file is None:
+        file = _EVENT_FILES[writer] = _EventFile(writer.get_logdir())
+    return file
 
 
 def write_step(writer: Any, metrics: dict[str, float], record: GradientRecord | None, step: int,
                stats: Summary | None = None) -> None:
-    """Write the scalars (the histograms of ``record`` and the compact ``stats``, if given) of
-    one step as one event, to our event file in ``writer``'s folder (:func:`event_file`).
+    """Write one step to our event file in ``writer``'s folder (:func:`event_file`): the compact
+    ``stats``, if given, as an event of its own, then the scalars (and the histograms of
+    ``record``, if given) as one event.
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``).
     """
+    file = event_file(writer)
+    now, data = time.time(), b""
+    if stats:
+        summary = SummaryProto(value=[stats_value(stats, file.layouts)])
+        data += _record(Event(wall_time=now, step=step, summary=summary).SerializeToString())
     values = [SummaryProto.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
     if record is not None:
         values += histogram_values(record)
-    if stats:
-        values.append(stats_value(stats))
-    event = Event(wall_time=time.time(), step=step, summary=SummaryProto(value=values))
-    with open(event_file(writer), "ab") as f:  # one write: a record is whole or cut short, never mixed
-        f.write(_record(event.SerializeToString()))
+    if values:
+        data += _record(Event(wall_time=now, step=step, summary=SummaryProto(value=values)).SerializeToString())
+    with open(file.path, "ab") as f:  # one write: a record is whole or cut short, never mixed
+        f.write(data)

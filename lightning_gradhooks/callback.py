@@ -20,7 +20,9 @@ from lightning_gradhooks._checks import (
     MAX_BINS, check_bool, check_choices, check_folder, check_int, check_needs, check_overrides, check_patterns,
 )
 from lightning_gradhooks._fit import Fit
-from lightning_gradhooks.log import DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic
+from lightning_gradhooks.log import (
+    DEFAULT_HISTOGRAM_EVERY_N_STEPS, DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic,
+)
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
@@ -75,6 +77,9 @@ class GradHooksLogic:
         compile_statistics: reduce gradients with kernels ``torch.compile`` builds once per process
             (a few seconds at the first logged step, cached on disk); False: the same torch ops,
             eagerly. Without a compiler the eager ops run anyway (said once at INFO).
+        histogram_every_n_steps: count and write the histograms on the first logged step of each
+            window of this many optimizer steps (default 500: every 10th logged step at the default
+            ``log_every_n_steps=50``); scalars and the report's summary every logged step.
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -103,6 +108,7 @@ class GradHooksLogic:
         offload_fix_mmap_threshold: bool = True,
         noise_scale: bool = True,
         compile_statistics: bool = True,
+        histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)
@@ -111,6 +117,7 @@ class GradHooksLogic:
                                check_choices("statistics", statistics, LOGGED_STATISTICS))
         self.histograms = check_bool("histograms", histograms)
         self.histogram_bins = check_int("histogram_bins", histogram_bins, maximum=MAX_BINS)
+        self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps)
         self.offload_threshold_bytes = check_int("offload_threshold_bytes", offload_threshold_bytes, allow_none=True)
         self.offload_dir = check_folder("offload_dir", offload_dir)
         self.sync_dist = check_bool("sync_dist", sync_dist)
@@ -207,6 +214,8 @@ class GradHooksLogic:
         observed = trainer.is_global_zero or fit.pooled
         if observed and not monitor.armed and logged:
             state.step = trainer.global_step
+            if self.gradient_log is not None:  # histograms are counted on their own cadence
+                monitor.histograms = self.gradient_log.histograms_due(state.step)
             monitor.arm(batch_size=_trainer.batch_size(batch), accumulation=trainer.accumulate_grad_batches)
         elif logged and trainer.world_size > 1:  # a rank that logs nothing itself
             monitor.arm_noise(_trainer.batch_size(batch), trainer.accumulate_grad_batches)

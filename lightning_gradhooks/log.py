@@ -43,6 +43,7 @@ from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
+from lightning_gradhooks._checks import check_int
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
@@ -61,6 +62,12 @@ LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
 #: the histograms, six sections). Every statistic of every entry is written all the same, in one
 #: compact summary per logged step that the health report and the report command read.
 DEFAULT_STATISTICS: tuple[str, ...] = ("norm", "update_ratio")
+#: Histograms are written on the first logged step of every window of this many steps. Logged
+#: every 50 steps (Lightning's default), that is every 10th logged step: a 100k-step run writes
+#: 200 histograms a tag, fewer than the 500 a tag TensorBoard keeps and shows (its
+#: ``--samples_per_plugin`` default), and a histogram step costs about ten times the bytes of
+#: the rest of a logged step (docs/benchmarks.md).
+DEFAULT_HISTOGRAM_EVERY_N_STEPS = 500
 
 def _is_tensorboard(writer: Any) -> bool:
     from torch.utils.tensorboard import SummaryWriter
@@ -131,7 +138,11 @@ class GradientLog:
         statistics: the statistics charted per module (from :data:`LOGGED_STATISTICS`);
             default: :data:`DEFAULT_STATISTICS`. The overview (total norm, non-finite count) is
             always charted, and the health report always reads every statistic.
-        histograms: write the records' histograms to the TensorBoard writers.
+        histograms: write the records' histograms (to TensorBoard and W&B writers).
+        histogram_every_n_steps: write them on the first logged step of each window of this
+            many steps (steps 0 to n-1, n to 2n-1, ...; :meth:`histograms_due`); the scalars
+            and the compact summary are written every logged step. Default:
+            :data:`DEFAULT_HISTOGRAM_EVERY_N_STEPS`; 1: every logged step.
         thresholds: when the health report raises a flag; default
             :class:`~lightning_gradhooks.report.Thresholds`.
         sync_dist: in a distributed job, pool the hook statistics of every rank into those of
@@ -153,6 +164,7 @@ class GradientLog:
         *,
         statistics: Sequence[str] | None = None,
         histograms: bool = True,
+        histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
         thresholds: Thresholds | None = None,
         sync_dist: bool = False,
         echo: Callable[[str], Any] | None = print,
@@ -173,6 +185,8 @@ class GradientLog:
         self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers
         self.statistics = statistics
         self.histograms = bool(histograms)
+        self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps)
+        self._histogram_step: int | None = None  # the last step whose histograms were written
         self.sync_dist = bool(sync_dist)
         self._echo = echo
         if precision is not None and (not isinstance(precision, torch.dtype) or not precision.is_floating_point):
@@ -200,6 +214,16 @@ class GradientLog:
         self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
 
     # -- per step ------------------------------------------------------------------------------
+    def histograms_due(self, step: int) -> bool:
+        """Whether the histograms of a record logged at ``step`` are written: on the first logged
+        step of each window of ``histogram_every_n_steps`` steps (and again at that same step, for
+        another optimizer's record). A monitor can leave them uncounted on other steps::
+
+            monitor.histograms = log.histograms_due(step)
+        """
+        last, n = self._histogram_step, self.histogram_every_n_steps
+        return self.histograms and (last is None or step == last or step // n != last // n)
+
     def write(
         self,
         record: GradientRecord,
@@ -226,6 +250,9 @@ class GradientLog:
                 record that only this rank has.
         """
         collected = record.bins > 0  # by a monitor that was armed (or reduced its pieces)
+        histograms = self.histograms_due(step)
+        if collected and histograms:  # on every rank: their monitors count histograms on the same steps
+            self._histogram_step = step
         if pool and collected and (self.sync_dist or record.sharded) and dist.is_available() \
                 and dist.is_initialized() and dist.get_world_size() > 1:
             if self._reducer is None:
@@ -249,7 +276,7 @@ class GradientLog:
         if record.entries:
             self._last_step = step
             self._measure_update(record, step, index, labelled, stepping)
-            self._write_record(record, step, labelled, scalars or {})
+            self._write_record(record, step, labelled, scalars or {}, histograms)
 
     def write_caught(self, step: int, names: Sequence[str], checked: int) -> None:
         """Write that :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel` caught non-finite
@@ -311,7 +338,8 @@ class GradientLog:
             if index is None or i == index:
                 self._updates.expect(o, step, labelled, now=stepping)
 
-    def _write_record(self, record: GradientRecord, step: int, labelled: int | None, extra: dict[str, float]) -> None:
+    def _write_record(self, record: GradientRecord, step: int, labelled: int | None, extra: dict[str, float],
+                      histograms: bool) -> None:
         suffix = "" if labelled is None else f"_optimizer_{labelled}"
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
@@ -326,11 +354,11 @@ class GradientLog:
             stats[Key(Kind.PRECISION, "gradient")] = {"eps": self._eps}
         for other in self._others:
             if _is_wandb(other):
-                other.log_metrics({**metrics, **(_wandb_histograms(record) if self.histograms else {})}, step=step)
+                other.log_metrics({**metrics, **(_wandb_histograms(record) if histograms else {})}, step=step)
             else:  # a table of columns (CSV): the overview and the norms
                 other.log_metrics(_table_columns(metrics), step=step)
         for writer in self._tensorboards:
-            write_step(writer, metrics, record if self.histograms else None, step, stats)
+            write_step(writer, metrics, record if histograms else None, step, stats)
             if not self._layout_written:
                 writer.add_custom_scalars(custom_scalars_layout(self.statistics, record))
         self._layout_written = True

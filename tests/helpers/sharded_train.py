@@ -159,7 +159,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
     offload = {"offload_threshold_bytes": 256, "offload_dir": str(out / "offload")} if mode == "fsdp2" else {}
-    gradhooks = GradHooks(every_n_steps=1, statistics=["norm", "mean", "std", "absmax"], sync_dist=mode == "fsdp2", **offload)
+    gradhooks = GradHooks(every_n_steps=1, statistics=["norm", "mean", "std", "absmax"], sync_dist=mode == "fsdp2",
+                          histogram_every_n_steps=1, **offload)
     (out / "offload").mkdir(exist_ok=True)
     strategy = ModelParallelStrategy(
         data_parallel_size=2 if mode == "fsdp2" else 1,

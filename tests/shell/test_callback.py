@@ -7,6 +7,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from lightning_gradhooks import GradHooks
+from lightning_gradhooks._tensorboard import STATS_TAG
 from lightning_gradhooks.log import LOGGED_STATISTICS
 
 from conftest import MLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
@@ -42,7 +43,7 @@ def test_default_charts_are_six_sections_a_third_of_every_statistic(tmp_path):
 
 
 def test_events_hold_expected_tags_at_expected_steps(tmp_path):
-    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2, statistics=list(LOGGED_STATISTICS)))
+    trainer, _ = fit(tmp_path, GradHooks(every_n_steps=2, statistics=list(LOGGED_STATISTICS), histogram_every_n_steps=3))
     events = read_events(trainer.logger.log_dir)
     scalars, histograms = set(events.Tags()["scalars"]), set(events.Tags()["histograms"])
     assert {"∇1 overview/total_norm", "∇1 overview/nonfinite_total"} <= scalars
@@ -58,7 +59,8 @@ def test_events_hold_expected_tags_at_expected_steps(tmp_path):
     for tag in ("∇2 grad_output_norm/net.0", "∇7 param_grad_std/net.4.bias"):
         assert [e.step for e in events.Scalars(tag)] == [0, 2, 4]
     hist = events.Histograms("∇6 histograms/grad_output/net.2")
-    assert [e.step for e in hist] == [0, 2, 4]
+    assert [e.step for e in hist] == [0, 4]  # the first logged step of each window of 3 steps (0-2, 3-5)
+    assert [e.step for e in events.Tensors(STATS_TAG)][:3] == [0, 0, 2]  # the summary of every logged step
     assert hist[0].histogram_value.num == 8 * 16  # batch 8 x 16 features, all finite
     norm = events.Scalars("∇2 grad_output_norm/net.2")[0].value
     assert hist[0].histogram_value.sum_squares == pytest.approx(norm**2, rel=1e-4)
@@ -175,7 +177,8 @@ def test_hooks_removed_after_exception_in_training_step(tmp_path):
 
 def test_nonfinite_gradients_are_counted_and_warned_once(tmp_path):
     with pytest.warns(UserWarning, match=r"non-finite values at step 2: the loss: the first gradient of backward \(grad_output of `net.4`\)") as rec:
-        trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1, statistics=["norm", "nonfinite"]), model=MLP(nan_at=2))
+        trainer, _ = fit(tmp_path, GradHooks(every_n_steps=1, statistics=["norm", "nonfinite"], histogram_every_n_steps=1),
+                         model=MLP(nan_at=2))
     assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
     events = read_events(trainer.logger.log_dir)
     counts = {e.step: e.value for e in events.Scalars("∇7 grad_output_nonfinite/net.4")}

@@ -1,0 +1,219 @@
+"""What a run leaves on disk, and how fast ``python -m lightning_gradhooks report`` reads it.
+
+    python benchmarks/disk.py [--ref DIR] [--layers 200] [--steps 40] [--every 50]
+        [--cli-layers 500] [--cli-steps 40] [--rounds 5]
+
+A plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
+(``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
+``GradientMonitor(model)`` and ``GradientLog(SummaryWriter(folder), optimizers=[optimizer])``:
+``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default
+``log_every_n_steps``), then ``log.close()``. Each run is written in a fresh process that imports
+the library from this checkout, or from the checkout in ``--ref DIR`` (``git worktree add DIR
+<commit>``): the two side by side.
+
+Reported, per watched module per logged step: the bytes of every event file of the run folder
+(ours and the SummaryWriter's), by part: histograms, the compact summary (``gradhooks/stats``),
+scalars, images (the flow picture) and the rest (the custom-scalars layout, the report's text,
+event and record framing of the other parts). Each record's bytes (framing included) are shared
+among its values in proportion to their sizes.
+
+Then the report command: a run of the ``--cli-layers`` + 1 module MLP, ``--cli-steps`` logged
+steps, written by each checkout, is read by that checkout's ``main(["report", folder])``
+(in-process, the imports done; stdout discarded), and by this checkout's reading the ``--ref``
+run (old event files). Timed: the whole command, and its reading of the event files alone
+(``read_folder``; the rest is judging the steps and printing the report), the fastest of
+``--repeat`` calls after an untimed one, in process CPU time and in wall time. ``--rounds`` rounds,
+one fresh process per variant and round, the order rotated each round; the median over rounds
+of the time per module per logged step.
+Each command's output is checked against the report the run printed at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import redirect_stdout
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# A worker imports the library from its --repo.
+sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(HERE.parent))
+
+PARTS = ("histograms", "summary", "scalars", "images", "other")
+
+
+def write_run(layers: int, steps: int, every: int, folder: str) -> dict:
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog, GradientMonitor
+
+    torch.manual_seed(0)
+    blocks = [m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 1))
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    writer = SummaryWriter(folder)
+    monitor = GradientMonitor(model)
+    log = GradientLog(writer, optimizers=[optimizer], echo=None)
+    with monitor.attach():
+        for i in range(steps):
+            with monitor.arm():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                log.write(monitor.collect(), i * every)
+            optimizer.step()
+            optimizer.zero_grad()
+    report = log.close()
+    writer.close()
+    return {"modules": layers + 1, "steps": steps, "report": report.table()}
+
+
+def time_cli(folder: str, repeat: int) -> dict:
+    """The fastest of ``repeat`` calls (after an untimed one): the whole command, and reading the
+    event files alone (``read_folder``), in process CPU time (on a shared machine, wall time
+    counts the other processes' turns too) and wall time."""
+    from lightning_gradhooks.__main__ import main, read_folder
+
+    result: dict = {"out": ""}
+    for i in range(repeat + 1):
+        buffer = io.StringIO()
+        clocks = time.process_time(), time.perf_counter()
+        with redirect_stdout(buffer):
+            main(["report", folder])
+        command = time.process_time() - clocks[0], time.perf_counter() - clocks[1]
+        clocks = time.process_time(), time.perf_counter()
+        for run_folder in sorted({p.parent for p in Path(folder).rglob("events.out.tfevents.*")}):
+            read_folder(run_folder)
+        read = time.process_time() - clocks[0], time.perf_counter() - clocks[1]
+        if i:  # the first call is untimed
+            for name, value in zip(("command_cpu", "command_wall", "read_cpu", "read_wall"), (*command, *read)):
+                result[name] = min(result.get(name, value), value)
+        result["out"] = buffer.getvalue()
+    return result
+
+
+def worker(args: argparse.Namespace) -> None:
+    if args.worker == "write":
+        result = write_run(args.layers, args.steps, args.every, args.folder)
+    else:
+        result = time_cli(args.folder, args.repeat)
+    print("RESULT " + json.dumps(result))
+
+
+def run_worker(repo: Path, *arguments: str) -> dict:
+    command = [sys.executable, __file__, "--repo", str(repo), *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"worker failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def bytes_by_part(folder: str) -> dict[str, float]:
+    """Every event file's bytes under ``folder``, shared among the parts (see the module docstring)."""
+    import struct
+
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    parts: dict[str, float] = defaultdict(float)
+    for path in Path(folder).rglob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            total = length + 16
+            offset += total
+            sizes: dict[str, int] = defaultdict(int)
+            for value in event.summary.value:
+                if value.HasField("histo"):
+                    part = "histograms"
+                elif value.tag == "gradhooks/stats":
+                    part = "summary"
+                elif value.HasField("simple_value"):
+                    part = "scalars"
+                elif value.HasField("image"):
+                    part = "images"
+                else:
+                    part = "other"
+                sizes[part] += value.ByteSize()
+            whole = sum(sizes.values())
+            if not whole:
+                parts["other"] += total
+            for part, size in sizes.items():
+                parts[part] += total * size / whole
+    return dict(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", type=Path, help="a checkout to compare with (the 'before')")
+    parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--cli-layers", type=int, default=500)
+    parser.add_argument("--cli-steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls of the command per process (the fastest)")
+    parser.add_argument("--worker", choices=("write", "cli"))
+    parser.add_argument("--repo", type=Path)
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    checkouts = {"after": HERE.parent} | ({"before": args.ref.resolve()} if args.ref else {})
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"# Disk: {args.layers + 1}-module MLP, {args.steps} logged steps every {args.every}, defaults")
+        print("| checkout | total | " + " | ".join(PARTS) + " | (bytes per module per logged step) |")
+        print("| --- | --- | " + " | ".join("---" for _ in PARTS) + " | |")
+        for name, repo in checkouts.items():
+            folder = f"{tmp}/disk-{name}"
+            facts = run_worker(repo, "--worker", "write", "--layers", str(args.layers), "--steps", str(args.steps),
+                               "--every", str(args.every), "--folder", folder)
+            per = facts["modules"] * facts["steps"]
+            parts = bytes_by_part(folder)
+            total = sum(parts.values())
+            shares = " | ".join(f"{parts.get(p, 0) / per:.0f} ({100 * parts.get(p, 0) / total:.0f} %)" for p in PARTS)
+            print(f"| {name} | **{total / per:.0f}** | {shares} | {total / 1e6:.2f} MB in all |")
+        print(f"\n# The report command: {args.cli_layers + 1}-module MLP, {args.cli_steps} logged steps every {args.every}")
+        runs = {}
+        for name, repo in checkouts.items():
+            folder = f"{tmp}/cli-{name}"
+            facts = run_worker(repo, "--worker", "write", "--layers", str(args.cli_layers), "--steps",
+                               str(args.cli_steps), "--every", str(args.every), "--folder", folder)
+            runs[name] = (folder, facts)
+        variants = {name: (repo, runs[name]) for name, repo in checkouts.items()}
+        if args.ref:
+            variants["after, reading the before run"] = (HERE.parent, runs["before"])
+        columns = ("command_cpu", "command_wall", "read_cpu", "read_wall")
+        times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for r in range(args.rounds):
+            order = list(variants)
+            order = order[r % len(order):] + order[: r % len(order)]
+            for name in order:
+                repo, (folder, facts) = variants[name]
+                result = run_worker(repo, "--worker", "cli", "--folder", folder, "--repeat", str(args.repeat))
+                if f"== {folder}\n{facts['report']}" not in result["out"]:
+                    raise SystemExit(f"{name}: the command's report is not the printed one:\n{result['out']}\n---\n{facts['report']}")
+                for column in columns:
+                    times[name][column].append(result[column] / (facts["modules"] * facts["steps"]) * 1e6)
+        print("µs per module per logged step, median over rounds (each round's values after the slash):")
+        print("| checkout | command, CPU | command, wall | reading alone, CPU | reading alone, wall |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, by_column in times.items():
+            cells = [f"**{statistics.median(v):.1f}** / {', '.join(f'{x:.0f}' for x in v)}" for v in by_column.values()]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        if args.ref:
+            for column in columns:
+                ratios = [b / a for a, b in zip(times["after"][column], times["before"][column])]
+                print(f"before / after, {column}, median of per-round ratios: {statistics.median(ratios):.1f}x")
+
+if __name__ == "__main__":
+    main()
