@@ -12,10 +12,11 @@ rotated each round). A window is one untimed step and the mean of ``--steps`` st
 clock and the worker's CPU time, steadier on a shared machine) of a plain loop: ``with monitor.arm(): loss.backward(); monitor.collect()``, then the optimizer step.
 
 Variants: ``bare`` (no monitor), ``attached`` (a monitor attached, not armed: what a step that
-is not logged pays) and ``armed`` in both; in a checkout with compiled statistics also
+is not logged pays), ``armed`` and ``armed, no histograms`` (a logged step off the histogram
+cadence) in both (``--variants`` picks some); in a checkout with compiled statistics also
 ``armed, eager`` (``GradientMonitor(compile_statistics=False)``). The table gives the median window of each
-variant and the medians over rounds of its ratios to its own worker's ``bare``, then of this
-checkout's armed step to each armed variant of the other.
+variant and the medians over rounds of its ratios to its own worker's ``bare``, then of each
+armed variant of this checkout to the same variant of the other.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def worker(models: list[str], threads: int) -> None:
         torch.manual_seed(0)
         model = case.make()
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        monitors = {"armed": GradientMonitor(model), "attached": GradientMonitor(model)}
+        # "armed, no histograms": a logged step off the histogram cadence (GradHooks' default:
+        # histograms on one logged step in ten), the moments pass alone.
+        monitors = {"armed": GradientMonitor(model), "attached": GradientMonitor(model),
+                    "armed, no histograms": GradientMonitor(model, histograms=False)}
         try:  # a checkout with compiled statistics: its eager ops too
             monitors["armed, eager"] = GradientMonitor(model, compile_statistics=False)
         except TypeError:
@@ -117,6 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the workers (default: torch's)")
+    parser.add_argument("--variants", default="", help="variants to time, separated by semicolons (default: all; bare always)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -135,7 +140,8 @@ def main() -> None:
     workers = [Worker(label, root, models, args.threads) for label, root in (("this", os.path.dirname(HERE)), (args.other_label, args.other))]
     try:
         for model in models:
-            windows = [(w, v) for w in workers for v in w.variants]
+            chosen = {v.strip() for v in args.variants.split(";")} | {"bare"} if args.variants else None
+            windows = [(w, v) for w in workers for v in w.variants if chosen is None or v in chosen]
             for w, v in windows:  # warm-up
                 w.window(model, v, 1)
             times: dict[tuple[str, str], list[list[float]]] = {(w.label, v): [] for w, v in windows}
@@ -151,11 +157,11 @@ def main() -> None:
                 ratios = [statistics.median(v[i] / b[i] for v, b in zip(values, bare)) for i in (0, 1)]
                 step_ms = statistics.median(v[0] for v in values) * 1e3
                 print(f"| {label} | {variant} | {step_ms:.1f} | {ratios[0]:.3f}x | {ratios[1]:.3f}x |")
-            this = times["this", "armed"]
-            for variant in [v for w in workers[1:] for v in w.variants if v.startswith("armed")]:
-                other = times[args.other_label, variant]
-                ratios = [statistics.median(t[i] / o[i] for t, o in zip(this, other)) for i in (0, 1)]
-                print(f"this armed / {args.other_label} {variant}: {ratios[0]:.3f}x wall, {ratios[1]:.3f}x CPU")
+            for variant in [v for w, v in windows if w is workers[1] and v.startswith("armed")]:
+                this, other = times.get(("this", variant)), times[args.other_label, variant]
+                if this is not None:
+                    ratios = [statistics.median(t[i] / o[i] for t, o in zip(this, other)) for i in (0, 1)]
+                    print(f"this {variant} / {args.other_label} {variant}: {ratios[0]:.3f}x wall, {ratios[1]:.3f}x CPU")
             print()
     finally:
         for w in workers:
