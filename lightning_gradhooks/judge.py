@@ -242,7 +242,10 @@ def _f32(stats: Mapping[str, float]) -> dict[str, float]:
 def _f32_step(stats: Mapping[Any, Mapping[str, float]]) -> list[tuple[Any, dict[str, float]]]:
     """A step's statistics as the log holds them (:func:`_f32`): ``(key, {statistic: value})`` in
     order, the whole step rounded at once."""
-    rounded = array("f", [v for s in stats.values() for v in s.values()]).tolist()
+    values = [v for s in stats.values() for v in s.values()]
+    rounded = array("f", values).tolist()
+    if rounded == values and set(map(type, values)) <= {float}:  # already float32 (read from a log)
+        return [(key, dict(s)) for key, s in stats.items()]
     out, start = [], 0
     for key, s in stats.items():
         end = start + len(s)
@@ -405,11 +408,17 @@ class Judge:
     def _judge(self, step: int, entries: Summary) -> None:
         t = self.thresholds
         first_bad = self._nonfinite is None
+        subjects = self._subjects  # each entry's subject, made once per key (the checks read it)
+        if len(subjects) > _SUBJECTS_MAX:  # names that keep changing: start over
+            subjects.clear()
+        for key in entries:
+            if key not in subjects:
+                subjects[key] = _subject(key)
         bad = _bad_entries(entries)
         self._check_nonfinite(step, entries, bad)
         for key, s in entries.items():
             if key.kind in GRADIENT_KINDS:
-                self._order.setdefault(self._about(key).module, len(self._order))
+                self._order.setdefault(self._subjects[key].module, len(self._order))
             if key.kind == Kind.PARAM_GRAD and (size := _size(s)) is not None:
                 self._sizes[key.label] = size
             if key.kind == Kind.PARAM_GRAD and s.get("zero_fraction") is not None:
@@ -426,7 +435,7 @@ class Judge:
         for key, value in values.items():
             if key.kind == Kind.PARAM_GRAD and key.label in quiet:
                 continue
-            subject, median = self._about(key), medians[key.kind]
+            subject, median = self._subjects[key], medians[key.kind]
             # Small, and learning stops with it: the update is small too (or not measured).
             low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(key)
             self._run("vanishing", subject, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
@@ -463,7 +472,7 @@ class Judge:
             unowned.add(key.label)
             gradient = grads.get(key.label, {})
             gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0
-            self._run("stalled", self._about(key), step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
+            self._run("stalled", self._subjects[key], step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
         return unowned
 
     def _check_no_gradient(self, step: int, entries: Summary, bad: Mapping[Key, str]) -> set[str]:
@@ -481,13 +490,13 @@ class Judge:
         outputs: dict[str, list[float]] = {}  # module -> [norm, elements] of its output gradients
         for key, s in entries.items():
             if key.kind == Kind.GRAD_OUTPUT and key not in bad and s.get("norm") is not None:
-                norm, size = outputs.setdefault(self._about(key).module, [0.0, 0.0])
-                outputs[self._about(key).module] = [math.hypot(norm, s["norm"]), size + (_size(s) or 0.0)]
+                norm, size = outputs.setdefault(self._subjects[key].module, [0.0, 0.0])
+                outputs[self._subjects[key].module] = [math.hypot(norm, s["norm"]), size + (_size(s) or 0.0)]
         found: dict[str, tuple[Key, float, float, bool]] = {}  # parameter -> key, ratio, elements, at round-off
         for key, s in entries.items():
             if key.kind != Kind.PARAM_GRAD or key in bad or s.get("norm") is None:
                 continue
-            arriving, size = outputs.get(self._about(key).module, [0.0, 0.0])
+            arriving, size = outputs.get(self._subjects[key].module, [0.0, 0.0])
             elements = self._sizes.get(key.label, 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
             limit = t.round_off_factor * eps * math.sqrt(size / elements) if size and elements else 0.0
@@ -495,7 +504,7 @@ class Judge:
         quiet = set()
         for name, (key, ratio, elements, none) in found.items():
             if none and any(not other[3] and 0 < other[2] < elements for other in found.values()
-                            if self._about(other[0]).module == self._about(key).module):
+                            if self._subjects[other[0]].module == self._subjects[key].module):
                 none = False  # a weight whose input is small, beside a bias that gets its gradient
             track = self._track("no_gradient", name)
             # Once noted, a parameter stays noted while its gradient stays far below its module's
@@ -508,7 +517,7 @@ class Judge:
             track.start = step if track.start is None else track.start
             track.length += 1
             if track.length >= t.vanishing_steps:
-                self._notes[name] = Flag("note", str(key.kind), name, track.start, ratio, self._about(key).module)
+                self._notes[name] = Flag("note", str(key.kind), name, track.start, ratio, self._subjects[key].module)
             quiet.add(name)
         return quiet
 
@@ -528,9 +537,9 @@ class Judge:
         # Every module: are all the measured parameters under it without a gradient?
         whole: dict[str, bool] = {}
         for key, _ in measured:
-            for module in _ancestors(self._about(key).module):
+            for module in _ancestors(self._subjects[key].module):
                 whole[module] = whole.get(module, True) and key.label in none
-        roots = {key.label: next(m for m in _ancestors(self._about(key).module) if whole[m]) for key, _ in measured if key.label in none}
+        roots = {key.label: next(m for m in _ancestors(self._subjects[key].module) if whole[m]) for key, _ in measured if key.label in none}
         nearest = {root: module for root, module in ((roots[k.label], k.module) for k, _ in measured if k.label in roots)}
         for key, s in measured:
             if key.label not in none:
@@ -567,7 +576,7 @@ class Judge:
             label = f"param_groups[{index}]{of}"
             peak = self._lr_peaks[label] = max(self._lr_peaks.get(label, 0.0), lr)
             cut = lr <= LR_CUT * peak
-            module = _common_module(tuple(self._about(key).module for key, _ in members))
+            module = _common_module(tuple(self._subjects[key].module for key, _ in members))
             reason = (f"learning rate {lr:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
                       f"the {counted(len(members), 'parameter')} of the group do not move")
             self._run("stalled", _Subject(PARAM_GROUP, label, module), step, cut, t.stalled_steps, lr, reason=reason)
@@ -589,12 +598,12 @@ class Judge:
         fast = {key.label for key, r in ratios.items() if r >= t.vanishing_update_ratio * median}
         by_module: dict[str, list[bool]] = {}
         for key in ratios:
-            by_module.setdefault(self._about(key).module, []).append(key.label in fast)
+            by_module.setdefault(self._subjects[key].module, []).append(key.label in fast)
 
         def moving(key: Key) -> bool:
             if key.kind == Kind.PARAM_GRAD:
                 return key.label in fast
-            module = by_module.get(self._about(key).module)
+            module = by_module.get(self._subjects[key].module)
             return bool(module) and all(module)
 
         return moving
@@ -615,7 +624,7 @@ class Judge:
         for key, s in entries.items():
             if key.kind in (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD) and s.get("zero_fraction") is not None \
                     and key not in bad:
-                zeros.setdefault(self._about(key).module, {}).setdefault(key.kind, []).append(s["zero_fraction"])
+                zeros.setdefault(self._subjects[key].module, {}).setdefault(key.kind, []).append(s["zero_fraction"])
         for module, kinds in zeros.items():
             dead = all(z >= t.dead_zero_fraction for values in kinds.values() for z in values)
             value = min(z for values in kinds.values() for z in values)
@@ -626,7 +635,7 @@ class Judge:
         cause of its own (``explained``: a cut learning rate, no gradient) count towards the
         model's medians but are not judged ``stalled`` here."""
         t = self.thresholds
-        subjects = {key.label: self._about(key) for key, _ in params}
+        subjects = {key.label: self._subjects[key] for key, _ in params}
         ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
         sizes = {
             key.label: s["param_norm"] / math.sqrt(self._sizes[key.label])
@@ -731,21 +740,15 @@ class Judge:
             track = self._tracks[(check, label)] = _Track()
         return track
 
-    def _about(self, key: Key) -> _Subject:
-        """The subject of an entry (its kind, label and module), made once per key."""
-        subject = self._subjects.get(key)
-        if subject is None:
-            if len(self._subjects) > _SUBJECTS_MAX:  # names that keep changing: start over
-                self._subjects.clear()
-            subject = self._subjects[key] = _subject(key)
-        return subject
-
     def _run(self, flag: str, subject: _Subject, step: int, bad: bool, needed: int, value: float,
              score: float = 0.0, reason: str = "") -> None:
         label = f"{subject.kind} {subject.entry}" if subject.kind else subject.entry
-        track = self._track(flag, label)
+        track = self._tracks.get((flag, label))
+        if track is None:
+            track = self._tracks[(flag, label)] = _Track()
         if not bad:
-            track.start, track.length = None, 0
+            if track.start is not None:
+                track.start, track.length = None, 0
             return
         if track.start is None:
             track.start = step
