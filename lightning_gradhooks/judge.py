@@ -416,14 +416,19 @@ class Judge:
                 subjects[key] = _subject(key)
         bad = _bad_entries(entries)
         self._check_nonfinite(step, entries, bad)
+        order = self._order
         for key, s in entries.items():
-            if key.kind in GRADIENT_KINDS:
-                self._order.setdefault(self._subjects[key].module, len(self._order))
-            if key.kind == Kind.PARAM_GRAD and (size := _size(s)) is not None:
-                self._sizes[key.label] = size
-            if key.kind == Kind.PARAM_GRAD and s.get("zero_fraction") is not None:
-                zero = s["zero_fraction"] >= t.dead_zero_fraction
-                (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
+            if key.kind not in GRADIENT_KINDS:
+                continue
+            module = subjects[key].module
+            if module not in order:
+                order[module] = len(order)
+            if key.kind == Kind.PARAM_GRAD:
+                if (size := _size(s)) is not None:
+                    self._sizes[key.label] = size
+                if s.get("zero_fraction") is not None:
+                    zero = s["zero_fraction"] >= t.dead_zero_fraction
+                    (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
         unowned = self._check_unowned(step, entries)
         quiet = self._check_no_gradient(step, entries, bad) | unowned
         # Explained by a cause of their own, not judged by their update: parameters without a
@@ -442,7 +447,7 @@ class Judge:
             if value is None:
                 continue
             history = self._track("history", subject.label).values
-            baseline = _statistics.median(history) if history else None
+            baseline = _middle(history) if history else None
             floor = median is not None and value < t.floor_ratio * median
             grown = baseline is not None and not floor and value > t.exploding_factor * baseline
             self._run("exploding", subject, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
@@ -857,6 +862,12 @@ def _common_module(modules: tuple[str, ...]) -> str:
             break
         common.append(parts[0])
     return ".".join(common) or "(model)"
+
+
+def _middle(values: list[float]) -> float:
+    """``statistics.median`` of a non-empty list, without its checks (a few values per entry per step)."""
+    ordered, half = sorted(values), len(values) // 2
+    return ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 def _median(values: list[float]) -> float | None:
