@@ -16,6 +16,7 @@ from lightning_gradhooks.log import GradientLog
 from lightning_gradhooks.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.sentinel import NonfiniteSentinel
+from lightning_gradhooks.updates import unwrapped
 
 
 class Fit:
@@ -69,6 +70,14 @@ class Fit:
         if restored is not None:
             log.load_state_dict(restored)
         return log
+
+    def parameters_of(self, trainer: Any, optimizer: Any) -> list[Any]:
+        """The parameters whose gradients are collected with ``optimizer``'s step: its own, and
+        with the first optimizer those no optimizer holds."""
+        params = _trainer.optimizer_params(optimizer)
+        if self.unowned and unwrapped(optimizer) is trainer.optimizers[0]:
+            params += self.unowned
+        return params
 
     def skip_nonfinite(self, params: list[Any]) -> list[str] | None:
         """The sentinel's check: None when every gradient of ``params`` is finite; else their

@@ -1,10 +1,9 @@
 """``GradHooks``: the Lightning callback that logs per-module gradient statistics to TensorBoard.
 
 The shell decides *when* (logged steps, micro-batches, optimizers) and hands the *what* to the
-core and the log. Its state is of two lifetimes: the fit's (:class:`~lightning_gradhooks._fit.Fit`:
-the monitor, the offload engine, the sentinel; and the log, kept after fit) and the batch's,
-held in one :class:`_BatchState`. One callback class per Lightning namespace:
-``lightning_gradhooks.GradHooks`` here, ``lightning_gradhooks.lightning.GradHooks`` for ``lightning.pytorch``.
+core and the log. Its state has two lifetimes: the fit's (:class:`~lightning_gradhooks._fit.Fit`;
+the log is kept after fit) and the batch's (:class:`_BatchState`). One class per Lightning
+namespace: ``lightning_gradhooks.GradHooks``, ``lightning_gradhooks.lightning.GradHooks``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
 from lightning_gradhooks.report import Thresholds
-from lightning_gradhooks.updates import unwrapped
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -35,9 +33,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class _BatchState:
-    """The shell's per-batch state, in one place. ``on_train_batch_start`` opens a batch and
-    ``_end_batch`` closes it; whether hooks are in the model is the monitor's ``armed``, whether
-    offload hooks are set the engine's ``active``."""
+    """The shell's per-batch state, opened by ``on_train_batch_start``, closed by ``_end_batch``
+    (hooks in the model: the monitor's ``armed``; offload hooks: the engine's ``active``)."""
 
     open: bool = False  # between on_train_batch_start and _end_batch
     step: int = 0  # the global step the armed record is logged at
@@ -74,12 +71,10 @@ class GradHooksLogic:
             lowers the peak (one INFO line says so).
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
             (:mod:`lightning_gradhooks.noise`).
-        compile_statistics: reduce gradients with kernels ``torch.compile`` builds once per process
-            (a few seconds at the first logged step, cached on disk); False: the same torch ops,
-            eagerly. Without a compiler the eager ops run anyway (said once at INFO).
-        histogram_every_n_steps: count and write the histograms on the first logged step of each
-            window of this many optimizer steps (default 500: every 10th logged step at the default
-            ``log_every_n_steps=50``); scalars and the report's summary every logged step.
+        compile_statistics: reduce with kernels ``torch.compile`` builds once per process; False
+            (or no compiler, said once at INFO): the same torch ops, eagerly.
+        histogram_every_n_steps: histograms on the first logged step of each window of this many
+            optimizer steps (scalars and the report's summary on every logged step).
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -175,9 +170,8 @@ class GradHooksLogic:
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fit is None:
-            return
-        self.gradient_log = self._fit.start(self, trainer, pl_module, self._restored)
+        if self._fit is not None:
+            self.gradient_log = self._fit.start(self, trainer, pl_module, self._restored)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -201,9 +195,9 @@ class GradHooksLogic:
     # -- steps -----------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        state, fit = self._batch, self._fit
-        if fit is None:
+        if (fit := self._fit) is None:
             return
+        state = self._batch
         monitor = fit.monitor
         if state.open:  # the last batch ended without on_train_batch_end (see _end_batch)
             self._end_batch(trainer)
@@ -223,8 +217,7 @@ class GradHooksLogic:
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        fit = self._fit
-        if fit is None:
+        if (fit := self._fit) is None:
             return
         if not fit.monitor.armed:
             fit.monitor.collect_noise(_trainer.optimizer_params(optimizer))  # armed on its own: its all_reduce
@@ -232,22 +225,15 @@ class GradHooksLogic:
         if armed or self._batch.pieces_due:
             self._write_logged(trainer, pl_module, optimizer)
         if fit.sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
-            self._check_finite(trainer, optimizer, recorded=armed)
-
-    def _check_finite(self, trainer: pl.Trainer, optimizer: Any, recorded: bool) -> None:
-        """The sentinel: a step with a non-finite gradient is skipped and, unless its record says
-        it already, written to the log."""
-        bad = self._fit.skip_nonfinite(_trainer.optimizer_params(optimizer))
-        if bad is not None:
-            self._batch.log_next = True
-            if self.gradient_log is not None and not recorded:
-                self.gradient_log.write_caught(trainer.global_step, bad, self._fit.sentinel.last_checked)
+            # A step with a non-finite gradient is skipped, written unless its record says so, the next logged.
+            bad = fit.skip_nonfinite(_trainer.optimizer_params(optimizer))
+            if bad is not None:
+                self._batch.log_next = True
+                if self.gradient_log is not None and not armed:
+                    self.gradient_log.write_caught(trainer.global_step, bad, fit.sentinel.last_checked)
 
     def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        monitor, unowned = self._fit.monitor, self._fit.unowned
-        params = _trainer.optimizer_params(optimizer)
-        if unowned and unwrapped(optimizer) is trainer.optimizers[0]:
-            params += unowned
+        monitor, params = self._fit.monitor, self._fit.parameters_of(trainer, optimizer)
         if not monitor.armed:
             # A rank that logs nothing itself still holds pieces of the sharded parameters.
             if pl_module.automatic_optimization:
