@@ -45,6 +45,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics as _statistics
 from array import array
@@ -71,6 +72,8 @@ NOTE_HOLD_RATIO = 1e-3
 LR_CUT = 1e-6
 #: The kind of a flag on a param group (its learning rate).
 PARAM_GROUP = "param_group"
+#: The most keys whose subject a judge keeps (a model's entries; beyond it, the cache starts over).
+_SUBJECTS_MAX = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -233,8 +236,22 @@ class _Track:
 
 def _f32(stats: Mapping[str, float]) -> dict[str, float]:
     """The statistics as the log holds them (float32)."""
-    keys = list(stats)
-    return dict(zip(keys, array("f", [float(stats[k]) for k in keys]).tolist()))
+    return _f32_step({None: stats})[0][1]
+
+
+def _f32_step(stats: Mapping[Any, Mapping[str, float]]) -> list[tuple[Any, dict[str, float]]]:
+    """A step's statistics as the log holds them (:func:`_f32`): ``(key, {statistic: value})`` in
+    order, the whole step rounded at once."""
+    values = [v for s in stats.values() for v in s.values()]
+    rounded = array("f", values).tolist()
+    if rounded == values and set(map(type, values)) <= {float}:  # already float32 (read from a log)
+        return [(key, dict(s)) for key, s in stats.items()]
+    out, start = [], 0
+    for key, s in stats.items():
+        end = start + len(s)
+        out.append((key, dict(zip(s, rounded[start:end]))))
+        start = end
+    return out
 
 
 def _size(stats: Mapping[str, float]) -> float | None:
@@ -275,9 +292,19 @@ def nonfinite_origin(stats: Mapping[Key, Mapping[str, float]]) -> tuple[str, str
     loss (the first gradient of backward is already bad); the backward of a module (the first
     bad gradient in backward order); the optimizer step (a non-finite update).
     """
-    bad = [(key, why) for key, s in stats.items() if (why := _bad(key.kind, s)) is not None]
-    if not bad:
+    return _origin(stats, _bad_entries(stats))
+
+
+def _bad_entries(stats: Mapping[Key, Mapping[str, float]]) -> dict[Key, str]:
+    """The non-finite entries of a step, in record order, with why (:func:`_bad`)."""
+    return {key: why for key, s in stats.items() if (why := _bad(key.kind, s)) is not None}
+
+
+def _origin(stats: Mapping[Key, Mapping[str, float]], found: Mapping[Key, str]) -> tuple[str, str, float] | None:
+    """:func:`nonfinite_origin`, given the step's non-finite entries (:func:`_bad_entries`)."""
+    if not found:
         return None
+    bad = list(found.items())
     count = {key: s.get("nonfinite", 0) for key, s in stats.items()}
     caught = [key for key, _ in bad if key.kind == Kind.CAUGHT]
     if caught:  # by the sentinel, on a step that may not be logged: the parameters alone tell
@@ -347,6 +374,7 @@ class Judge:
         self._pending: dict[int, Summary] = {}  # steps not judged yet
         self._lr_peaks: dict[str, float] = {}  # param group -> its highest learning rate so far
         self._no_grad: dict[str, list[float]] = {}  # parameter without .grad -> [first step of it, norm then]
+        self._subjects: dict[Key, _Subject] = {}  # a cache: the subject of each key seen
 
     @property
     def steps(self) -> int:
@@ -366,8 +394,12 @@ class Judge:
             self._pending[step] = {}
             self._seen.append(step)
         merged = self._pending[step]
-        for key, s in stats.items():
-            merged.setdefault(key if isinstance(key, Key) else Key(*key), {}).update(_f32(s))
+        for key, s in _f32_step(stats):
+            key = key if isinstance(key, Key) else Key(*key)
+            if key in merged:
+                merged[key].update(s)
+            else:
+                merged[key] = s
 
     def _judge_pending(self) -> None:
         for step in sorted(self._pending):
@@ -376,34 +408,46 @@ class Judge:
     def _judge(self, step: int, entries: Summary) -> None:
         t = self.thresholds
         first_bad = self._nonfinite is None
-        self._check_nonfinite(step, entries)
+        subjects = self._subjects  # each entry's subject, made once per key (the checks read it)
+        if len(subjects) > _SUBJECTS_MAX:  # names that keep changing: start over
+            subjects.clear()
+        for key in entries:
+            if key not in subjects:
+                subjects[key] = _subject(key)
+        bad = _bad_entries(entries)
+        self._check_nonfinite(step, entries, bad)
+        order = self._order
         for key, s in entries.items():
-            if key.kind in GRADIENT_KINDS:
-                self._order.setdefault(key.module, len(self._order))
-            if key.kind == Kind.PARAM_GRAD and (size := _size(s)) is not None:
-                self._sizes[key.label] = size
-            if key.kind == Kind.PARAM_GRAD and s.get("zero_fraction") is not None:
-                zero = s["zero_fraction"] >= t.dead_zero_fraction
-                (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
+            if key.kind not in GRADIENT_KINDS:
+                continue
+            module = subjects[key].module
+            if module not in order:
+                order[module] = len(order)
+            if key.kind == Kind.PARAM_GRAD:
+                if (size := _size(s)) is not None:
+                    self._sizes[key.label] = size
+                if s.get("zero_fraction") is not None:
+                    zero = s["zero_fraction"] >= t.dead_zero_fraction
+                    (self._zero_grads.add if zero else self._zero_grads.discard)(key.label)
         unowned = self._check_unowned(step, entries)
-        quiet = self._check_no_gradient(step, entries) | unowned
+        quiet = self._check_no_gradient(step, entries, bad) | unowned
         # Explained by a cause of their own, not judged by their update: parameters without a
         # gradient, and those of a param group whose learning rate is cut.
         explained = self._check_gradient_none(step, entries) | self._check_groups(step, entries)
         moving = self._moving(entries)
-        values = {key: rms(s) for key, s in entries.items() if key.kind in GRADIENT_KINDS and not _bad(key.kind, s)}
+        values = {key: rms(s) for key, s in entries.items() if key.kind in GRADIENT_KINDS and key not in bad}
         medians = {kind: _median([v for key, v in values.items() if key.kind == kind]) for kind in GRADIENT_KINDS}
         for key, value in values.items():
             if key.kind == Kind.PARAM_GRAD and key.label in quiet:
                 continue
-            subject, median = _subject(key), medians[key.kind]
+            subject, median = self._subjects[key], medians[key.kind]
             # Small, and learning stops with it: the update is small too (or not measured).
             low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(key)
             self._run("vanishing", subject, step, low, t.vanishing_steps, value or 0.0, score=median / value if low else 0)
             if value is None:
                 continue
             history = self._track("history", subject.label).values
-            baseline = _statistics.median(history) if history else None
+            baseline = _middle(history) if history else None
             floor = median is not None and value < t.floor_ratio * median
             grown = baseline is not None and not floor and value > t.exploding_factor * baseline
             self._run("exploding", subject, step, grown, t.exploding_steps, value, score=value / baseline if grown else 0)
@@ -413,10 +457,10 @@ class Judge:
             if not floor:
                 history.append(value)
                 del history[: -t.exploding_window]
-        self._check_dead(step, entries)
+        self._check_dead(step, entries, bad)
         # A step with non-finite gradients is skipped (a gradient scaler, the sentinel): its
         # update says nothing about the parameters.
-        if not any(_bad(key.kind, s) for key, s in entries.items() if key.kind in (*GRADIENT_KINDS, Kind.CAUGHT)):
+        if not any(key.kind in (*GRADIENT_KINDS, Kind.CAUGHT) for key in bad):
             self._check_updates(step, [(key, s) for key, s in entries.items()
                                        if key.kind == Kind.PARAM and key.label not in quiet], explained)
         if first_bad and self._nonfinite is not None:
@@ -433,10 +477,10 @@ class Judge:
             unowned.add(key.label)
             gradient = grads.get(key.label, {})
             gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0
-            self._run("stalled", _subject(key), step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
+            self._run("stalled", self._subjects[key], step, gets, 1, gradient.get("norm", 0.0), reason=UNOWNED)
         return unowned
 
-    def _check_no_gradient(self, step: int, entries: Summary) -> set[str]:
+    def _check_no_gradient(self, step: int, entries: Summary, bad: Mapping[Key, str]) -> set[str]:
         """Parameters whose gradient is float round-off next to the gradient their module
         receives: zero by construction (a bias followed by a normalisation layer). A note while
         it holds, never a flag; returns the parameters that are that way at this step.
@@ -450,14 +494,14 @@ class Judge:
         eps = next((s.get("eps", FLOAT32_EPS) for key, s in entries.items() if key.kind == Kind.PRECISION), FLOAT32_EPS)
         outputs: dict[str, list[float]] = {}  # module -> [norm, elements] of its output gradients
         for key, s in entries.items():
-            if key.kind == Kind.GRAD_OUTPUT and not _bad(key.kind, s) and s.get("norm") is not None:
-                norm, size = outputs.setdefault(key.module, [0.0, 0.0])
-                outputs[key.module] = [math.hypot(norm, s["norm"]), size + (_size(s) or 0.0)]
+            if key.kind == Kind.GRAD_OUTPUT and key not in bad and s.get("norm") is not None:
+                norm, size = outputs.setdefault(self._subjects[key].module, [0.0, 0.0])
+                outputs[self._subjects[key].module] = [math.hypot(norm, s["norm"]), size + (_size(s) or 0.0)]
         found: dict[str, tuple[Key, float, float, bool]] = {}  # parameter -> key, ratio, elements, at round-off
         for key, s in entries.items():
-            if key.kind != Kind.PARAM_GRAD or _bad(key.kind, s) or s.get("norm") is None:
+            if key.kind != Kind.PARAM_GRAD or key in bad or s.get("norm") is None:
                 continue
-            arriving, size = outputs.get(key.module, [0.0, 0.0])
+            arriving, size = outputs.get(self._subjects[key].module, [0.0, 0.0])
             elements = self._sizes.get(key.label, 0.0)
             ratio = s["norm"] / arriving if arriving > 0 else math.nan
             limit = t.round_off_factor * eps * math.sqrt(size / elements) if size and elements else 0.0
@@ -465,7 +509,7 @@ class Judge:
         quiet = set()
         for name, (key, ratio, elements, none) in found.items():
             if none and any(not other[3] and 0 < other[2] < elements for other in found.values()
-                            if other[0].module == key.module):
+                            if self._subjects[other[0]].module == self._subjects[key].module):
                 none = False  # a weight whose input is small, beside a bias that gets its gradient
             track = self._track("no_gradient", name)
             # Once noted, a parameter stays noted while its gradient stays far below its module's
@@ -478,7 +522,7 @@ class Judge:
             track.start = step if track.start is None else track.start
             track.length += 1
             if track.length >= t.vanishing_steps:
-                self._notes[name] = Flag("note", str(key.kind), name, track.start, ratio, key.module)
+                self._notes[name] = Flag("note", str(key.kind), name, track.start, ratio, self._subjects[key].module)
             quiet.add(name)
         return quiet
 
@@ -498,9 +542,9 @@ class Judge:
         # Every module: are all the measured parameters under it without a gradient?
         whole: dict[str, bool] = {}
         for key, _ in measured:
-            for module in _ancestors(key.module):
+            for module in _ancestors(self._subjects[key].module):
                 whole[module] = whole.get(module, True) and key.label in none
-        roots = {key.label: next(m for m in _ancestors(key.module) if whole[m]) for key, _ in measured if key.label in none}
+        roots = {key.label: next(m for m in _ancestors(self._subjects[key].module) if whole[m]) for key, _ in measured if key.label in none}
         nearest = {root: module for root, module in ((roots[k.label], k.module) for k, _ in measured if k.label in roots)}
         for key, s in measured:
             if key.label not in none:
@@ -537,7 +581,7 @@ class Judge:
             label = f"param_groups[{index}]{of}"
             peak = self._lr_peaks[label] = max(self._lr_peaks.get(label, 0.0), lr)
             cut = lr <= LR_CUT * peak
-            module = _common_module([key.module for key, _ in members])
+            module = _common_module(tuple(self._subjects[key].module for key, _ in members))
             reason = (f"learning rate {lr:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
                       f"the {counted(len(members), 'parameter')} of the group do not move")
             self._run("stalled", _Subject(PARAM_GROUP, label, module), step, cut, t.stalled_steps, lr, reason=reason)
@@ -559,12 +603,12 @@ class Judge:
         fast = {key.label for key, r in ratios.items() if r >= t.vanishing_update_ratio * median}
         by_module: dict[str, list[bool]] = {}
         for key in ratios:
-            by_module.setdefault(key.module, []).append(key.label in fast)
+            by_module.setdefault(self._subjects[key].module, []).append(key.label in fast)
 
         def moving(key: Key) -> bool:
             if key.kind == Kind.PARAM_GRAD:
                 return key.label in fast
-            module = by_module.get(key.module)
+            module = by_module.get(self._subjects[key].module)
             return bool(module) and all(module)
 
         return moving
@@ -579,13 +623,13 @@ class Judge:
             subject = track.subject
             self._flags[(check, label)] = Flag(check, *subject[:2], track.start, track.last, subject.module, track.score)
 
-    def _check_dead(self, step: int, entries: Summary) -> None:
+    def _check_dead(self, step: int, entries: Summary, bad: Mapping[Key, str]) -> None:
         t = self.thresholds
         zeros: dict[str, dict[str, list[float]]] = {}
         for key, s in entries.items():
             if key.kind in (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD) and s.get("zero_fraction") is not None \
-                    and not _bad(key.kind, s):
-                zeros.setdefault(key.module, {}).setdefault(key.kind, []).append(s["zero_fraction"])
+                    and key not in bad:
+                zeros.setdefault(self._subjects[key].module, {}).setdefault(key.kind, []).append(s["zero_fraction"])
         for module, kinds in zeros.items():
             dead = all(z >= t.dead_zero_fraction for values in kinds.values() for z in values)
             value = min(z for values in kinds.values() for z in values)
@@ -596,7 +640,7 @@ class Judge:
         cause of its own (``explained``: a cut learning rate, no gradient) count towards the
         model's medians but are not judged ``stalled`` here."""
         t = self.thresholds
-        subjects = {key.label: _subject(key) for key, _ in params}
+        subjects = {key.label: self._subjects[key] for key, _ in params}
         ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
         sizes = {
             key.label: s["param_norm"] / math.sqrt(self._sizes[key.label])
@@ -618,18 +662,18 @@ class Judge:
             if name not in explained:  # (their own check keeps their run of stalled steps)
                 self._run("stalled", subjects[name], step, still, t.stalled_steps, ratio)
 
-    def _check_nonfinite(self, step: int, entries: Summary) -> None:
+    def _check_nonfinite(self, step: int, entries: Summary, bad: Mapping[Key, str]) -> None:
         first = self._nonfinite
         if first is not None and first.since <= step:
             # Caught by the sentinel on a step that was not logged: the next logged step, logged
             # in full, says where it is born when it comes again.
             if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(
                     key.kind == Kind.CAUGHT for key in entries):
-                again = nonfinite_origin(entries)
+                again = _origin(entries, bad)
                 if again is not None and not again[1].startswith("weights"):
                     first.detail += f"; at step {step}, logged in full after it: {again[1]}"
             return
-        origin = nonfinite_origin(entries)
+        origin = _origin(entries, bad)
         if origin is not None:
             module, detail, value = origin
             before = [s for s in self._seen if s < step]
@@ -696,14 +740,20 @@ class Judge:
         self._no_grad = {name: list(v) for name, v in state.get("no_grad", {}).items()}
 
     def _track(self, check: str, label: str) -> _Track:
-        return self._tracks.setdefault((check, label), _Track())
+        track = self._tracks.get((check, label))
+        if track is None:
+            track = self._tracks[(check, label)] = _Track()
+        return track
 
     def _run(self, flag: str, subject: _Subject, step: int, bad: bool, needed: int, value: float,
              score: float = 0.0, reason: str = "") -> None:
-        label = subject.label
-        track = self._track(flag, label)
+        label = f"{subject.kind} {subject.entry}" if subject.kind else subject.entry
+        track = self._tracks.get((flag, label))
+        if track is None:
+            track = self._tracks[(flag, label)] = _Track()
         if not bad:
-            track.start, track.length = None, 0
+            if track.start is not None:
+                track.start, track.length = None, 0
             return
         if track.start is None:
             track.start = step
@@ -795,13 +845,15 @@ class Judge:
         return present if flags is None else present & flags
 
 
-def _ancestors(module: str) -> list[str]:
-    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``: outermost first."""
+@functools.lru_cache(maxsize=1 << 16)
+def _ancestors(module: str) -> tuple[str, ...]:
+    """``"a.b.c"`` -> ``("a", "a.b", "a.b.c")``: outermost first."""
     parts = module.split(".")
-    return [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+    return tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
 
 
-def _common_module(modules: list[str]) -> str:
+@functools.lru_cache(maxsize=256)
+def _common_module(modules: tuple[str, ...]) -> str:
     """The innermost module holding all of ``modules`` (``(model)`` for the model itself)."""
     split = [m.split(".") for m in modules]
     common = []
@@ -810,6 +862,12 @@ def _common_module(modules: list[str]) -> str:
             break
         common.append(parts[0])
     return ".".join(common) or "(model)"
+
+
+def _middle(values: list[float]) -> float:
+    """``statistics.median`` of a non-empty list, without its checks (a few values per entry per step)."""
+    ordered, half = sorted(values), len(values) // 2
+    return ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 def _median(values: list[float]) -> float | None:
