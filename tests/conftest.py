@@ -73,6 +73,17 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class AdamMLP(MLP):
+    """The MLP stepped by Adam, fused (the optimizer unscales in its own step) or not."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
+
+
 class ManualGAN(pl.LightningModule):
     """Two optimizers and two manual_backward calls per step."""
 

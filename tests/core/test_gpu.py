@@ -123,15 +123,7 @@ def test_16_mixed_with_fused_adam_logs_the_norms_of_unfused_adam(tmp_path):
 
     from lightning_gradhooks import GradHooks
 
-    from conftest import MLP, loader, read_events
-
-    class AdamMLP(MLP):
-        def __init__(self, fused: bool) -> None:
-            super().__init__()
-            self.fused = fused
-
-        def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
+    from conftest import AdamMLP, loader, read_events
 
     norms = {}
     for fused in (False, True):

@@ -10,7 +10,7 @@ from lightning_gradhooks import GradHooks
 from lightning_gradhooks._tensorboard import STATS_TAG
 from lightning_gradhooks.log import LOGGED_STATISTICS
 
-from conftest import MLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
+from conftest import MLP, AdamMLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events
 
 LAYERS = ["net.0", "net.2", "net.4"]
 PARAMS = [f"{m}.{p}" for m in LAYERS for p in ("weight", "bias")]
@@ -275,15 +275,6 @@ def test_mixed_precision_statistics_are_unscaled_and_the_scale_is_logged(tmp_pat
         norms[init_scale]["hist.max"] = hist.max
     for tag, value in norms[1.0].items():
         assert norms[1024.0][tag] == pytest.approx(value, rel=1e-2), tag
-
-
-class AdamMLP(MLP):
-    def __init__(self, fused: bool) -> None:
-        super().__init__()
-        self.fused = fused
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
 
 
 def test_an_optimizer_that_unscales_in_its_own_step_logs_unscaled_gradients(tmp_path):
