@@ -97,7 +97,7 @@ def test_16_mixed_on_gpu_logs_unscaled_statistics(tmp_path):
         )
         trainer.fit(MLP(), loader())
         events = read_events(trainer.logger.log_dir)
-        assert events.Scalars("loss_scale")[0].value == 65536.0  # GradScaler's default initial scale
+        assert events.Scalars("∇1 overview/loss_scale")[0].value == 65536.0  # GradScaler's default initial scale
         values[offload] = [e.value for e in events.Scalars("∇2 grad_output_norm/net.4")]
     # Divided by the scale: of the order of a float32 run's gradients, not 65536 times larger.
     assert all(v < 10 for v in values[None]) and values[256] == pytest.approx(values[None], rel=1e-4)
