@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import report_panel as panel
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.records import Key
-from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
+from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
 
 
 def classes(seed: int = 0, n: int = 512, features: int = 8) -> TensorDataset:
@@ -239,7 +239,7 @@ def test_a_resumed_run_reports_the_whole_run_as_the_cli_does(tmp_path, resume_at
 
 
 def test_a_checkpoint_of_an_unknown_state_version_is_refused_clearly():
-    with pytest.raises(ValueError, match="expected a state of version 1 or 2, got 99"):
+    with pytest.raises(ValueError, match="expected a state of version 1, 2 or 3, got 99"):
         HealthReport().load_state_dict({"version": 99})
 
 
@@ -293,7 +293,7 @@ def test_catch_nonfinite_is_checked_at_construction():
 
 
 def test_new_thresholds_are_range_checked():
-    with pytest.raises(ValueError, match=r"Thresholds.round_off_factor expected a number > 0, got 0"):
+    with pytest.raises(ValueError, match=r"`Thresholds.round_off_factor` expected a number > 0, got 0"):
         Thresholds(round_off_factor=0)
     with pytest.raises(ValueError, match=r"Thresholds.vanishing_update_ratio"):
         Thresholds(vanishing_update_ratio=-1)
