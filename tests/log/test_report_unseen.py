@@ -6,9 +6,7 @@ Every fit is a real Lightning fit; the CLI reads the same event files and must p
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -21,7 +19,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import report_panel as panel
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.records import Key
 from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
 
 
@@ -234,34 +231,6 @@ def test_a_resumed_run_reports_the_whole_run_as_the_cli_does(tmp_path, resume_at
     text = printed_equals_cli(second, log_dir)
     assert "in 12 logged steps" in text
     assert second.gradient_log._flow.steps == list(range(0, 60, 5))  # the picture resumed too
-
-
-def test_a_checkpoint_of_an_unknown_state_version_is_refused_clearly():
-    with pytest.raises(ValueError, match="expected a state of version 1, 2 or 3, got 99"):
-        HealthReport().load_state_dict({"version": 99})
-
-
-def test_a_report_state_of_the_earlier_release_resumes_as_if_never_stopped():
-    # Written by the release before one record type (tests/log/data, its "written_by"): the report's
-    # state at step 30 of a run with a dead layer, and every logged step's summary of that run.
-    saved = json.loads((Path(__file__).parent / "data" / "report_state_v1.json").read_text())
-    assert saved["state"]["version"] == 1
-
-    def summary(entries):
-        return {Key.of_label(kind, name): stats for kind, name, stats in entries}
-
-    whole, resumed = HealthReport(), HealthReport()
-    resumed.load_state_dict(saved["state"])
-    assert resumed.steps == 6  # logged steps 0 to 25
-    for step, entries in saved["steps"]:
-        whole.add_stats(step, summary(entries))
-        resumed.add_stats(step, summary(entries))  # steps it has seen are ignored, as on a resume
-    assert resumed.steps == whole.steps == 12
-    assert resumed.table() == whole.table()
-    assert [(f.flag, f.kind, f.entry, f.since) for f in resumed.flags()] == [
-        (f.flag, f.kind, f.entry, f.since) for f in whole.flags()]
-    (row,) = resumed.rows()
-    assert (row.flag, row.module, row.since) == ("dead", "2", 0)
 
 
 # -- the sentinel ------------------------------------------------------------------------------
