@@ -40,12 +40,8 @@ def rounded(stats: Mapping[Any, Mapping[str, float]]) -> list[tuple[Any, dict[st
     as_float32 = array("f", values).tolist()
     if as_float32 == values and set(map(type, values)) <= {float}:  # float32 values already
         return [(key, dict(s)) for key, s in stats.items()]
-    out, start = [], 0
-    for key, s in stats.items():
-        end = start + len(s)
-        out.append((key, dict(zip(s, as_float32[start:end]))))
-        start = end
-    return out
+    it = iter(as_float32)  # zip takes a name first: each entry takes its own values, no more
+    return [(key, dict(zip(s, it))) for key, s in stats.items()]
 
 
 def median(values: list[float]) -> float | None:

@@ -4,7 +4,7 @@ Pure Python."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_gradhooks.health.flags import Flag, Row, Subject
@@ -19,7 +19,7 @@ class Run:
     length: int = 0
     last: float = 0.0
     score: float = 0.0
-    subject: Subject = field(default_factory=lambda: Subject("", "", ""))
+    subject: Subject = Subject("", "", "")  # (a tuple: shared, never changed)
 
 
 class Tracker:
@@ -41,11 +41,14 @@ class Tracker:
         ``since`` goes back to it)."""
         label = subject.label
         run = self.runs.get((flag, label))
+        if not bad:  # most calls: nothing to do but end a run
+            if run is None:
+                self.runs[(flag, label)] = Run()  # (made now: the runs are kept in the order first judged)
+            elif run.start is not None:
+                run.start, run.length = None, 0
+            return
         if run is None:
             run = self.runs[(flag, label)] = Run()
-        if not bad:
-            run.start, run.length = None, 0
-            return
         if run.start is None:
             run.start = step
         run.length += 1
