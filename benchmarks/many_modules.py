@@ -594,7 +594,7 @@ def profile_table(case: Case, model: nn.Module, monitor: GradientMonitor, timing
         writer.close()
     own: dict[str, float] = {"write (TensorBoard events)": 0.0, "report": 0.0, "picture (gradient flow)": 0.0}
     for (file, _, _), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
-        part = ("report" if file.endswith(("report.py", "noise.py")) else "picture (gradient flow)"
+        part = ("report" if "/health/" in file or file.endswith("noise.py") else "picture (gradient flow)"
                 if file.endswith("flow.py") or "matplotlib" in file or "PIL" in file else "write (TensorBoard events)")
         own[part] += tottime * 1e3 / len(records)
     parts |= own

@@ -16,6 +16,7 @@ from lightning_gradhooks.stats import STATISTICS, StatsRow
 
 if TYPE_CHECKING:
     from lightning_gradhooks.callback import GradHooks
+    from lightning_gradhooks.health import HealthReport, Thresholds
     from lightning_gradhooks.log import GradientLog
 
 __all__ = [
@@ -26,8 +27,10 @@ __all__ = [
     "GradientLog",
     "GradientMonitor",
     "GradientRecord",
+    "HealthReport",
     "Kind",
     "StatsRow",
+    "Thresholds",
     "save_on_disk",
 ]
 __version__ = "0.1.0"
@@ -36,6 +39,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "GradHooks": "lightning_gradhooks.callback",
     "GradientLog": "lightning_gradhooks.log",
+    "HealthReport": "lightning_gradhooks.health",
+    "Thresholds": "lightning_gradhooks.health",
 }
 
 

@@ -4,7 +4,7 @@ Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event fi
 checking every record's length and CRC-32C as TensorBoard writes them, rebuilds every logged
 step from the compact summary GradHooks writes at each (``gradhooks/stats``: packed numbers in an
 event of its own, or the JSON of earlier versions; the scalar charts in logs written before it)
-and prints the report of :mod:`lightning_gradhooks.report`. Works
+and prints the report of :mod:`lightning_gradhooks.health`. Works
 while the run is still going. A file that is cut short or damaged is read up to the damage, and
 a warning names it and says what was read.
 
@@ -21,11 +21,13 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from lightning_gradhooks._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, _masked_crc32c
+from lightning_gradhooks._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
 from lightning_gradhooks._text import counted
 from lightning_gradhooks.records import Key, Kind, Summary
-from lightning_gradhooks.report import FLAGS, HealthReport, Thresholds
+from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
+from lightning_gradhooks.health.step import merge_summary
 
 # Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
 _KINDS_LONGEST_FIRST = sorted(Kind, key=len, reverse=True)
@@ -66,7 +68,7 @@ def read_records(path: Path) -> Iterator[bytes | _Damage]:
         header = data[offset : offset + 8]
         (length,) = struct.unpack("<Q", header)
         (crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
-        if _masked_crc32c(header) != crc:
+        if masked_crc32c(header) != crc:
             yield _Damage(path, offset, "damaged record header (CRC mismatch)")
             return
         end = offset + 12 + length + 4
@@ -74,7 +76,7 @@ def read_records(path: Path) -> Iterator[bytes | _Damage]:
             yield _Damage(path, offset, f"cut short: a record of {counted(length, 'byte')}, {len(data) - offset - 12} left")
             return
         payload = data[offset + 12 : offset + 12 + length]
-        if _masked_crc32c(payload) != struct.unpack("<I", data[end - 4 : end])[0]:
+        if masked_crc32c(payload) != struct.unpack("<I", data[end - 4 : end])[0]:
             yield _Damage(path, offset, "damaged record (CRC mismatch)")
             return
         yield payload
@@ -106,60 +108,66 @@ def read_folder(folder: Path) -> Run:
     that an earlier file holds already (a checkpoint older than the last logged step), the
     earlier file's steps from there on are dropped, as TensorBoard drops them: what the resumed
     run logged replaces them, and the report is the resumed run's own."""
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.util import tensor_util
-
-    steps: dict[int, Summary] = defaultdict(dict)
-    damage, gradhooks = [], False
+    run = Run(folder, defaultdict(dict), False, [])
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        events, logged, reader = 0, set(), SummaryReader()
-        restart: int | None = None  # the first step of this file with a summary
-        for record in read_records(path):
-            if isinstance(record, _Damage):
-                record.events, record.steps = events, len(logged)
-                damage.append(record)
-                break
-            events += 1
-            if reader.packed and _STATS_BYTES not in record[:_STATS_WITHIN]:
-                continue  # charts: not what the report reads
-            try:
-                event = Event.FromString(record)
-            except Exception as error:  # a record whose CRC holds but whose bytes are no Event
-                damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events - 1, len(logged)))
-                break
-            for value in event.summary.value:
-                gradhooks = gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's overview, an older log's
-                summary = reader.read(value)
-                if restart is None and summary is not None:
+        _read_file(path, run)
+    run.steps = dict(run.steps)
+    return run
+
+
+def _read_file(path: Path, run: Run) -> None:
+    """Add the GradHooks data of one event file to ``run``."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    steps, events, logged, reader = run.steps, 0, set(), SummaryReader()
+    restart: int | None = None  # the first step of this file with a summary
+    for record in read_records(path):
+        if isinstance(record, _Damage):
+            record.events, record.steps = events, len(logged)
+            run.damage.append(record)
+            return
+        events += 1
+        if reader.packed and _STATS_BYTES not in record[:_STATS_WITHIN]:
+            continue  # charts: not what the report reads
+        try:
+            event = Event.FromString(record)
+        except Exception as error:  # a record whose CRC holds but whose bytes are no Event
+            run.damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events - 1, len(logged)))
+            return
+        for value in event.summary.value:
+            run.gradhooks = run.gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's, an older log's
+            summary = reader.read(value)
+            if summary is not None:  # every statistic of the step, compact
+                if restart is None:
                     restart = event.step
                     for stale in [s for s in steps if s >= restart]:
                         del steps[stale]
-                if summary is not None:  # every statistic of the step, compact
-                    gradhooks = True
-                    logged.add(event.step)
-                    step = steps.setdefault(event.step, summary)
-                    if step is not summary:  # a step's update ratios come in a summary of their own, later
-                        for key, stats in summary.items():
-                            if key in step:
-                                step[key].update(stats)
-                            else:
-                                step[key] = stats
-                    continue
-                parsed = _parse_tag(value.tag)  # a scalar chart of an older log
-                if parsed is None:
-                    continue
-                if value.HasField("simple_value"):
-                    number = value.simple_value
-                elif value.metadata.plugin_data.plugin_name == "scalars":
-                    number = float(tensor_util.make_ndarray(value.tensor))
-                else:
-                    continue
-                gradhooks = True
-                logged.add(event.step)
-                kind, stat, name = parsed
-                stat = "param_norm" if (kind, stat) == (Kind.PARAM, "norm") else stat
-                steps[event.step].setdefault(Key.of_label(kind, name), {})[stat] = number
-    return Run(folder, dict(steps), gradhooks, damage)
+                # A step's update ratios come in a summary of their own, later.
+                merge_summary(steps[event.step], summary.items())
+            elif not _read_scalar(value, steps, event.step):  # a scalar chart of an older log
+                continue
+            run.gradhooks = True
+            logged.add(event.step)
+
+
+def _read_scalar(value: Any, steps: dict[int, Summary], step: int) -> bool:
+    """Add a scalar chart of a log written before the compact summary to ``steps[step]``; False
+    for other values."""
+    from tensorboard.util import tensor_util
+
+    parsed = _parse_tag(value.tag)
+    if parsed is None:
+        return False
+    if value.HasField("simple_value"):
+        number = value.simple_value
+    elif value.metadata.plugin_data.plugin_name == "scalars":
+        number = float(tensor_util.make_ndarray(value.tensor))
+    else:
+        return False
+    kind, stat, name = parsed
+    stat = "param_norm" if (kind, stat) == (Kind.PARAM, "norm") else stat
+    steps[step].setdefault(Key.of_label(kind, name), {})[stat] = number
+    return True
 
 
 def report_of(run: Run, thresholds: Thresholds) -> HealthReport:
@@ -243,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         thresholds = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     except ValueError as error:
-        name = str(error).split()[0].removeprefix("Thresholds.")
+        name = str(error).split()[0].strip("`").removeprefix("Thresholds.")
         parser.error(f"argument --{name.replace('_', '-')}: {error}")
     folders = sorted({p.parent for p in args.logdir.rglob("events.out.tfevents.*")})
     runs = [read_folder(folder) for folder in folders]

@@ -1,4 +1,4 @@
-"""Argument checks shared by ``GradHooks``, ``GradientMonitor`` and ``save_on_disk``.
+"""Argument checks shared by ``GradHooks``, ``GradientMonitor``, ``save_on_disk`` and the report's ``Thresholds``.
 
 Every check runs at construction and raises a ``ValueError`` that names the argument, says what
 is accepted and shows the value received::
@@ -11,6 +11,7 @@ that a constructor checks and converts in one line. Pure Python: no torch, no Li
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -37,6 +38,24 @@ def check_int(
             accepted = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"`{argument}` expected {accepted}{' or None' if allow_none else ''}, got {value!r}")
     return value
+
+
+def check_number(
+    argument: str, value: object, low: float, high: float | None = None, closed: tuple[bool, bool] = (True, True)
+) -> float:
+    """``value`` as a float if it is a finite number (not a bool) from ``low`` to ``high`` (None: no
+    upper end), each end included or not as ``closed`` says."""
+    if high is None:
+        accepted = f"{'>=' if closed[0] else '>'} {low:g}"
+    else:
+        accepted = f"in {'[' if closed[0] else '('}{low:g}, {high:g}{']' if closed[1] else ')'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{argument}` expected a finite number {accepted}, got {value!r}")
+    below = value < low if closed[0] else value <= low
+    above = high is not None and (value > high if closed[1] else value >= high)
+    if below or above:
+        raise ValueError(f"`{argument}` expected a number {accepted}, got {value!r}")
+    return float(value)
 
 
 def check_bool(argument: str, value: object) -> bool:

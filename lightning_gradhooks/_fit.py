@@ -64,7 +64,7 @@ class Fit:
         self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if hooks.catch_nonfinite else None
         log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=hooks.statistics,
                           histograms=hooks.histograms, histogram_every_n_steps=hooks.histogram_every_n_steps,
-                          thresholds=hooks._thresholds,
+                          thresholds=hooks.thresholds,
                           sync_dist=hooks.sync_dist, echo=_trainer.echo(trainer, hooks),
                           precision=_trainer.gradient_dtype(trainer))
         if restored is not None:

@@ -87,7 +87,7 @@ def histogram_tag(entry: GradientEntry) -> str:
     return f"{HISTOGRAMS}/{entry.kind}/{entry.key.label}"
 
 
-def _masked_crc32c(data: bytes) -> int:
+def masked_crc32c(data: bytes) -> int:
     """TensorBoard's record checksum: CRC-32C of ``data``, rotated right by 15 bits, plus a constant."""
     crc = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
@@ -213,12 +213,6 @@ def _kind(kind: str) -> str:
     return Kind._value2member_map_.get(kind, kind)
 
 
-def read_stats_value(value: Any) -> Summary | None:
-    """What :func:`stats_value` wrote (with its layout), from a summary value read back; None for
-    other values."""
-    return SummaryReader().read(value)
-
-
 def histogram_values(record: GradientRecord) -> list[SummaryProto.Value]:
     """The histograms of ``record`` as summary values (entries with no finite value are skipped).
     Each run of empty buckets is written as one bucket, reaching to the last one's right edge
@@ -252,7 +246,7 @@ def histogram_values(record: GradientRecord) -> list[SummaryProto.Value]:
 def _record(data: bytes) -> bytes:
     """``data`` framed as a TFRecord: length, its checksum, the data, its checksum."""
     header = struct.pack("<Q", len(data))
-    return header + struct.pack("<I", _masked_crc32c(header)) + data + struct.pack("<I", _masked_crc32c(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 class _EventFile:

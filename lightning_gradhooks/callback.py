@@ -25,7 +25,7 @@ from lightning_gradhooks.log import (
 from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.records import GradientRecord
-from lightning_gradhooks.report import Thresholds
+from lightning_gradhooks.health import Thresholds
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -64,7 +64,7 @@ class GradHooksLogic:
             newest ``offload_budget_bytes`` in memory); None: no offload.
         sync_dist: pool the hook statistics of all data-parallel ranks (one ``all_gather`` per
             logged step); default: rank 0's own. Sharded parameters are always pooled.
-        report_thresholds: overrides of :class:`~lightning_gradhooks.report.Thresholds` fields.
+        report_thresholds: overrides of :class:`~lightning_gradhooks.health.Thresholds` fields.
         catch_nonfinite: check every step's gradients before the optimizer step and skip a step
             with NaN/Inf (:class:`~lightning_gradhooks.sentinel.NonfiniteSentinel`), naming it.
         offload_fix_mmap_threshold: with CPU offload, fix glibc's mmap threshold so that offload
@@ -124,7 +124,8 @@ class GradHooksLogic:
         self.compile_statistics = check_bool("compile_statistics", compile_statistics)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
-        self._thresholds = Thresholds(**self.report_thresholds)  # each range-checked now, not at fit start
+        #: The report's :class:`~lightning_gradhooks.Thresholds`, made (each range-checked) now, not at fit start.
+        self.thresholds = Thresholds(**self.report_thresholds)
         #: The :class:`~lightning_gradhooks.log.GradientLog` of the current (or last) fit (its ``report``).
         self.gradient_log: GradientLog | None = None
         #: The offload engine's counters (``OffloadStats``) when the last fit ended; None without offload.

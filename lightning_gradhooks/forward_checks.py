@@ -7,7 +7,7 @@ every floating parameter (kind ``weights``: the weights were already non-finite 
 began). A tensor is summed once a step: the output of one module that is the next one's input is
 not summed again. The sums are reduced with the gradients (the monitor's reducer), so the report
 can name the first module whose forward made a NaN
-(:func:`lightning_gradhooks.judge.nonfinite_origin`).
+(:func:`lightning_gradhooks.health.nonfinite_origin`).
 """
 
 from __future__ import annotations

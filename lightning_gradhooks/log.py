@@ -49,7 +49,7 @@ from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
 from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
 from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
-from lightning_gradhooks.report import HealthReport, Thresholds, nonfinite_origin
+from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
 from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
 
@@ -144,7 +144,7 @@ class GradientLog:
             and the compact summary are written every logged step. Default:
             :data:`DEFAULT_HISTOGRAM_EVERY_N_STEPS`; 1: every logged step.
         thresholds: when the health report raises a flag; default
-            :class:`~lightning_gradhooks.report.Thresholds`.
+            :class:`~lightning_gradhooks.health.Thresholds`.
         sync_dist: in a distributed job, pool the hook statistics of every rank into those of
             the global batch (one ``all_gather`` per logged step); default: rank 0's own.
         echo: how the report (and a note when matplotlib is missing) is printed: a function of

@@ -147,7 +147,7 @@ class GradientMonitor:
             into entries of kind ``"forward_input"`` and ``"forward"``, in forward order before
             the gradients, and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
-            NaN or Inf were born (:func:`lightning_gradhooks.report.nonfinite_origin`).
+            NaN or Inf were born (:func:`lightning_gradhooks.health.nonfinite_origin`).
         noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is

@@ -6,8 +6,10 @@ One folder per part of the package:
   plain torch), noise.py, sentinel.py, and what crosses the core: in-place models,
   ``torch.compile``, the GPU path;
 - ``log/``: log.py (plain loops and Fabric), flow.py, updates.py, distributed.py (pooling over
-  ranks), report.py and ``python -m lightning_gradhooks`` (report, panel, CLI, console), the real
-  TensorBoard server;
+  ranks), the console, the real TensorBoard server;
+- ``health/``: the report: its checks, one file each, driven by hand-made steps
+  (``helpers/health_steps.py``); the resume state of earlier releases (``health/data``); the
+  report through real fits, its validation panel and ``python -m lightning_gradhooks report``;
 - ``shell/``: the Lightning callback: arguments, lifecycle, set-ups, loggers, LightningCLI, both
   namespaces, DDP and sharded strategies, models of every shape;
 - ``offload/``: ``save_on_disk``: engine, budget, errors, signals, in-place truth, in the callback;

@@ -575,7 +575,7 @@ def test_hooks_stay_in_through_every_backward_until_collect():
 
 def test_forward_checks_name_the_module_where_nan_is_born():
     from lightning_gradhooks.records import step_summary
-    from lightning_gradhooks.report import nonfinite_origin
+    from lightning_gradhooks.health import nonfinite_origin
 
     net = model()
     net[2].register_forward_hook(lambda m, i, o: o.index_fill(1, torch.tensor([0]), float("nan")))

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lightning_gradhooks._tensorboard import read_stats_value, section, stats_value
+from lightning_gradhooks._tensorboard import SummaryReader, section, stats_value
 from lightning_gradhooks.records import (
     GRADIENT_KINDS, GradientEntry, GradientRecord, Histogram, Key, Kind, pool_entries, single_entry, step_summary,
 )
@@ -80,5 +80,5 @@ def test_the_optimizer_index_is_a_field_written_as_a_prefix_and_read_back():
     value = stats_value(summary)
     assert json.loads(value.metadata.plugin_data.content)["keys"] == [["grad_output", "optimizer_3/lstm/0", ["norm"]],
                                                                      ["param", "w", ["update_ratio"]]]
-    assert read_stats_value(value) == summary
+    assert SummaryReader().read(value) == summary
     assert Key.of_label("grad_output", "optimizer_x/m") == Key(Kind.GRAD_OUTPUT, "optimizer_x/m")

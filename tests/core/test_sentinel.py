@@ -1,5 +1,5 @@
 """The NaN sentinel (sentinel.py) on its own: which gradients it names, in which order, and what
-it leaves alone. Through GradHooks in a real fit: tests/log/test_report_unseen.py."""
+it leaves alone. Through GradHooks in a real fit: tests/health/test_report_unseen.py."""
 
 import pytest
 import torch

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from lightning_gradhooks.__main__ import _parser
 from lightning_gradhooks.monitor import select_modules
-from lightning_gradhooks.report import HealthReport, Thresholds, counted
+from lightning_gradhooks._text import counted
+from lightning_gradhooks.health import HealthReport, Thresholds
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

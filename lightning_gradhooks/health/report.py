@@ -1,9 +1,10 @@
-"""The gradient-health report: the flags of :mod:`lightning_gradhooks.judge`, rendered. Pure Python.
+"""The gradient-health report: what the :class:`~lightning_gradhooks.health.judge.Judge` decided,
+rendered. Pure Python.
 
-:class:`HealthReport` is the :class:`~lightning_gradhooks.judge.Judge` of a run with its three
-renderings: :meth:`~HealthReport.table` (the grouped report printed at the end of fit and by the
-``report`` command; every flagged entry with ``full``) and :meth:`~HealthReport.markdown`
-(TensorBoard's Text tab). What each flag means is in :mod:`lightning_gradhooks.judge`.
+:class:`HealthReport` holds the judge of a run and renders it: :meth:`~HealthReport.table` (the
+grouped report printed at the end of fit and by the ``report`` command; every flagged entry with
+``full``) and :meth:`~HealthReport.markdown` (TensorBoard's Text tab). What each flag means is in
+:mod:`lightning_gradhooks.health`.
 
 Example:
     >>> report = HealthReport()
@@ -20,29 +21,77 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from lightning_gradhooks._text import counted, listed
-from lightning_gradhooks.judge import FLAGS, Flag, Judge, Row, Thresholds, nonfinite_origin
+from lightning_gradhooks.health.flags import FLAGS, Flag, Row
+from lightning_gradhooks.health.judge import Judge
+from lightning_gradhooks.health.thresholds import Thresholds
 
-__all__ = ["FLAGS", "Flag", "HealthReport", "Row", "Thresholds", "counted", "nonfinite_origin"]
 
-
-class HealthReport(Judge):
-    """A :class:`~lightning_gradhooks.judge.Judge` that renders what it decided.
+class HealthReport:
+    """The report of a run: a :class:`~lightning_gradhooks.health.judge.Judge` (:attr:`judge`)
+    that takes in the logged steps, and its renderings.
 
     Args:
-        thresholds: when to flag; default :class:`~lightning_gradhooks.judge.Thresholds`.
+        thresholds: when to flag; default :class:`~lightning_gradhooks.health.thresholds.Thresholds`.
     """
+
+    def __init__(self, thresholds: Thresholds | None = None) -> None:
+        self.judge = Judge(thresholds)
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self.judge.thresholds
+
+    @property
+    def steps(self) -> int:
+        """The number of logged steps taken in."""
+        return self.judge.steps
+
+    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
+        """:meth:`Judge.add_stats <lightning_gradhooks.health.judge.Judge.add_stats>`."""
+        self.judge.add_stats(step, stats)
+
+    @property
+    def first_nonfinite(self) -> Row | None:
+        """The ``nonfinite`` row: the first logged step with NaN/Inf and where they were born."""
+        return self.judge.first_nonfinite
+
+    def flags(self) -> list[Flag]:
+        """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
+        return self.judge.flags()
+
+    def rows(self) -> list[Row]:
+        """The grouped report: one row per flag per module, worst first."""
+        return self.judge.rows()
+
+    def notes(self) -> list[Flag]:
+        """Parameters that get no gradient by construction: never a flag."""
+        return self.judge.notes()
+
+    def names(self, flags: set[str] | None = None) -> set[str]:
+        """The flags present (optionally only among ``flags``)."""
+        return self.judge.names(flags)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The judge's state (for a checkpoint)."""
+        return self.judge.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`, of this release or an earlier one."""
+        self.judge.load_state_dict(state)
 
     def table(self, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
         """The report as plain text: the grouped rows, worst first, at most ``limit`` per flag
         and ``max_lines`` lines in all (the rest counted), or every flagged entry with ``full``;
         one line when nothing was seen."""
-        return render_table(self, full, limit, max_lines)
+        return render_table(self.judge, full, limit, max_lines)
 
     def markdown(self) -> str:
         """The report as Markdown (TensorBoard's Text tab): the grouped rows, then every entry."""
-        return render_markdown(self)
+        return render_markdown(self.judge)
 
 
 def _note_line(judge: Judge) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import report_panel as panel
-from lightning_gradhooks.report import FLAGS
+from lightning_gradhooks.health import FLAGS
 
 pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ import pytest
 
 import report_panel as panel
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.report import HealthReport, Thresholds
+from lightning_gradhooks.health import HealthReport, Thresholds
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +97,14 @@ def test_random_bytes_an_empty_folder_and_a_run_without_gradhooks_exit_2(tmp_pat
 
 
 BAD = [
-    ({"exploding_window": -1}, "Thresholds.exploding_window expected an int >= 1, got -1"),
-    ({"vanishing_steps": 0}, "Thresholds.vanishing_steps expected an int >= 1, got 0"),
-    ({"stalled_steps": 2.5}, "Thresholds.stalled_steps expected an int >= 1, got 2.5"),
-    ({"dead_steps": True}, "Thresholds.dead_steps expected an int >= 1, got True"),
-    ({"vanishing_ratio": math.nan}, "Thresholds.vanishing_ratio expected a finite number in (0, 1), got nan"),
-    ({"exploding_factor": "100"}, "Thresholds.exploding_factor expected a finite number > 1, got '100'"),
-    ({"dead_zero_fraction": 1.5}, "Thresholds.dead_zero_fraction expected a number in (0, 1], got 1.5"),
-    ({"exploding_update_ratio": -1.0}, "Thresholds.exploding_update_ratio expected a number > 0, got -1.0"),
+    ({"exploding_window": -1}, "`Thresholds.exploding_window` expected a positive int, got -1"),
+    ({"vanishing_steps": 0}, "`Thresholds.vanishing_steps` expected a positive int, got 0"),
+    ({"stalled_steps": 2.5}, "`Thresholds.stalled_steps` expected a positive int, got 2.5"),
+    ({"dead_steps": True}, "`Thresholds.dead_steps` expected a positive int, got True"),
+    ({"vanishing_ratio": math.nan}, "`Thresholds.vanishing_ratio` expected a finite number in (0, 1), got nan"),
+    ({"exploding_factor": "100"}, "`Thresholds.exploding_factor` expected a finite number > 1, got '100'"),
+    ({"dead_zero_fraction": 1.5}, "`Thresholds.dead_zero_fraction` expected a number in (0, 1], got 1.5"),
+    ({"exploding_update_ratio": -1.0}, "`Thresholds.exploding_update_ratio` expected a number > 0, got -1.0"),
 ]
 
 
@@ -120,14 +120,14 @@ def test_thresholds_from_the_command_line_are_range_checked_without_a_traceback(
     log_dir, _ = dead_run
     code, out, err = panel.cli("report", log_dir, "--exploding-window", "-1")
     assert code == 2 and out == "" and "Traceback" not in err
-    assert "argument --exploding-window: Thresholds.exploding_window expected an int >= 1, got -1" in err
+    assert "argument --exploding-window: `Thresholds.exploding_window` expected a positive int, got -1" in err
     code, _, err = panel.cli("report", log_dir, "--vanishing-ratio", "nan")
-    assert code == 2 and "Thresholds.vanishing_ratio expected a finite number in (0, 1), got nan" in err
+    assert code == 2 and "`Thresholds.vanishing_ratio` expected a finite number in (0, 1), got nan" in err
 
 
 def test_whole_floats_from_a_config_file_are_taken_as_step_counts():
     hooks = GradHooks(report_thresholds={"vanishing_steps": 4.0, "vanishing_ratio": 1e-4})
-    assert hooks._thresholds.vanishing_steps == 4 and type(hooks._thresholds.vanishing_steps) is int
+    assert hooks.thresholds.vanishing_steps == 4 and type(hooks.thresholds.vanishing_steps) is int
 
 
 def test_the_report_command_reads_the_compact_summary_whatever_is_charted(tmp_path):

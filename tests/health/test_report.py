@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.report import HealthReport
+from lightning_gradhooks.health import HealthReport
 
 from conftest import loader, make_trainer, read_events
 
@@ -241,7 +241,7 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
     assert run_here("report", logdir, "--fail-on", "nonfinite").returncode == 0
     too_big = run_here("report", logdir, "--dead-zero-fraction", "1.5", "--fail-on", "dead")
     assert too_big.returncode == 2 and "Traceback" not in too_big.stderr
-    assert "Thresholds.dead_zero_fraction expected a number in (0, 1], got 1.5" in too_big.stderr
+    assert "`Thresholds.dead_zero_fraction` expected a number in (0, 1], got 1.5" in too_big.stderr
     wrong = run_here("report", logdir, "--fail-on", "nan")
     assert wrong.returncode == 2 and "expected flags from nonfinite" in wrong.stderr
     missing = run_here("report", str(tmp_path / "nowhere"))
@@ -315,7 +315,7 @@ def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
     tests/shell/test_ddp.py). Statistics pooled over the ranks (`sync_dist`) that are bad on the
     hooks: born in backward, on that rank."""
     from lightning_gradhooks.records import Key
-    from lightning_gradhooks.report import nonfinite_origin
+    from lightning_gradhooks.health import nonfinite_origin
 
     nan = {"nonfinite": 4.0, "norm": math.nan}
     finite = {"nonfinite": 0.0, "norm": 1.0}

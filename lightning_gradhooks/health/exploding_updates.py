@@ -1,0 +1,27 @@
+"""``exploding`` from the optimizer step: an update many times the size of the weights it moves.
+Pure Python."""
+
+from __future__ import annotations
+
+from lightning_gradhooks.health.check import Check
+from lightning_gradhooks.health.step import Step
+from lightning_gradhooks.health.tracker import Tracker
+
+
+class ExplodingUpdates(Check):
+    """An ``update_ratio`` above ``exploding_update_ratio`` on a parameter at the model's own
+    scale (``floor_ratio``), ``exploding_steps`` logged steps in a row; one such update is
+    enough when it lands the weights beyond ``1 / floor_ratio`` times the model's median
+    parameter RMS. Not read on a skipped step (``step.skipped``); reads ``step.updates``."""
+
+    name = "exploding_updates"
+
+    def __call__(self, step: Step, tracker: Tracker) -> None:
+        if step.skipped:
+            return
+        t, updates = self.thresholds, step.updates
+        for name, ratio in updates.ratios.items():
+            big = name in updates.readable and ratio > t.exploding_update_ratio
+            far = big and updates.sizes[name] >= updates.median_size / max(t.floor_ratio, 1e-12)
+            tracker.run("exploding", step.subjects[updates.keys[name]], step.number, big,
+                        1 if far else t.exploding_steps, ratio, score=ratio)

@@ -1,0 +1,171 @@
+"""The judge: a step loop over :data:`CHECKS`. Pure Python.
+
+Example:
+    >>> judge = Judge()
+    >>> for step in (0, 10, 20):  # a ReLU that lets no gradient through
+    ...     judge.add_stats(step, {("grad_output", "relu"): {"zero_fraction": 1.0}})
+    >>> [(f.flag, f.kind, f.entry, f.since) for f in judge.flags()]
+    [('dead', '', 'relu', 0)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_gradhooks.health import rows as grouping
+from lightning_gradhooks.health.check import Check
+from lightning_gradhooks.health.dead import Dead
+from lightning_gradhooks.health.exploding import Exploding
+from lightning_gradhooks.health.exploding_at_nonfinite import ExplodingAtNonfinite
+from lightning_gradhooks.health.exploding_updates import ExplodingUpdates
+from lightning_gradhooks.health.flags import Flag, Row, Subject
+from lightning_gradhooks.health.lr_cut import LrCut
+from lightning_gradhooks.health.migrate import VERSION, upgrade
+from lightning_gradhooks.health.no_gradient import NoGradient
+from lightning_gradhooks.health.nonfinite import NonFinite
+from lightning_gradhooks.health.round_off import RoundOff
+from lightning_gradhooks.health.shape import Shape
+from lightning_gradhooks.health.stalled import Stalled
+from lightning_gradhooks.health.step import Step, merge_summary, rounded
+from lightning_gradhooks.health.thresholds import Thresholds
+from lightning_gradhooks.health.tracker import Tracker
+from lightning_gradhooks.health.unowned import Unowned
+from lightning_gradhooks.health.vanishing import Vanishing
+from lightning_gradhooks.records import Key, Kind, Summary
+
+#: The checks, in the order they judge each step: a check reads what those before it wrote on
+#: the step (see :class:`~lightning_gradhooks.health.step.Step`).
+CHECKS: tuple[type[Check], ...] = (
+    NonFinite,  # writes first_nonfinite
+    Unowned,  # writes unowned
+    RoundOff,  # writes round_off
+    NoGradient,  # writes no_gradient
+    LrCut,  # writes lr_cut
+    Vanishing,  # reads quiet (round_off, unowned)
+    Exploding,  # reads quiet
+    Dead,
+    ExplodingUpdates,  # reads updates (quiet)
+    Stalled,  # reads updates, explained (no_gradient, lr_cut)
+    ExplodingAtNonfinite,  # reads first_nonfinite; after every check that runs "exploding"
+)
+#: The most keys whose subject a judge keeps (a model's entries; beyond it, the cache starts over).
+_SUBJECTS_MAX = 1 << 16
+
+
+class Judge:
+    """Accumulates logged steps and flags gradient problems (see :mod:`lightning_gradhooks.health`).
+
+    A step is judged once all its statistics are in: the statistics given for one step (one
+    call, or several: the update ratios after the gradients, one record per optimizer) are
+    merged, and the step is judged when a later step arrives or the report is read (statistics
+    of a step given after it was judged are ignored). Its state survives a resume through
+    :meth:`state_dict` / :meth:`load_state_dict`.
+
+    Args:
+        thresholds: when to flag; default :class:`Thresholds`.
+    """
+
+    def __init__(self, thresholds: Thresholds | None = None) -> None:
+        self.thresholds = thresholds or Thresholds()
+        self.tracker = Tracker()
+        self.shape = Shape(self.thresholds.dead_zero_fraction)
+        self.checks = tuple(check(self.thresholds) for check in CHECKS)
+        self._seen: list[int] = []
+        self._pending: dict[int, Summary] = {}  # steps not judged yet
+        self._subjects: dict[Key, Subject] = {}  # a cache: the subject of each key seen
+
+    @property
+    def steps(self) -> int:
+        """The number of logged steps taken in."""
+        return len(self._seen)
+
+    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
+        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.records.Summary`
+        (:func:`~lightning_gradhooks.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
+        in record order. Several calls for one step are merged (one step, counted once); a call
+        for a later step judges the earlier ones. Statistics of a step already judged are
+        ignored (a resume replays no step the report has seen)."""
+        if step not in self._pending:
+            if self._seen and step <= self._seen[-1]:
+                return
+            self._judge_pending()
+            self._pending[step] = {}
+            self._seen.append(step)
+        merge_summary(self._pending[step],
+                      ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)))
+
+    def _judge_pending(self) -> None:
+        for number in sorted(self._pending):
+            self._judge(number, self._pending.pop(number))
+
+    def _judge(self, number: int, entries: Summary) -> None:
+        subjects = self._subjects
+        if len(subjects) > _SUBJECTS_MAX:  # names that keep changing: start over
+            subjects.clear()
+        for key in entries:
+            if key not in subjects:
+                subjects[key] = Subject.of(key)
+        previous = next((s for s in reversed(self._seen) if s < number), None)
+        self.shape.learn(entries, subjects)
+        step = Step(number, entries, previous, subjects, self.shape, self.thresholds)
+        for check in self.checks:
+            check(step, self.tracker)
+
+    # -- reading the report ----------------------------------------------------------------
+    @property
+    def first_nonfinite(self) -> Row | None:
+        """The ``nonfinite`` row: the first logged step with NaN/Inf and where they were born."""
+        self._judge_pending()
+        return self.tracker.nonfinite
+
+    def flags(self) -> list[Flag]:
+        """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
+        self._judge_pending()
+        return grouping.all_flags(self.tracker, self.shape)
+
+    def rows(self) -> list[Row]:
+        """The grouped report (:func:`~lightning_gradhooks.health.rows.rows`), worst first."""
+        self._judge_pending()
+        return grouping.rows(self.tracker, self.shape)
+
+    def notes(self) -> list[Flag]:
+        """What is worth knowing and is no problem: parameters that get no gradient by
+        construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
+        self._judge_pending()
+        return grouping.notes(self.tracker, self.shape)
+
+    def names(self, flags: set[str] | None = None) -> set[str]:
+        """The flags present (optionally only among ``flags``)."""
+        present = {f.flag for f in self.flags()}
+        return present if flags is None else present & flags
+
+    # -- resume --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the judge has learnt, in plain Python values (for a checkpoint)."""
+        return {
+            "version": VERSION,
+            "seen": list(self._seen),
+            "pending": [[step, [[str(key.kind), key.name, key.optimizer, dict(s)] for key, s in stats.items()]]
+                        for step, stats in self._pending.items()],
+            "tracker": self.tracker.state_dict(),
+            "shape": self.shape.state_dict(),
+            "checks": {check.name: check.state_dict() for check in self.checks},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (the thresholds stay this judge's own); a state of an
+        earlier release is read too (:mod:`~lightning_gradhooks.health.migrate`).
+
+        Raises:
+            ValueError: ``state`` is not a state of a version this judge reads.
+        """
+        state = upgrade(state, type(self).__name__)
+        self._seen = [int(s) for s in state["seen"]]
+        self._pending = {int(step): {Key(Kind(k), n, o): dict(s) for k, n, o, s in stats}
+                         for step, stats in state["pending"]}
+        self.tracker.load_state_dict(state["tracker"])
+        self.shape.load_state_dict(state["shape"])
+        for check in self.checks:
+            if check.name in state["checks"]:  # a check of a later release than the state starts fresh
+                check.load_state_dict(state["checks"][check.name])

@@ -1,0 +1,173 @@
+"""One logged step as every check reads it: :class:`Step`, made once per step by the judge; and
+:func:`merge_summary`, the one way a step's summaries (one per optimizer, the update ratios after
+the gradients) become one. Pure Python."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from functools import cached_property
+from typing import Any, NamedTuple
+
+from lightning_gradhooks.health.flags import Subject
+from lightning_gradhooks.health.origin import bad_entries
+from lightning_gradhooks.health.shape import Shape
+from lightning_gradhooks.health.thresholds import Thresholds
+from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary, rms
+
+#: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
+#: unless a step's summary says the gradients were of another precision (``precision`` entry).
+FLOAT32_EPS = 2.0 ** -23
+
+
+def merge_summary(into: Summary, summary: Iterable[tuple[Key, dict[str, float]]]) -> None:
+    """Merge ``(key, statistics)`` pairs of one step into ``into`` (a later value of a statistic wins)."""
+    for key, stats in summary:
+        if key in into:
+            into[key].update(stats)
+        else:
+            into[key] = stats
+
+
+def rounded(stats: Mapping[Any, Mapping[str, float]]) -> list[tuple[Any, dict[str, float]]]:
+    """A step's statistics rounded to float32, ``(key, {statistic: value})`` in order, the whole
+    step at once. The judge reads float32 values whatever it is given: a record (whose statistics
+    are float32 already on most devices, and float64 under double precision) and the log (which
+    holds them as float64) give the same numbers, so the report of a run and of its log agree."""
+    values = [v for s in stats.values() for v in s.values()]
+    as_float32 = array("f", values).tolist()
+    if as_float32 == values and set(map(type, values)) <= {float}:  # float32 values already
+        return [(key, dict(s)) for key, s in stats.items()]
+    it = iter(as_float32)  # zip takes a name first: each entry takes its own values, no more
+    return [(key, dict(zip(s, it))) for key, s in stats.items()]
+
+
+def median(values: list[float]) -> float | None:
+    """The median of the finite values among ``values``; None with fewer than three."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(values) if len(values) > 2 else None
+
+
+class Updates(NamedTuple):
+    """The update ratios of a step's parameters (those not ``quiet``), and the model's scale."""
+
+    keys: dict[str, Key]  # parameter -> its key
+    ratios: dict[str, float]  # parameter -> its finite update ratio
+    sizes: dict[str, float]  # parameter -> its RMS after the step
+    median_size: float | None
+    readable: set[str]  # parameters at least ``floor_ratio`` of the median size
+    median_ratio: float | None  # over the readable parameters (all, if they are too few)
+
+
+class Step:
+    """A logged step, made once by the judge and read by every check, in the order of
+    :data:`~lightning_gradhooks.health.judge.CHECKS`.
+
+    Read-only for the checks: ``number``, ``entries`` (the step's merged summary, in record
+    order, float32 values), ``previous`` (the logged step before it, or None), ``subjects`` (each
+    key's :class:`~lightning_gradhooks.health.flags.Subject`), ``bad`` (the non-finite entries
+    and why), ``shape`` (the model as seen so far: backward order, parameter sizes, all-zero
+    gradients), and the values computed on first use: ``values`` (each finite gradient entry's
+    RMS), ``medians`` (per gradient kind), ``moving``, ``eps``, ``skipped``.
+
+    Written by the checks, for the checks after them (the only fields a check writes):
+
+    - ``first_nonfinite`` (:class:`~lightning_gradhooks.health.nonfinite.NonFinite`): this step
+      is the run's first non-finite one;
+    - ``unowned`` (:class:`~lightning_gradhooks.health.unowned.Unowned`): parameters in no optimizer;
+    - ``round_off`` (:class:`~lightning_gradhooks.health.round_off.RoundOff`): parameters whose
+      gradient is round-off (zero by construction);
+    - ``no_gradient`` (:class:`~lightning_gradhooks.health.no_gradient.NoGradient`): parameters
+      whose ``.grad`` is None;
+    - ``lr_cut`` (:class:`~lightning_gradhooks.health.lr_cut.LrCut`): parameters of a param
+      group whose learning rate is cut.
+    """
+
+    def __init__(self, number: int, entries: Summary, previous: int | None, subjects: Mapping[Key, Subject],
+                 shape: Shape, thresholds: Thresholds) -> None:
+        self.number, self.entries, self.previous = number, entries, previous
+        self.subjects, self.shape, self.thresholds = subjects, shape, thresholds
+        self.bad = bad_entries(entries)
+        self.first_nonfinite = False
+        self.unowned: set[str] = set()
+        self.round_off: set[str] = set()
+        self.no_gradient: set[str] = set()
+        self.lr_cut: set[str] = set()
+
+    @property
+    def quiet(self) -> set[str]:
+        """Parameters not judged by their gradient or their update: round-off, or in no optimizer."""
+        return self.round_off | self.unowned
+
+    @property
+    def explained(self) -> set[str]:
+        """Parameters whose stall has a cause of its own (no gradient, a cut learning rate):
+        counted in the model's medians, not judged ``stalled`` by their update."""
+        return self.no_gradient | self.lr_cut
+
+    @cached_property
+    def skipped(self) -> bool:
+        """Whether the optimizer step was skipped (non-finite gradients: a gradient scaler, the
+        sentinel): its update says nothing about the parameters."""
+        return any(key.kind in (*GRADIENT_KINDS, Kind.CAUGHT) for key in self.bad)
+
+    @cached_property
+    def eps(self) -> float:
+        """The relative precision of this step's gradients."""
+        return next((s.get("eps", FLOAT32_EPS) for key, s in self.entries.items() if key.kind == Kind.PRECISION),
+                    FLOAT32_EPS)
+
+    @cached_property
+    def values(self) -> dict[Key, float | None]:
+        """The RMS of each gradient entry that is finite (None where it cannot be told)."""
+        bad = self.bad
+        return {key: rms(s) for key, s in self.entries.items() if key.kind in GRADIENT_KINDS and key not in bad}
+
+    @cached_property
+    def medians(self) -> dict[str, float | None]:
+        """The median RMS of each gradient kind (None: fewer than three values)."""
+        values = self.values
+        return {kind: median([v for key, v in values.items() if key.kind == kind]) for kind in GRADIENT_KINDS}
+
+    @cached_property
+    def updates(self) -> Updates:
+        """The update ratios of the parameters not ``quiet`` (read once the checks that write
+        ``unowned`` and ``round_off`` have run), and the model's typical update: the median over
+        parameters at their own scale (near-zero ones move by more than their size in healthy
+        training, and would inflate it)."""
+        quiet, sizes_of = self.quiet, self.shape.sizes
+        params = [(key, s) for key, s in self.entries.items() if key.kind == Kind.PARAM and key.label not in quiet]
+        ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
+        sizes = {key.label: s["param_norm"] / math.sqrt(sizes_of[key.label]) for key, s in params
+                 if key.label in sizes_of and math.isfinite(s.get("param_norm", math.nan))}
+        median_size = median(list(sizes.values()))
+        floor = self.thresholds.floor_ratio
+        readable = {n for n, size in sizes.items() if median_size is not None and size >= floor * median_size}
+        median_ratio = median([r for n, r in ratios.items() if n in readable]) or median(list(ratios.values()))
+        return Updates({key.label: key for key, _ in params}, ratios, sizes, median_size, readable, median_ratio)
+
+    @cached_property
+    def moving(self) -> Callable[[Key], bool]:
+        """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
+        least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
+        with the gradient). False where no update ratio was measured."""
+        ratios = {key: s["update_ratio"] for key, s in self.entries.items()
+                  if key.kind == Kind.PARAM and math.isfinite(s.get("update_ratio", math.nan))
+                  and s.get("in_optimizer", 1.0) != 0.0}
+        middle = median(list(ratios.values()))
+        if not middle:
+            return lambda key: False
+        fast = {key.label for key, r in ratios.items() if r >= self.thresholds.vanishing_update_ratio * middle}
+        by_module: dict[str, list[bool]] = {}
+        for key in ratios:
+            by_module.setdefault(self.subjects[key].module, []).append(key.label in fast)
+
+        def moving(key: Key) -> bool:
+            if key.kind == Kind.PARAM_GRAD:
+                return key.label in fast
+            module = by_module.get(self.subjects[key].module)
+            return bool(module) and all(module)
+
+        return moving

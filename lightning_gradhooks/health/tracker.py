@@ -1,0 +1,91 @@
+"""The one owner of the runs of bad steps, the flags, the notes and the first non-finite step.
+Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from lightning_gradhooks.health.flags import Flag, Row, Subject
+
+
+@dataclass
+class Run:
+    """A run of bad steps of one flag on one subject: where it began (None: not in one), its
+    length, and the value, score and subject at its latest bad step."""
+
+    start: int | None = None
+    length: int = 0
+    last: float = 0.0
+    score: float = 0.0
+    subject: Subject = Subject("", "", "")  # (a tuple: shared, never changed)
+
+
+class Tracker:
+    """Runs and flags, keyed by ``(flag, subject label)``; a flag is raised once a run lasts
+    long enough (:meth:`run`) and stays, with the step its first run began at. Also holds the
+    notes (no problem, worth knowing) and the row of the first non-finite step."""
+
+    def __init__(self) -> None:
+        self.runs: dict[tuple[str, str], Run] = {}
+        self.flags: dict[tuple[str, str], Flag] = {}
+        self.notes: dict[str, Flag] = {}  # parameter -> its note, while it holds
+        self.nonfinite: Row | None = None
+
+    def run(self, flag: str, subject: Subject, step: int, bad: bool, needed: int, value: float,
+            score: float = 0.0, reason: str = "", began: int | None = None) -> None:
+        """Step ``subject``'s run of ``flag``: on a bad step it grows, and at ``needed`` steps the
+        flag is raised (kept from an earlier run: its ``since`` and its worst score); a good step
+        ends it. ``began``: where the trouble began when that is before the run (the flag's
+        ``since`` goes back to it)."""
+        label = subject.label
+        run = self.runs.get((flag, label))
+        if not bad:  # most calls: nothing to do but end a run
+            if run is None:
+                self.runs[(flag, label)] = Run()  # (made now: the runs are kept in the order first judged)
+            elif run.start is not None:
+                run.start, run.length = None, 0
+            return
+        if run is None:
+            run = self.runs[(flag, label)] = Run()
+        if run.start is None:
+            run.start = step
+        run.length += 1
+        run.last, run.score, run.subject = value, score, subject
+        previous = self.flags.get((flag, label))
+        if run.length >= needed:
+            since = previous.since if previous else run.start
+            worst = max(score, previous.score) if previous else score
+            previous = self.flags[(flag, label)] = Flag(flag, *subject[:2], since, value, subject.module, worst, reason)
+        if began is not None and previous is not None and previous.since > began:
+            self.flags[(flag, label)] = replace(previous, since=int(began))
+
+    def running(self, flag: str) -> bool:
+        """Whether any subject is in a run of ``flag`` now."""
+        return any(f == flag and run.start is not None for (f, _), run in self.runs.items())
+
+    def promote(self, flag: str) -> None:
+        """Raise ``flag`` on every subject in a run of it now, however short."""
+        for key, run in self.runs.items():
+            if key[0] != flag or run.start is None or key in self.flags:
+                continue
+            subject = run.subject
+            self.flags[key] = Flag(flag, *subject[:2], run.start, run.last, subject.module, run.score)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "runs": [[flag, label, r.start, r.length, r.last, r.score, list(r.subject)]
+                     for (flag, label), r in self.runs.items()],
+            "flags": [asdict(f) for f in self.flags.values()],
+            "notes": [asdict(f) for f in self.notes.values()],
+            "nonfinite": asdict(self.nonfinite) if self.nonfinite is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.runs = {(flag, label): Run(start, length, last, score, Subject(*subject))
+                     for flag, label, start, length, last, score, subject in state["runs"]}
+        self.flags = {(flag.flag, flag.name): flag for flag in (Flag(**f) for f in state["flags"])}
+        self.notes = {f["entry"]: Flag(**f) for f in state["notes"]}
+        row = state["nonfinite"]
+        self.nonfinite = None if row is None else Row(**{**row, "consequences": [Flag(**f) for f in row["consequences"]]})
