@@ -55,6 +55,7 @@ HEIGHT = 400
 DPI = 100
 #: Font height in pixels: ~12 pixels on TensorBoard's card, which shows the image at ~0.5x.
 FONT_PX = 24
+_FONT = FONT_PX * 72 / DPI  # in points
 #: Longer module names keep their last dotted parts that fit (``…11.mlp.c_proj``).
 LABEL_CHARS = 14
 #: Steps the heatmap keeps; older columns are dropped (the scalars keep everything).
@@ -184,65 +185,156 @@ class GradientFlow:
         import matplotlib
         import numpy as np
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.collections import PolyCollection
         from matplotlib.colors import Normalize
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
 
         data = flow_data(self.modules, self.rms)
         n, columns = data.grid.shape
-        font = FONT_PX * 72 / DPI  # points
         figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
         FigureCanvasAgg(figure)
         labels = [_shortened(m) for m in self.modules]
-        # Axes placed in pixels: labels on the left, heatmap, bars; under the bars, the colour
-        # bar is their axis; under everything, the two axis titles on one line.
-        left = 12 + 0.6 * FONT_PX * max((len(s) for s in labels), default=1)
-        bottom, top, gap, right = 2.6 * FONT_PX + 14, FONT_PX + 12, 10, 16
-        strip = 0.7 * FONT_PX
-        bars_width = 0.3 * (WIDTH - left - right)
-        heat_width = WIDTH - left - right - gap - bars_width
-        plot_bottom = bottom + strip + 4
-        plot_height = HEIGHT - plot_bottom - top
-
-        def box(x: float, y: float, w: float, h: float) -> list[float]:
-            return [x / WIDTH, y / HEIGHT, w / WIDTH, h / HEIGHT]
-
-        heat = figure.add_axes(box(left, plot_bottom, heat_width, plot_height))
-        bars = figure.add_axes(box(left + heat_width + gap, plot_bottom, bars_width, plot_height), sharey=heat)
-        strip_axes = figure.add_axes(box(left + heat_width + gap, bottom, bars_width, strip))
+        heat, bars, strip_axes, plot_height = _axes(figure, labels)
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85", under="black")
         norm = Normalize(*data.limits)
-        low = data.limits[0]
         shown = heat.imshow(
-            np.where(np.isneginf(data.grid), low - 1, data.grid),  # a zero RMS: "under", not masked
+            np.where(np.isneginf(data.grid), data.limits[0] - 1, data.grid),  # a zero RMS: "under", not masked
             aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
             extent=(-0.5, columns - 0.5, n - 0.5, -0.5),
         )
-        # The bars, on the colour scale: from its low end to log10 RMS, coloured alike.
-        ends = np.where(np.isfinite(data.bars), data.bars, low)
-        x0, y = low, np.arange(n)[:, None]
-        boxes = np.stack([np.broadcast_to(x0, (n, 4)), y + [-0.4, 0.4, 0.4, -0.4]], axis=2)
-        boxes[:, 2:, 0] = ends[:, None]  # one collection: 500 bar patches take ~0.5 s to draw
-        bars.add_collection(PolyCollection(boxes, facecolors=cmap(norm(ends)), linewidths=0))
-        bars.set_xlim(*data.limits)
-        bars.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
-        bars.set_title(f"step {self.steps[-1]}", fontsize=font, pad=4, loc="right")
-        bar = figure.colorbar(shown, cax=strip_axes, orientation="horizontal")
-        bar.set_label("log10 RMS of grad_output", fontsize=font, loc="right", labelpad=2)
-        strip_axes.xaxis.set_major_locator(MaxNLocator(nbins=3, steps=[1, 2, 5, 10]))
-        strip_axes.tick_params(labelsize=font, length=3, pad=2)
-        rows = max(1, int(plot_height // (1.25 * FONT_PX)))
-        every = -(-n // rows)  # more labels than fit would overlap
-        heat.set_yticks(range(0, n, every), labels[::every], fontsize=font)
-        heat.tick_params(axis="y", length=2, pad=2)
-        ticks = MaxNLocator(nbins=3, integer=True, min_n_ticks=1).tick_values(0, columns - 1)
-        ticks = [int(t) for t in ticks if 0 <= t <= columns - 1] or [0]
-        heat.set_xticks(ticks, [str(self.steps[t]) for t in ticks], fontsize=font)
-        heat.tick_params(axis="x", length=3, pad=2)
-        heat.set_xlabel("logged step", fontsize=font, loc="left", labelpad=2)
-        heat.set_xlim(-0.5, columns - 0.5)
+        _bars(bars, data, cmap, norm, self.steps[-1])
+        _colour_bar(figure, shown, strip_axes)
+        _heat_ticks(heat, labels, [self.steps[t] for t in range(columns)], plot_height)
         return figure
+
+
+def _axes(figure: Any, labels: list[str]) -> tuple[Any, Any, Any, float]:
+    """The heatmap's, the bars' and the colour bar's axes, placed in pixels: labels on the left,
+    heatmap, bars; under the bars, the colour bar is their axis; under everything, the two axis
+    titles on one line. Also the plots' height in pixels."""
+    left = 12 + 0.6 * FONT_PX * max((len(s) for s in labels), default=1)
+    bottom, top, gap, right = 2.6 * FONT_PX + 14, FONT_PX + 12, 10, 16
+    strip = 0.7 * FONT_PX
+    bars_width = 0.3 * (WIDTH - left - right)
+    heat_width = WIDTH - left - right - gap - bars_width
+    plot_bottom = bottom + strip + 4
+    plot_height = HEIGHT - plot_bottom - top
+
+    def box(x: float, y: float, w: float, h: float) -> list[float]:
+        return [x / WIDTH, y / HEIGHT, w / WIDTH, h / HEIGHT]
+
+    heat = figure.add_axes(box(left, plot_bottom, heat_width, plot_height))
+    bars = figure.add_axes(box(left + heat_width + gap, plot_bottom, bars_width, plot_height), sharey=heat)
+    strip_axes = figure.add_axes(box(left + heat_width + gap, bottom, bars_width, strip))
+    return heat, bars, strip_axes, plot_height
+
+
+def _bars(bars: Any, data: FlowData, cmap: Any, norm: Any, step: int) -> None:
+    """The bars, on the colour scale: from its low end to log10 RMS, coloured alike."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    n = len(data.bars)
+    low = data.limits[0]
+    ends = np.where(np.isfinite(data.bars), data.bars, low)
+    x0, y = low, np.arange(n)[:, None]
+    boxes = np.stack([np.broadcast_to(x0, (n, 4)), y + [-0.4, 0.4, 0.4, -0.4]], axis=2)
+    boxes[:, 2:, 0] = ends[:, None]  # one collection: 500 bar patches take ~0.5 s to draw
+    bars.add_collection(PolyCollection(boxes, facecolors=cmap(norm(ends)), linewidths=0))
+    bars.set_xlim(*data.limits)
+    bars.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
+    bars.set_title(f"step {step}", fontsize=_FONT, pad=4, loc="right")
+
+
+def _colour_bar(figure: Any, shown: Any, strip_axes: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    bar = figure.colorbar(shown, cax=strip_axes, orientation="horizontal")
+    bar.set_label("log10 RMS of grad_output", fontsize=_FONT, loc="right", labelpad=2)
+    strip_axes.xaxis.set_major_locator(MaxNLocator(nbins=3, steps=[1, 2, 5, 10]))
+    strip_axes.tick_params(labelsize=_FONT, length=3, pad=2)
+
+
+def _heat_ticks(heat: Any, labels: list[str], steps: list[int], plot_height: float) -> None:
+    """The heatmap's module labels (as many as fit) and a few logged steps."""
+    from matplotlib.ticker import MaxNLocator
+
+    n, columns = len(labels), len(steps)
+    rows = max(1, int(plot_height // (1.25 * FONT_PX)))
+    every = -(-n // rows)  # more labels than fit would overlap
+    heat.set_yticks(range(0, n, every), labels[::every], fontsize=_FONT)
+    heat.tick_params(axis="y", length=2, pad=2)
+    ticks = MaxNLocator(nbins=3, integer=True, min_n_ticks=1).tick_values(0, columns - 1)
+    ticks = [int(t) for t in ticks if 0 <= t <= columns - 1] or [0]
+    heat.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=_FONT)
+    heat.tick_params(axis="x", length=3, pad=2)
+    heat.set_xlabel("logged step", fontsize=_FONT, loc="left", labelpad=2)
+    heat.set_xlim(-0.5, columns - 0.5)
+
+
+def _parts(name: str) -> list[str]:
+    return re.split(r"[./]", name)
+
+
+def _split(group: list[str], depth: int, limit: int) -> list[list[str]]:
+    """``group`` cut into pieces of at most ``limit`` names, along the hierarchy from ``depth``."""
+    if len(group) <= limit:
+        return [group]
+    runs: list[list[str]] = []
+    key: object = object()
+    for name in group:
+        p = _parts(name)
+        here = p[depth] if len(p) > depth + 1 else None  # a name ending here: on its own
+        if here is None or here != key or not runs:
+            runs.append([])
+        runs[-1].append(name)
+        key = here
+    if len(runs) == 1:
+        if all(len(_parts(n)) <= depth + 1 for n in group):  # nothing deeper: cut
+            return [group[i : i + limit] for i in range(0, len(group), limit)]
+        return _split(group, depth + 1, limit)
+    packed: list[list[str]] = []
+    target = -(-len(group) // -(-len(group) // limit))  # as few charts as fit, evenly filled
+    whole = False  # whether packed[-1] holds whole subtrees only, so may take another
+    for run in runs:
+        pieces = _split(run, depth + 1, limit)
+        # A container's own entry comes after its last child's: it joins that chart.
+        parent = len(run) == 1 and packed and packed[-1][-1].startswith((run[0] + ".", run[0] + "/"))
+        if len(pieces) == 1 and (whole or parent) and len(packed[-1]) + len(run) <= target:
+            packed[-1].extend(run)
+        else:
+            packed.extend(list(piece) for piece in pieces)
+            whole = len(pieces) == 1
+    return packed
+
+
+def _common_prefix(group: list[str]) -> list[str]:
+    """The parts of the dotted path that every name of ``group`` starts with."""
+    common = _parts(group[0])
+    for name in group[1:]:
+        p = _parts(name)
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    return common
+
+
+def _titled(groups: list[list[str]]) -> list[tuple[str, list[str]]]:
+    """Each group with its title: its subtree, its children's range, or its first and last names."""
+    commons = [_common_prefix(group) for group in groups]
+    prefixes = [".".join(common) for common in commons]
+    titled: list[tuple[str, list[str]]] = []
+    used: set[str] = set()
+    for group, prefix, common in zip(groups, prefixes, commons):
+        title = group[0] if len(group) == 1 else prefix or f"{group[0]} … {group[-1]}"
+        if len(group) > 1 and prefix and prefixes.count(prefix) > 1:  # a subtree cut in pieces:
+            first, last = (".".join(_parts(n)[: len(common) + 1]) for n in (group[0], group[-1]))  # its children
+            title = first if first == last else f"{first} … {last}"
+        while title in used:
+            title += " "
+        used.add(title)
+        titled.append((title, group))
+    return titled
 
 
 def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str, list[str]]]:
@@ -253,70 +345,13 @@ def chart_groups(names: Sequence[str], limit: int = MAX_LINES) -> list[tuple[str
     children (``blocks.3.norm1 … blocks.3.attn``); small neighbouring subtrees are packed
     together (``net.0 … net.2``).
     """
-
-    def parts(name: str) -> list[str]:
-        return re.split(r"[./]", name)
-
-    def split(group: list[str], depth: int) -> list[list[str]]:
-        if len(group) <= limit:
-            return [group]
-        runs: list[list[str]] = []
-        key: object = object()
-        for name in group:
-            p = parts(name)
-            here = p[depth] if len(p) > depth + 1 else None  # a name ending here: on its own
-            if here is None or here != key or not runs:
-                runs.append([])
-            runs[-1].append(name)
-            key = here
-        if len(runs) == 1:
-            if all(len(parts(n)) <= depth + 1 for n in group):  # nothing deeper: cut
-                return [group[i : i + limit] for i in range(0, len(group), limit)]
-            return split(group, depth + 1)
-        packed: list[list[str]] = []
-        target = -(-len(group) // -(-len(group) // limit))  # as few charts as fit, evenly filled
-        whole = False  # whether packed[-1] holds whole subtrees only, so may take another
-        for run in runs:
-            pieces = split(run, depth + 1)
-            # A container's own entry comes after its last child's: it joins that chart.
-            parent = len(run) == 1 and packed and packed[-1][-1].startswith((run[0] + ".", run[0] + "/"))
-            if len(pieces) == 1 and (whole or parent) and len(packed[-1]) + len(run) <= target:
-                packed[-1].extend(run)
-            else:
-                packed.extend(list(piece) for piece in pieces)
-                whole = len(pieces) == 1
-        return packed
-
     groups: list[list[str]] = []
-    for group in split(list(names), 0) if names else []:
+    for group in _split(list(names), 0, limit) if names else []:
         if groups and len(groups[-1]) <= 2 and len(group) <= 2:  # lone leftovers of two subtrees
             groups[-1].extend(group)
         else:
             groups.append(group)
-    prefixes: list[str] = []
-    depths: list[int] = []
-    for group in groups:
-        common = parts(group[0])
-        for name in group[1:]:
-            p = parts(name)
-            k = 0
-            while k < min(len(common), len(p)) and common[k] == p[k]:
-                k += 1
-            common = common[:k]
-        prefixes.append(".".join(common))
-        depths.append(len(common))
-    titled: list[tuple[str, list[str]]] = []
-    used: set[str] = set()
-    for group, prefix, depth in zip(groups, prefixes, depths):
-        title = group[0] if len(group) == 1 else prefix or f"{group[0]} … {group[-1]}"
-        if len(group) > 1 and prefix and prefixes.count(prefix) > 1:  # a subtree cut in pieces:
-            first, last = (".".join(parts(n)[: depth + 1]) for n in (group[0], group[-1]))  # its children
-            title = first if first == last else f"{first} … {last}"
-        while title in used:
-            title += " "
-        used.add(title)
-        titled.append((title, group))
-    return titled
+    return _titled(groups)
 
 
 def _escape(text: str) -> str:

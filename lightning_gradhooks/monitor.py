@@ -111,17 +111,17 @@ class _Armed:
     """What :meth:`GradientMonitor.arm` returns: a ``with`` block pauses the cyclic garbage
     collector while it runs and disarms on leaving, also by an exception."""
 
-    def __init__(self, monitor: GradientMonitor, armed: bool) -> None:
+    def __init__(self, monitor: GradientMonitor, collector: CollectorPause | None) -> None:
         self._monitor = monitor
-        self._armed = armed  # False: arm(when=False), a block that does nothing
+        self._collector = collector  # None: arm(when=False), a block that does nothing
 
     def __enter__(self) -> GradientMonitor:
-        if self._armed:
-            self._monitor._collector.pause()
+        if self._collector is not None:
+            self._collector.pause()
         return self._monitor
 
     def __exit__(self, *args: object) -> None:
-        if self._armed:
+        if self._collector is not None:
             self._monitor.disarm()  # switches the collector back on too
 
 
@@ -392,7 +392,7 @@ class GradientMonitor:
         step (one noise sample a step: that of its first optimizer).
         """
         if not check_bool("when", when):
-            return _Armed(self, armed=False)
+            return _Armed(self, None)
         if self._armed:
             warnings.warn(
                 "GradientMonitor.arm(): the monitor was still armed from a step that was neither "
@@ -408,7 +408,7 @@ class GradientMonitor:
             self._register()
             if self.noise is not None and noise:
                 self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
-        return _Armed(self, armed=True)
+        return _Armed(self, self._collector)
 
     def arm_noise(self, batch_size: int | None = None, accumulation: int = 1) -> None:
         """Measure this rank's gradient for the noise scale alone, on a step the monitor is not
@@ -489,19 +489,23 @@ class GradientMonitor:
                    grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
-    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool) -> None:
+    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool,
+                into: tuple[list, dict] | None = None) -> None:
+        """Reduce ``grad`` into the armed step's pending rows and reducers, or into the
+        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`)."""
         if grad is None or not grad.is_floating_point():
             return
         if type(grad) is not Tensor and _shards.is_dtensor(grad):  # tensor parallel: this rank's piece
             grad = _shards.local_piece(grad)[0]
             if grad is None or grad.numel() == 0:
                 return
+        pending, reducers = into or (self._pending, self._reducers)
         device = grad.device
-        reducer = self._reducers.get(device)
+        reducer = reducers.get(device)
         if reducer is None:
-            reducer = self._reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
+            reducer = reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
         reducer.add(grad, histogram)
-        self._pending.append((kind, name, device))
+        pending.append((kind, name, device))
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
@@ -534,12 +538,10 @@ class GradientMonitor:
         For the ranks of a sharded job that log nothing themselves but hold shards of the
         parameters: every rank must reduce its pieces for the pooling.
         """
-        saved, (self._pending, self._reducers) = (self._pending, self._reducers), ([], {})
-        try:
-            reduced = self._reduce_parameters(parameters)
-            return self._described(self._finish(self._pending, self._reducers), reduced)
-        finally:
-            self._pending, self._reducers = saved
+        pending: list[tuple[str, str, torch.device]] = []
+        reducers: dict[torch.device, Reducer] = {}
+        reduced = self._reduce_parameters(parameters, (pending, reducers))
+        return self._described(self._finish(pending, reducers), reduced)
 
     @property
     def parameters(self) -> dict[str, nn.Parameter]:
@@ -566,9 +568,10 @@ class GradientMonitor:
         views, _ = _shards.fsdp1_sharded(self._model)
         return [n for n, p in self.parameters.items() if id(p) in views or _shards.is_dtensor(p)]
 
-    def _reduce_parameters(self, parameters: Iterable[Tensor] | None) -> dict[str, nn.Parameter]:
+    def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
+                           into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:
         """Reduce the chosen parameters' gradients (those in ``parameters`` only, if given) and
-        return all the chosen parameters, by name."""
+        return all the chosen parameters, by name; ``into``: see :meth:`_reduce`."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         views, flat = _shards.fsdp1_sharded(self._model)
         self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
@@ -577,7 +580,7 @@ class GradientMonitor:
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
-                self._reduce(Kind.PARAM_GRAD, name, piece, self.histograms)
+                self._reduce(Kind.PARAM_GRAD, name, piece, self.histograms, into)
         return chosen
 
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:

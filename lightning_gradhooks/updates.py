@@ -73,6 +73,11 @@ class Update(NamedTuple):
     gradient: bool = True
 
 
+#: What the optimizer held for a parameter when its step began: the group index, the group's
+#: learning rate, whether it had a gradient (:class:`Update`'s last three fields).
+_Facts = tuple[int, float, bool]
+
+
 def _lr(group: Mapping[str, Any]) -> float:
     try:
         return float(group.get("lr", math.nan))
@@ -91,8 +96,10 @@ class UpdateTracker:
         self._names = {id(p): n for n, p in parameters.items()}
         self._handles: list[Any] = []
         self._due: dict[int, tuple[int, int | None]] = {}  # id(optimizer) -> (step, index)
-        self._snapshot: tuple[int, int, int | None, list[str], list[Tensor], list[Tensor]] | None = None
-        self._landing: list[tuple[int, int | None, list[str], Tensor, Any]] = []
+        # (id(optimizer), step, index, names, parameters, their copies, facts) of a step under way
+        self._snapshot: tuple[int, int, int | None, list[str], list[Tensor], list[Tensor], list[_Facts]] | None = None
+        # (step, index, names, facts, norms on the host, CUDA event or None): norms on their way
+        self._landing: list[tuple[int, int | None, list[str], list[_Facts], Tensor, Any]] = []
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the step pre- and post-hook on ``optimizer`` (removed by :meth:`remove`)."""

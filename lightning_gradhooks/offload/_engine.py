@@ -212,7 +212,6 @@ class _Engine:
         self._fix_malloc = fix_mmap_threshold
         dir_fd, tmpfile = _in_thread("save_on_disk-setup", _open_folder, self.folder)
         self._files = _Files(self.folder, dir_fd, tmpfile)
-        self._lock = self._files.lock
         self._segments = self._files.segments
         self.closed = False
         self._pid = os.getpid()
@@ -294,7 +293,7 @@ class _Engine:
             except queue.Empty:
                 if all(t.is_alive() for t in self._threads):
                     continue
-            with self._lock:
+            with self._files.lock:
                 self._check_usable()  # closed, failed or forked: the reason
             raise DiskOffloadError(f"save_on_disk: the engine's threads ended (folder {self.folder!r})")
 
@@ -305,7 +304,7 @@ class _Engine:
         failure = _failure(exc, f"save_on_disk: the {thread} thread failed {doing} in folder {self.folder!r}, "
                                 "so the engine closed itself: the tensors it saved are lost (create a new "
                                 "save_on_disk)")
-        with self._lock:
+        with self._files.lock:
             if self._broken is None:
                 self._broken = failure
         self.close()
@@ -355,7 +354,7 @@ class _Engine:
             for ref in self._resident_modules if (module := ref()) is not None
             for t in itertools.chain(module.parameters(), module.buffers())
         }
-        with self._lock:
+        with self._files.lock:
             self._check_usable()
             self._raise_pending()
             self._step += 1  # the writer starts a new file for each step
@@ -364,7 +363,7 @@ class _Engine:
             self._resident_ptrs = resident
 
     def end_step(self, raise_error: bool) -> None:
-        with self._lock:
+        with self._files.lock:
             self._dedupe = {}
             if raise_error:
                 self._raise_pending()
@@ -375,7 +374,7 @@ class _Engine:
 
     def _check_space(self, step_bytes: int, what: str) -> None:
         """Warn once when the folder cannot hold two steps: before ENOSPC, not after."""
-        with self._lock:
+        with self._files.lock:
             if self._space_warned or self.closed or self._files.dir_fd < 0:
                 return
             fds = [s.fd for s in self._segments.values() if s.fd >= 0]
@@ -396,7 +395,7 @@ class _Engine:
     def keep_in_memory(self, modules: tuple[nn.Module, ...]) -> None:
         ptrs = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
         refs = [weakref.ref(m) for m in modules]
-        with self._lock:
+        with self._files.lock:
             self._resident_modules = self._resident_modules + refs
             self._resident_ptrs = self._resident_ptrs | ptrs
 
@@ -436,13 +435,13 @@ class _Engine:
         region = self._region(t)
         keeper = None if region is None else _version_keeper(t)
         if keeper is None:
-            with self._lock:
+            with self._files.lock:
                 self._check_usable()
                 self._raise_pending()
                 self._kept += 1
             return t.detach(), t._version  # kept in memory; its version is checked at unpack
         storage, start, nbytes, region_start, region_bytes = region
-        with self._lock:
+        with self._files.lock:
             self._check_usable()
             self._raise_pending()
             rec = self._find_duplicate(t, storage, start, nbytes)
@@ -456,7 +455,7 @@ class _Engine:
             _fix_mmap_threshold(self.threshold)
         rec = _Record(t, storage, region_start, region_bytes)
         handle = self._new_handle(rec, t, keeper)
-        with self._lock:
+        with self._files.lock:
             self._check_usable()
             rec.step = self._step
             self._parked[rec] = None
@@ -473,7 +472,7 @@ class _Engine:
         while what is held exceeds it: the next save then finds at most the budget held."""
         while True:
             copy = None
-            with self._lock:
+            with self._files.lock:
                 self._check_usable()
                 self._raise_pending()
                 budget = self.budget
@@ -539,7 +538,7 @@ class _Engine:
         return None
 
     def _stream(self, device: torch.device) -> Any:
-        with self._lock:
+        with self._files.lock:
             if device not in self._streams:
                 self._streams[device] = torch.cuda.Stream(device)
             return self._streams[device]
@@ -566,7 +565,7 @@ class _Engine:
         seg = None
         failure: Failure | None = None
         n = rec.nbytes
-        with self._lock:
+        with self._files.lock:
             if rec in self._parked:  # its hand-over was interrupted right after the put
                 self._unpark(rec)
             if rec.state is not _State.PARKED and rec.state is not _State.QUEUED:
@@ -603,7 +602,7 @@ class _Engine:
                 failure = _failure(exc, f"save_on_disk: could not write {n} bytes to folder {self.folder!r} "
                                         f"({_where(rec)})")
         del src
-        with self._lock:
+        with self._files.lock:
             rec.src = None
             if pinned is not None:  # torch's host allocator keeps it until a skipped write's copy is done
                 rec.pinned = rec.event = None
@@ -658,7 +657,7 @@ class _Engine:
         asked = False
         while True:
             ask = False
-            with self._lock:
+            with self._files.lock:
                 self._check_usable()
                 state = rec.state
                 if state is _State.FAILED:
@@ -705,7 +704,7 @@ class _Engine:
     # -- reader thread: deaths, demanded reads, prefetch
     def _reap(self, ref: _HandleRef) -> None:
         rec = ref.record
-        with self._lock:
+        with self._files.lock:
             if ref in rec.refs:
                 rec.refs.remove(ref)
             if rec.state is _State.DEAD or rec.alive():
@@ -729,7 +728,7 @@ class _Engine:
         return rec.state is _State.WRITTEN and seg is not None and seg.fd >= 0 and rec.alive()
 
     def _demand(self, rec: _Record, load: bool) -> None:
-        with self._lock:
+        with self._files.lock:
             seg = rec.segment
             if seg is None:  # kept in memory: read ahead from the newest record of its step on disk
                 if rec.step > 0 and (self._prefetch_seg is None or self._prefetch_seg.step != rec.step):
@@ -756,7 +755,7 @@ class _Engine:
 
     def _prefetch_one(self) -> bool:
         """Read the newest record saved before the last one unpacked, within the budget."""
-        with self._lock:
+        with self._files.lock:
             seg, found = self._prefetch_seg, None
             while seg is not None and found is None and self.prefetch_bytes:
                 while seg.cursor >= 0 and found is None and seg.fd >= 0 and seg.failed is None:
@@ -785,7 +784,7 @@ class _Engine:
         except Exception as exc:  # noqa: BLE001 - the unpack that needs it is told
             failure = _failure(exc, f"save_on_disk: could not read {rec.nbytes} bytes from folder {self.folder!r} "
                                     f"({_where(rec)})")
-        with self._lock:
+        with self._files.lock:
             rec.segment.io -= 1
             if failure is None:
                 self._bytes_read += rec.nbytes
@@ -817,7 +816,7 @@ class _Engine:
     # -- introspection and teardown
     def stats(self) -> OffloadStats:
         self._sync()
-        with self._lock:
+        with self._files.lock:
             fds = [s.fd for s in self._segments.values() if s.fd >= 0]
             return OffloadStats(
                 directory=self.folder,
@@ -839,18 +838,18 @@ class _Engine:
 
     def flush(self) -> None:
         while True:
-            with self._lock:
+            with self._files.lock:
                 if not self._in_flight or self.closed or os.getpid() != self._pid:
                     break
                 waiter = self._waiter()
             self._wait(waiter)
         self._sync()
-        with self._lock:
+        with self._files.lock:
             self._check_usable()
             self._raise_pending()
 
     def close(self) -> None:
-        with self._lock:
+        with self._files.lock:
             self.closed = True
             for r in self._parked:
                 r.to(_State.DEAD)
@@ -868,10 +867,9 @@ class _Engine:
     def after_fork_in_child(self) -> None:
         """Close this process's copies of the parent's files: a forked child (a DataLoader worker)
         must not keep their blocks alive. The child has one thread; the lock may be held by a
-        thread that no longer exists, so it is replaced."""
-        self._lock = self._files.lock = threading.Lock()
+        thread that no longer exists (the files replace it)."""
         self.closed = True
-        _close_all(self._files.take_all())
+        _close_all(self._files.take_all_after_fork())
 
 
 def _after_fork_in_child() -> None:

@@ -155,10 +155,12 @@ class _Segment:
 
 class _Files:
     """The folder descriptor, the open segments and the lock: what the engine's threads need even
-    after the engine itself was garbage collected (to close every descriptor)."""
+    after the engine itself was garbage collected (to close every descriptor). The engine takes
+    :attr:`lock` for all its state; this object is its one owner."""
 
     def __init__(self, folder: str, dir_fd: int, tmpfile: bool) -> None:
         self.folder, self.dir_fd, self.tmpfile = folder, dir_fd, tmpfile
+        #: The engine's lock (its records, segments and counters), taken only through ``with``.
         self.lock = threading.Lock()
         self.segments: dict[int, _Segment] = {}
 
@@ -172,6 +174,12 @@ class _Files:
                 rec.src = rec.loaded = rec.pinned = None
         self.segments.clear()
         return fds
+
+    def take_all_after_fork(self) -> list[int]:
+        """:meth:`take_all` in a forked child, whose one thread cannot wait for a lock that a
+        thread of the parent held at the fork: the lock is replaced first."""
+        self.lock = threading.Lock()
+        return self.take_all()
 
     def close_all(self) -> None:
         with self.lock:

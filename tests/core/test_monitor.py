@@ -228,6 +228,21 @@ def test_unarmed_hooks_do_nothing_and_collect_is_empty():
         assert monitor.collect().entries == []
 
 
+def test_collect_parameters_leaves_the_armed_steps_hook_statistics_pending():
+    net = model()
+    monitor = GradientMonitor(net, noise_scale=False, compile_statistics=False)
+    with monitor.attach():
+        monitor.arm()
+        net(torch.randn(4, 6)).sum().backward()
+        alone = monitor.collect_parameters()
+        assert {e.kind for e in alone.entries} == {"param_grad"}
+        assert monitor.pending and monitor.armed
+        record = monitor.collect()
+    kinds = collections.Counter(e.kind for e in record.entries)
+    assert kinds["grad_output"] > 0 and kinds["param_grad"] == len(alone.entries)
+    assert not monitor.pending
+
+
 def test_handle_restores_every_hook_and_flag():
     net = model()
     net[2].register_forward_hook(lambda *a: None)

@@ -137,3 +137,17 @@ def test_the_readme_table_gives_every_argument_of_gradhooks_with_its_default():
         cell = table[name][0]
         assert cell.startswith(f"`{default!r}`"), (name, cell)
         assert len(table[name][1]) > 20, name  # says what it does
+
+
+def test_usage_gives_the_signature_of_gradient_monitor_as_it_is():
+    import inspect
+
+    from lightning_gradhooks import GradientMonitor
+
+    parts, marked = [], False
+    for parameter in inspect.signature(GradientMonitor).parameters.values():
+        if parameter.kind is parameter.KEYWORD_ONLY and not marked:
+            parts.append("*")
+            marked = True
+        parts.append(parameter.name if parameter.default is parameter.empty else f"{parameter.name}={parameter.default!r}")
+    assert f"`GradientMonitor({', '.join(parts)})`" in (ROOT / "docs" / "usage.md").read_text()

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -5,12 +6,15 @@ from pathlib import Path
 from conftest import read_events
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+# torch's own switch, which the statistics honour (eager ops): each run would compile its own
+# kernels, and test_compile.py and test_stats.py are where the compiled ones are tested.
+EAGER = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
 
 
 def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
     done = subprocess.run(
         [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=EAGER,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Open them with:  tensorboard --logdir runs" in done.stdout
@@ -28,7 +32,7 @@ def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
 def test_digits_example_with_offload_prints_what_went_to_disk_and_refuses_bad_values(tmp_path):
     done = subprocess.run(
         [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs", "--offload"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=EAGER,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Offload: " in done.stdout and "MiB of saved activations went to disk" in done.stdout

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -99,6 +100,9 @@ def lightning_fit(folder: str, ddp_fork: bool, forever: bool = False) -> None:
 
 if __name__ == "__main__":  # imported (pytest's doctest collection), it runs nothing
     mode, folder = sys.argv[1], sys.argv[2]
+    # What the tests press is Python's Ctrl-C: a process started in the background by a shell
+    # without job control ignores SIGINT, and so would this one if it kept what it inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if mode == "sigint":
         sigint_loop(folder)
     else:

@@ -43,7 +43,7 @@ def entries(record) -> dict:  # noqa: ANN001
 
 def steps(model: Net, x: torch.Tensor, extra_at_second: bool, reducer: RankReducer | None) -> list[dict]:
     """Two logged steps of ``model`` on ``x``: each step's record, pooled when ``reducer`` is given."""
-    monitor = GradientMonitor(model)
+    monitor = GradientMonitor(model, compile_statistics=False)  # eager: see ddp_train.py
     out = []
     with monitor.attach():
         for step in range(2):

@@ -30,7 +30,7 @@ def fsdp1(rank: int) -> dict:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     wrapped = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    monitor = GradientMonitor(wrapped)
+    monitor = GradientMonitor(wrapped, compile_statistics=False)  # eager: see ddp_train.py
     reducer = RankReducer(monitor.bins, hooks=False)
     g = torch.Generator().manual_seed(rank)
     steps, batches = [], []
@@ -60,7 +60,7 @@ def hsdp(rank: int) -> dict:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     for module in (model[0], model[2], model):
         fully_shard(module, mesh=mesh)
-    monitor = GradientMonitor(model)
+    monitor = GradientMonitor(model, compile_statistics=False)
     reducer = RankReducer(monitor.bins, hooks=False)
     g = torch.Generator().manual_seed(10 + rank)
     x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -76,7 +76,7 @@ def partial() -> dict:
     layer.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh, [Replicate()]))
     layer.weight.grad = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
     layer.bias.grad = torch.ones(4)
-    monitor = GradientMonitor(layer)
+    monitor = GradientMonitor(layer, compile_statistics=False)
     record = monitor.collect_parameters()
     return {"skipped": monitor.skipped, "entries": [e.name for e in record.entries]}
 

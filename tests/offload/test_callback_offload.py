@@ -190,7 +190,8 @@ seen = []
 for fix in (False, True):
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[GradHooks(offload_threshold_bytes=256, offload_fix_mmap_threshold=fix)])
+                         callbacks=[GradHooks(offload_threshold_bytes=256, offload_fix_mmap_threshold=fix,
+                                              compile_statistics=False)])
     trainer.fit(MLP(), loader())
     seen.append(_memory._mmap_threshold)
 print("thresholds", seen)

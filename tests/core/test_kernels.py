@@ -1,0 +1,65 @@
+"""_kernels.py: a row function run eagerly a block of rows at a time, or compiled (one kernel for
+every row count, a lone row included); why a compile cannot happen. (The fallbacks of a compile
+that raises or is unavailable: test_stats.py.)"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_gradhooks import _kernels, stats
+
+
+def scaled(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:
+    return x.pow(power).sum(1) * scale
+
+
+def test_eager_runs_go_a_block_of_rows_at_a_time_with_their_per_row_tensors_and_constants():
+    blocks = []
+
+    def recorded(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:
+        blocks.append((len(x), len(scale)))
+        return scaled(x, scale, power=power)
+
+    rows = 2 * _kernels.EAGER_ROWS + 3
+    x, scale = torch.randn(rows, 5), torch.rand(rows)
+    got = _kernels.run(recorded, False, x, scale, power=2)
+    assert blocks == [(_kernels.EAGER_ROWS, _kernels.EAGER_ROWS)] * 2 + [(3, 3)]
+    torch.testing.assert_close(got, scaled(x, scale, power=2))
+    assert not got.requires_grad
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_dispatch_mode_of_the_callers_the_eager_ops_run_where_it_sees_them():
+    x, scale = torch.randn(4, 3), torch.ones(4)
+    with Ops() as mode:
+        got = _kernels.run(scaled, True, x, scale, power=3)
+    assert "pow.Tensor_Scalar" in mode.ops and "mul.Tensor" in mode.ops
+    torch.testing.assert_close(got, scaled(x, scale, power=3))
+
+
+@pytest.mark.skipif(_kernels.unavailable("cpu") is not None, reason="no torch.compile for the CPU here")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_compiled_run_agrees_with_the_eager_one_for_a_lone_row_too(rows):
+    # row_moments: the kernel the monitor compiles anyway, once per process.
+    x = torch.randn(rows, 33)
+    x[0, 0] = float("nan")
+    torch.testing.assert_close(_kernels.run(stats.row_moments, True, x), _kernels.run(stats.row_moments, False, x),
+                               equal_nan=True)
+
+
+def test_unavailable_says_why_torch_compile_cannot_be_used(monkeypatch):
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    assert "torch.compile is disabled" in _kernels.unavailable("cpu")
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE")
+    monkeypatch.setenv("CXX", "no-such-c++")
+    monkeypatch.setenv("PATH", "")
+    assert _kernels.unavailable("cpu") == "no C++ compiler (no-such-c++) on PATH"
