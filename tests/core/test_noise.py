@@ -8,6 +8,8 @@ DDP on two CPU processes runs ``tests/helpers/noise_ddp.py`` (see ``test_ddp.py`
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import warnings
@@ -21,7 +23,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks, GradientMonitor, _trainer
-from lightning_gradhooks.__main__ import read_folder
+from lightning_gradhooks.__main__ import main, read_folder
 from lightning_gradhooks.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
 from lightning_gradhooks.records import Key, Kind
 
@@ -294,8 +296,12 @@ def test_lightning_runs_against_brute_force(tmp_path, accumulation, monkeypatch)
     summary = hooks.gradient_log.noise_scale.summary()
     assert summary.values == 24 and summary.low <= summary.median <= summary.high
     assert summary.median == pytest.approx(trace_over_grad_sq(model, x, y), rel=0.25)
-    assert messages[-1].startswith(f"GradHooks: gradient noise scale ~ {summary.median:,.0f} examples (over the "
-                                   "run's second half: 24 logged steps since step 24; 80% interval")
+    said = messages[-1]
+    assert said.startswith("GradHooks: gradient noise scale ~ ")
+    assert said.partition(" examples (over the run's second half: 24 logged steps since step 24; 80% interval")[1]
+    printed = float(said.split("~ ")[1].split()[0].replace(",", ""))  # two significant digits under 10
+    assert printed == pytest.approx(summary.median, rel=0.05)
+    assert command_says(tmp_path) == said  # the report command prints the same sentence
 
 
 def test_plain_loop_with_accumulation_against_brute_force():
@@ -364,8 +370,18 @@ def fit_and_warnings(tmp_path, model: nn.Module, x, y, batch_size: int, **kwargs
         warnings.simplefilter("always")
         trainer.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=batch_size))
     said = [str(w.message) for w in caught if "noise scale" in str(w.message)]
-    assert logged(tmp_path) == ([], [])
+    charted, raw = logged(tmp_path)
+    assert charted == [] and raw and all(set(r) == {"reason", "big_batch"} for r in raw)  # why, for the command
+    assert command_says(tmp_path) == messages[-1]
     return said, messages
+
+
+def command_says(tmp_path) -> str:  # noqa: ANN001
+    """The last line the report command prints for the run: its noise-scale sentence."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["report", str(tmp_path / "logs")]) == 0
+    return out.getvalue().splitlines()[-1]
 
 
 def test_a_batch_of_one_example(tmp_path):
