@@ -583,27 +583,16 @@ class NoiseProbe:
     def __init__(self, model: nn.Module, skip: Collection[int] = ()) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
-        self._model = model
-        owners: dict[int, int] = {}
-        for module in model.modules():
-            for p in module._parameters.values():
-                if p is not None:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-        self._sources = [
-            _Source(m, _shards.unsharded_type(m)) for m in model.modules()
-            if _shards.unsharded_type(m) in SOURCE_TYPES and id(m) not in skip
-            and getattr(m, "weight", None) is not None
-            and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
-        ]
-        self._sources = [s for s in self._sources if s.parameters]
+        self._model, self._skip = model, frozenset(skip)
+        # The layers and parameters, looked up once at the first arm (a deep model's `parameters()`
+        # takes ms): after `fully_shard` or `parallelize_module` have made their DTensor parameters.
+        self._sources: list[_Source] = []
+        self._parameters: list[Tensor] = []
+        self._sharded = False
+        self._looked_up = False
         self._handles: list[RemovableHandle] = []
         self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
         self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
-        # The trainable parameters, looked up once (a deep model's `parameters()` takes ms).
-        self._parameters = [p for p in model.parameters() if p.requires_grad]
-        # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
-        # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
-        self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
         self._armed = False
         self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
@@ -613,9 +602,32 @@ class NoiseProbe:
         #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
         self.collectives = 0
 
+    def _look_up(self) -> None:
+        """Find the per-example source layers and the trainable parameters, once."""
+        if self._looked_up:
+            return
+        self._looked_up = True
+        owners: dict[int, int] = {}
+        for module in self._model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+        sources = [
+            _Source(m, _shards.unsharded_type(m)) for m in self._model.modules()
+            if _shards.unsharded_type(m) in SOURCE_TYPES and id(m) not in self._skip
+            and getattr(m, "weight", None) is not None
+            and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
+        ]
+        self._sources = [s for s in sources if s.parameters]
+        self._parameters = [p for p in self._model.parameters() if p.requires_grad]
+        # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
+        # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
+        self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
+
     @property
     def sources(self) -> list[str]:
-        """The per-example source layers, by qualified name."""
+        """The per-example source layers, by qualified name (looked up at the first arm)."""
+        self._look_up()
         names = {id(m): n for n, m in self._model.named_modules()}
         return [names[id(s.module)] for s in self._sources]
 
@@ -642,6 +654,7 @@ class NoiseProbe:
         check_int("batch_size", batch_size, allow_none=True)
         check_int("accumulation", accumulation)
         self.disarm()
+        self._look_up()
         self._armed = True
         self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
