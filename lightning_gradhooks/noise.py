@@ -25,15 +25,25 @@ backward pass and at most one collective:
 - neither: per-example gradient norms (``b`` = 1, ``B`` = the batch) from what forward hooks
   and tensor hooks on some layers see: ``nn.Linear`` (on a 2-D input ``‖∇W_i‖² = ‖x_i‖²‖δ_i‖²``,
   exact; on a 3-D or bigger input, where example ``i``'s gradient ``Σ_t δ_t x_tᵀ`` sums over
-  positions, an unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``,
-  from a generator of its own, fresh for each example), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm`` (exact: the
-  per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
+  ``T`` positions, the cheapest of three per layer, by multiply-adds: that gradient itself
+  (``T·in·out``), the Gram form ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or an
+  unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``
+  (``8·T·(in+out)``, from a generator of the layer's own, fresh for each example), so that the
+  cost never grows with ``T·width²``), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm``
+  (exact: the per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
   only (:attr:`NoiseSample.coverage`); other layers (convolutions, embeddings, attention's
   packed projections, batch norm, whose examples are coupled) are left out. A layer called
   more than once in a step, or whose parameter another module shares, is left out too.
   On a monitor's logged step, the monitor's own forward and ``grad_output`` hooks feed these
   layers (:meth:`NoiseProbe.saw`): one set of hooks per module; the probe hooks only the layers
   the monitor leaves out.
+
+Sharded parameters (FSDP2's ``fully_shard``, tensor parallelism: ``DTensor`` parameters): each
+rank's per-example norms, from the local tensors its layers see before the reduce-scatter (its
+own examples under FSDP2; its piece of every example's gradient under tensor parallelism, where a
+replicated bias counts on the rank at mesh coordinate 0 only), against the reduced gradient's
+pieces; the probe's one ``all_reduce`` sums both over the ranks. Gradient accumulation under
+sharding gives no estimate (each micro-batch's gradient is reduce-scattered before it is read).
 
 Where none applies, the sample says why (:attr:`NoiseSample.reason`): a step of one example,
 no per-example layer, gradients that are all zero, an unknown batch size.
@@ -457,6 +467,8 @@ class _Source:
         self.bias = bias is not None and bias.requires_grad
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
         self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
+        #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
+        self.sharded = False
         self.reset()
 
     def reset(self) -> None:
@@ -481,12 +493,12 @@ class _Source:
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
             return None  # called twice: its examples' gradients are sums over calls; left out
-        if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
-            self.owns_examples = _shards.owns_examples(x)
-            x = x.to_local()
-        m = self.module
-        self.counted = (self.weight and _shards.reports(m.weight),
-                        self.bias and _shards.reports(m.bias))
+        if self.sharded:
+            if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
+                self.owns_examples = _shards.owns_examples(x)
+                x = x.to_local()
+            m = self.module
+            self.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
         self.examples = x.shape[0]
         if self.kind is nn.Linear and x.dim() == 2:
             saved = ("pair",)  # no op here; reduced with the others at collect
@@ -520,7 +532,7 @@ class _Source:
 
     def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
         self.grads += 1
-        if _shards.is_dtensor(grad):
+        if self.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
         if saved[0] == "pair":
             self.pair = (x, grad)
@@ -623,6 +635,8 @@ class NoiseProbe:
         # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
         # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
         self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
+        for source in self._sources:
+            source.sharded = self._sharded
 
     @property
     def sources(self) -> list[str]:
