@@ -1,6 +1,6 @@
 """What the gradient noise scale adds to a logged step, on the three models of many_modules.py.
 
-    python benchmarks/noise_cost.py [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1]
+    python benchmarks/noise_cost.py [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1] [--probe-alone]
 
 A logged step in a plain loop: ``monitor.arm(...)``, forward and backward (one batch, or the
 same batch as two micro-batches of half its size), ``monitor.collect()``, ``GradientLog.write``
@@ -13,6 +13,9 @@ round runs one step of each variant, in an order rotated each round, after two u
 Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
 threads), which a host shared with other work disturbs less. Prints the median of each
 variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks.
+
+``--probe-alone``: the ``NoiseProbe`` by itself (armed, forward and backward, collected) against
+the bare step, interleaved, process CPU time: the probe's share without the monitor's own cost.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_modules import cases  # noqa: E402
 
 from lightning_gradhooks import GradientLog, GradientMonitor  # noqa: E402
+from lightning_gradhooks.noise import NoiseProbe  # noqa: E402
 
 
 def main() -> None:
@@ -38,9 +42,14 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,mlp500,encoder")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--probe-alone", action="store_true", help="the noise probe alone against bare steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.probe_alone:
+        for name in args.models.split(","):
+            probe_alone(cases()[name], args.rounds)
+        return
     folder = tempfile.TemporaryDirectory()
     for name in args.models.split(","):
         case = cases()[name]
@@ -91,6 +100,32 @@ def main() -> None:
             log.close()
         writer.close()
     folder.cleanup()
+
+
+def probe_alone(case, rounds: int) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model = case.make()
+    probe = NoiseProbe(model)
+
+    def step(on: bool) -> float:
+        cpu = time.process_time()
+        if on:
+            probe.arm()
+        case.loss(model, case.batch).backward()
+        if on:
+            probe.collect()
+        model.zero_grad()
+        return time.process_time() - cpu
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(-2, rounds):
+        for on in ((True, False) if r % 2 else (False, True)):
+            took = step(on)
+            if r >= 0:
+                times[on].append(took)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"{case.name:9s} probe alone: bare {1000 * off:.1f} ms, the probe adds {1000 * (on - off):.1f} ms "
+          f"({(on - off) / on:.1%} of the step with it), CPU medians")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 from lightning_gradhooks._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
 from lightning_gradhooks._text import counted
+from lightning_gradhooks.noise import sentence_of
 from lightning_gradhooks.records import Key, Kind, Summary
 from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
 from lightning_gradhooks.health.step import merge_summary
@@ -273,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in with_data:
         report = report_of(run, thresholds)
         print(f"== {run.folder}\n{report.table(full=args.all)}")
+        sentence = sentence_of(run.steps)  # the gradient noise scale, as at the end of fit
+        if sentence is not None:
+            print(sentence)
         failed |= report.names(args.fail_on)
     skipped = [run.folder for run in runs if not run.gradhooks]
     if skipped:

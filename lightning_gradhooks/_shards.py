@@ -64,6 +64,36 @@ def fsdp1_sharded(model: nn.Module) -> tuple[set[int], set[int]]:
     return views, flat
 
 
+def reports(tensor: Tensor) -> bool:
+    """Whether this rank counts its piece of ``tensor``: a plain tensor always; a ``DTensor`` at
+    coordinate 0 of every mesh dim where it is not ``Shard`` (the other ranks hold replicas)."""
+    if not is_dtensor(tensor):
+        return True
+    coordinate = tensor.device_mesh.get_coordinate()
+    return coordinate is not None and all(p.is_shard() or c == 0 for p, c in zip(tensor.placements, coordinate))
+
+
+def owns_examples(activation: Tensor) -> bool:
+    """Whether this rank counts the examples of an activation: a ``DTensor`` one (tensor
+    parallelism) is held by every rank of its mesh, and counted at coordinate 0 of every mesh dim
+    where it is not sharded along the batch (its first dim)."""
+    if not is_dtensor(activation):
+        return True
+    coordinate = activation.device_mesh.get_coordinate()
+    return coordinate is not None and all(
+        (p.is_shard() and p.dim == 0) or c == 0 for p, c in zip(activation.placements, coordinate))
+
+
+def unsharded_type(module: nn.Module) -> type:
+    """The class of ``module`` before FSDP2's ``fully_shard``, which swaps it for a subclass of
+    ``FSDPModule`` and the class, adding no computation of its own; other classes as they are."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and bases[0].__module__.startswith("torch.distributed"):
+        return bases[1]
+    return cls
+
+
 def local_piece(grad: Tensor) -> tuple[Tensor | None, str | None]:
     """This rank's piece of ``grad`` to reduce, or None; and a reason when it is refused.
 
@@ -75,11 +105,8 @@ def local_piece(grad: Tensor) -> tuple[Tensor | None, str | None]:
         return grad, None
     if any(p.is_partial() for p in grad.placements):
         return None, PARTIAL
-    coordinate = grad.device_mesh.get_coordinate()
-    if coordinate is None:
-        return None, None
-    if any(not p.is_shard() and c != 0 for p, c in zip(grad.placements, coordinate)):
-        return None, None  # a replica: the rank at coordinate 0 reports it
+    if not reports(grad):
+        return None, None  # a replica (the rank at coordinate 0 reports it), or not in its mesh
     return grad.to_local(), None
 
 

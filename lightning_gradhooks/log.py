@@ -47,7 +47,7 @@ from lightning_gradhooks._checks import check_int
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
-from lightning_gradhooks.noise import NoiseSample, NoiseScale, advice
+from lightning_gradhooks.noise import NoiseScale
 from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
@@ -211,7 +211,6 @@ class GradientLog:
         self._last_step = 0
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
-        self._noise_last: NoiseSample | None = None  # the latest sample, for the sentence at close
 
     # -- per step ------------------------------------------------------------------------------
     def histograms_due(self, step: int) -> bool:
@@ -343,7 +342,12 @@ class GradientLog:
         suffix = "" if labelled is None else f"_optimizer_{labelled}"
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
-        noise = self._write_noise(record.noise, step, metrics)
+        noise = None
+        if record.noise is not None:  # smoothed in the overview; its raw estimates in the summary
+            value = self.noise_scale.take(record.noise, step)
+            if value is not None:
+                metrics[f"{OVERVIEW}/noise_scale"] = value
+            noise = record.noise.stats()
         ranks = None
         if record.noise is not None and record.noise.nonfinite_ranks:
             # which ranks' own gradients were not finite before the all-reduce (the noise probe's)
@@ -368,21 +372,6 @@ class GradientLog:
                 self._draw_flow()
         self.report.add_stats(step, stats)
         self._warn_nonfinite(step, stats)
-
-    def _write_noise(self, sample: NoiseSample | None, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
-        """The noise scale of the step: smoothed in the overview (``noise_scale``); returns its raw
-        estimates, for the compact summary (``noise gradient``); why there is none, once."""
-        if sample is None:
-            return None
-        if sample.reason is not None and (self._noise_last is None or self._noise_last.reason != sample.reason):
-            warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
-        self._noise_last = sample
-        if sample.reason is not None:
-            return None
-        value = self.noise_scale.update(*sample.estimates(), step=step, batch=sample.big, coverage=sample.coverage)
-        if value is not None:
-            metrics[f"{OVERVIEW}/noise_scale"] = value
-        return sample.stats()
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -466,10 +455,9 @@ class GradientLog:
                 self._echo(self.report.table() if self.report.steps else
                            "GradHooks: no step was logged (the run ended before its first logged step), so there "
                            "is no gradient-health report.")
-                if self._noise_last is not None:  # the run's later noise scale next to the batch per step
-                    history = self.noise_scale.history
-                    self._echo(advice(self.noise_scale.summary(), self._noise_last.reason,
-                                      history[-1][0] if history and self._noise_last.reason is not None else None))
+                sentence = self.noise_scale.sentence()  # the run's later noise scale next to the batch per step
+                if sentence is not None:
+                    self._echo(sentence)
             if self.report.steps:
                 for writer in self._tensorboards:
                     writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)

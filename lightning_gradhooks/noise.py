@@ -25,15 +25,25 @@ backward pass and at most one collective:
 - neither: per-example gradient norms (``b`` = 1, ``B`` = the batch) from what forward hooks
   and tensor hooks on some layers see: ``nn.Linear`` (on a 2-D input ``‖∇W_i‖² = ‖x_i‖²‖δ_i‖²``,
   exact; on a 3-D or bigger input, where example ``i``'s gradient ``Σ_t δ_t x_tᵀ`` sums over
-  positions, an unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``,
-  from a generator of its own, fresh for each example), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm`` (exact: the
-  per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
+  ``T`` positions, the cheapest of three per layer, by multiply-adds: that gradient itself
+  (``T·in·out``), the Gram form ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or an
+  unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``
+  (``8·T·(in+out)``, from a generator of the layer's own, fresh for each example), so that the
+  cost never grows with ``T·width²``), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm``
+  (exact: the per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
   only (:attr:`NoiseSample.coverage`); other layers (convolutions, embeddings, attention's
   packed projections, batch norm, whose examples are coupled) are left out. A layer called
   more than once in a step, or whose parameter another module shares, is left out too.
   On a monitor's logged step, the monitor's own forward and ``grad_output`` hooks feed these
   layers (:meth:`NoiseProbe.saw`): one set of hooks per module; the probe hooks only the layers
   the monitor leaves out.
+
+Sharded parameters (FSDP2's ``fully_shard``, tensor parallelism: ``DTensor`` parameters): each
+rank's per-example norms, from the local tensors its layers see before the reduce-scatter (its
+own examples under FSDP2; its piece of every example's gradient under tensor parallelism, where a
+replicated bias counts on the rank at mesh coordinate 0 only), against the reduced gradient's
+pieces; the probe's one ``all_reduce`` sums both over the ranks. Gradient accumulation under
+sharding gives no estimate (each micro-batch's gradient is reduce-scattered before it is read).
 
 Where none applies, the sample says why (:attr:`NoiseSample.reason`): a step of one example,
 no per-example layer, gradients that are all zero, an unknown batch size.
@@ -53,9 +63,11 @@ moving averages, and gives the ratio of the smoothed values.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-from collections.abc import Callable, Collection, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,12 +77,33 @@ from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
+import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import check_int
+from lightning_gradhooks.records import Key, Kind
 
 #: Random vectors of the sketch of a per-example norm on a 3-D (sequence) input of a Linear.
 SKETCH_VECTORS = 4
-#: Per-example sources: exact types only (a subclass may compute more in its ``forward``).
+#: Per-example sources: exact types only (a subclass may compute more in its ``forward``), and
+#: those types under FSDP2's ``fully_shard``, which adds no computation.
 SOURCE_TYPES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+#: Why a step gave no estimate: :attr:`NoiseSample.reason` is one of these, formatted with the
+#: sample's ``big``; the compact summary stores its index, so the report command says it too.
+REASONS = (
+    "the micro-batch size is unknown (pass `batch_size` when arming)",
+    "the gradients are not finite",
+    "no backward pass reached the parameters on a rank",
+    "no gradient accumulation, one process, and no layer that gives per-example gradient norms "
+    f"({', '.join(t.__name__ for t in SOURCE_TYPES)})",
+    "no per-example layer ran exactly once in the step's forward and backward",
+    "no per-example layer saw the batch of {big:,.0f} along its input's first dimension",
+    "a step of one example has no spread of per-example gradients",
+    "the gradients are all zero",
+    "gradient accumulation with sharded parameters (each micro-batch's gradient is reduce-scattered "
+    "before it can be read)",
+    "a sharded parameter's gradient has a Partial placement (a sum not reduced yet)",
+    "the per-example layers that ran differ between the ranks",
+)
 
 
 def noise_estimates(small_sq: float, big_sq: float, small: float, big: float) -> tuple[float, float]:
@@ -116,9 +149,9 @@ class NoiseSample:
     nonfinite_ranks: tuple[int, ...] = ()
 
     @classmethod
-    def none(cls, reason: str, source: str = "", big: float = math.nan) -> NoiseSample:
-        """A sample that holds no estimate, saying why."""
-        return cls(math.nan, math.nan, math.nan, big, source, 0.0, reason)
+    def none(cls, reason: int, source: str = "", big: float = math.nan) -> NoiseSample:
+        """A sample that holds no estimate, saying why (an index into :data:`REASONS`)."""
+        return cls(math.nan, math.nan, math.nan, big, source, 0.0, REASONS[reason].format(big=big))
 
     def unscaled(self, scale: float, parameters: bool = False) -> NoiseSample:
         """A copy with what the hooks saw divided by a mixed-precision loss scale; with
@@ -134,7 +167,11 @@ class NoiseSample:
         return noise_estimates(self.small_sq, self.big_sq, self.small, self.big)
 
     def stats(self) -> dict[str, float]:
-        """What the compact summary holds for this step: the unsmoothed estimates and batches."""
+        """What the compact summary holds for this step: the unsmoothed estimates and batches;
+        without an estimate, why (its index in :data:`REASONS`, -1 for another) and the batch."""
+        if self.reason is not None:
+            known = [i for i, r in enumerate(REASONS) if r.format(big=self.big) == self.reason]
+            return {"reason": float(known[0] if known else -1), "big_batch": float(self.big)}
         grad_sq, trace = self.estimates()
         return {"grad_sq": grad_sq, "trace": trace, "noise_scale": trace / grad_sq if grad_sq > 0 else math.nan,
                 "small_batch": float(self.small), "big_batch": float(self.big), "coverage": float(self.coverage)}
@@ -165,6 +202,34 @@ class NoiseScale:
         self.steps = 0
         #: ``(step, |G|², tr(Σ), batch per step, coverage)``: every step's raw estimates taken in.
         self.history: list[tuple[int, float, float, float, float]] = []
+        #: Whether a sample was taken in (:meth:`take`), and why the latest had no estimate.
+        self.seen = False
+        self.reason: str | None = None
+
+    def take(self, sample: NoiseSample, step: int) -> float | None:
+        """Take in one logged step's sample: its estimates, or why it has none (warned when the
+        reason changes). Returns :attr:`value` after an estimate, None without one."""
+        if sample.reason is not None and sample.reason != self.reason:
+            warnings.warn(f"GradHooks: no gradient noise scale estimate: {sample.reason}.", stacklevel=4)
+        return self.add_stats(step, sample.stats())
+
+    def add_stats(self, step: int, stats: Mapping[str, float]) -> float | None:
+        """Take in one logged step's compact summary (:meth:`NoiseSample.stats`), as read back
+        from the event files: the same as :meth:`take`, without the warning."""
+        self.seen = True
+        if "reason" in stats:
+            code = int(stats["reason"])
+            self.reason = REASONS[code].format(big=stats["big_batch"]) if 0 <= code < len(REASONS) else "unknown"
+            return None
+        self.reason = None
+        return self.update(stats["grad_sq"], stats["trace"], step, stats["big_batch"], stats["coverage"])
+
+    def sentence(self) -> str | None:
+        """The sentence printed at the end of fit (:func:`advice`); None before any sample."""
+        if not self.seen:
+            return None
+        latest = self.history[-1][0] if self.history and self.reason is not None else None
+        return advice(self.summary(), self.reason, latest)
 
     def update(self, grad_sq: float, trace: float, step: int = -1, batch: float = math.nan,
                coverage: float = 1.0) -> float | None:
@@ -222,6 +287,17 @@ class NoiseScale:
         self.steps, self.history = state["steps"], [tuple(h) for h in state["history"]]
 
 
+def sentence_of(steps: Mapping[int, Mapping[Key, Mapping[str, float]]]) -> str | None:
+    """The sentence of the end of fit (:meth:`NoiseScale.sentence`) from the compact summaries of
+    the logged steps (by step, as the report command reads them); None where none holds a sample."""
+    scale, key = NoiseScale(), Key(Kind.NOISE, "gradient")
+    for step in sorted(steps):
+        stats = steps[step].get(key)
+        if stats is not None:
+            scale.add_stats(step, stats)
+    return scale.sentence()
+
+
 def _ratio(blocks: Sequence[tuple[float, float]]) -> float:
     """``tr(Σ) / |G|²`` of summed estimates: ``inf`` where ``|G|²`` is not positive (the noise
     drowns the signal), 0 where ``tr(Σ)`` is negative."""
@@ -271,7 +347,16 @@ def _regime(noise_scale: float, batch: float) -> str:
 
 
 def _examples(n: float) -> str:
-    return "∞" if math.isinf(n) else f"{n:,.0f}"
+    """A number of examples as a person reads it: two significant digits under 10 (``0.034``,
+    ``3.4``), whole numbers with thousands separators above."""
+    if math.isinf(n):
+        return "∞"
+    if n >= 9.95:
+        return f"{n:,.0f}"
+    if n <= 0:
+        return "0"
+    decimals = 1 - math.floor(math.log10(n))
+    return f"{round(n, decimals):.{max(decimals, 0)}f}"
 
 
 def advice(summary: NoiseSummary | None, reason: str | None = None, step: int | None = None) -> str:
@@ -309,6 +394,10 @@ def advice(summary: NoiseSummary | None, reason: str | None = None, step: int | 
     if regime == "near":
         return head + ("the batch is near the critical batch size: a larger one would save fewer steps than it "
                        "costs in examples.")
+    if summary.median < 2:
+        return head + ("the gradient noise is small against the gradient: a batch of one or two examples would "
+                       "need about as many steps as this one, so each example buys almost nothing but its share "
+                       "of the step; take a smaller batch and more steps, or a larger learning rate.")
     return head + (f"the batch is above the critical batch size: a smaller one (down to ~{n}) would need about "
                    "as many steps and fewer examples.")
 
@@ -339,44 +428,61 @@ def _pairs_total(sources: list[_Source]) -> Tensor | None:
         d = torch.stack([s.pair[1] for s in members]).float()  # (layers, B, out)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
-        flags = {(s.weight, s.bias) for s in members}
+        flags = {s.counted for s in members}
         if len(flags) == 1:  # the common case: every layer alike
             weight, bias = flags.pop()
             part = (ds * (xs * weight + bias)).sum()
         else:
-            w = torch.tensor([[float(s.weight)] for s in members], device=x.device)
-            b = torch.tensor([[float(s.bias)] for s in members], device=x.device)
+            w = torch.tensor([[float(s.counted[0])] for s in members], device=x.device)
+            b = torch.tensor([[float(s.counted[1])] for s in members], device=x.device)
             part = (ds * (xs * w + b)).sum()
         total = part if total is None else total + part.to(total.device)
     return total
 
 
-class _Source:
-    """One per-example source layer: its forward hook, its output's tensor hook and the sum of
-    its examples' squared gradient norms (a device tensor) on the armed step."""
+def _linear_form(positions: int, features_in: int, features_out: int) -> str:
+    """The cheapest way to the per-example ``‖Σ_t δ_t x_tᵀ‖²`` of a Linear over a sequence, by
+    multiply-adds per example: each example's weight gradient (``T·in·out``), the Gram form
+    ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or the sketch over
+    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost."""
+    t, width = positions, features_in + features_out
+    costs = {"gram": t * t * width, "direct": t * features_in * features_out, "sketch": 2 * SKETCH_VECTORS * t * width}
+    return min(costs, key=lambda form: (costs[form], form == "sketch"))
 
-    def __init__(self, probe: NoiseProbe, module: nn.Module) -> None:
-        self.probe, self.module = probe, module
+
+class _Source:
+    """One per-example source layer: what one forward and its output's gradient give, and the
+    sum of its examples' squared gradient norms (a device tensor) on the armed step.
+
+    Under sharding (FSDP2's ``fully_shard``, tensor parallelism), it sees this rank's local
+    tensors: its own examples (FSDP2), or this rank's piece of each example's gradient (tensor
+    parallelism); a parameter that is a replica on this rank (a tensor-parallel bias at mesh
+    coordinate 1) is left to the rank at coordinate 0, as the parameter's statistics are.
+    """
+
+    def __init__(self, module: nn.Module, kind: type) -> None:
+        self.module, self.kind = module, kind
         self.weight = module.weight is not None and module.weight.requires_grad
         bias = getattr(module, "bias", None)
         self.bias = bias is not None and bias.requires_grad
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
+        self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
+        #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
+        self.sharded = False
         self.reset()
 
     def reset(self) -> None:
         self.calls = 0
         self.grads = 0
         self.examples = 0
+        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
+        self.owns_examples = True
+        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
+        self.counted = (self.weight, self.bias)
         self.total: Tensor | None = None
         # a Linear on a 2-D input keeps its input and output gradient (small: a row per example)
         # for the probe to reduce every such layer at once in `collect`: a few ops in all
         self.pair: tuple[Tensor, Tensor] | None = None
-
-    def forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
-        backward = self.seen(args, output)
-        if backward is not None:
-            output.register_hook(backward)
 
     def seen(self, args: tuple, output: object) -> Callable[[Tensor], None] | None:
         """Take in one forward of the module; returns what to call with its output's gradient
@@ -384,60 +490,79 @@ class _Source:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
         self.calls += 1
-        if self.calls == 1:
-            self.probe._touched.append(self)
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
             return None  # called twice: its examples' gradients are sums over calls; left out
+        if self.sharded:
+            if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
+                self.owns_examples = _shards.owns_examples(x)
+                x = x.to_local()
+            m = self.module
+            self.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
         self.examples = x.shape[0]
-        if type(self.module) is nn.Linear and x.dim() == 2:
+        if self.kind is nn.Linear and x.dim() == 2:
             saved = ("pair",)  # no op here; reduced with the others at collect
         else:
             saved = self._saved(x.detach())
-        armed = self.probe._armings
-        # The hook goes with the graph; a backward after disarming finds it stale.
-        return lambda grad: self._backward(grad, saved, x) if self.probe._armings == armed else None
+        return lambda grad: self._backward(grad, saved, x)
+
+    def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
+        """Gaussian vectors of the sketch, ``(examples, features, SKETCH_VECTORS)``: fresh ones for
+        each example and layer, so that their errors average out over the batch."""
+        generator = self._generator.get(device)
+        if generator is None:
+            generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
+        return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
 
     def _saved(self, x: Tensor) -> tuple:
         """What the backward needs of the input, as small as it can be."""
         m = self.module
-        if type(m) is nn.Linear:
+        if self.kind is nn.Linear:
             x = x.flatten(1, -2).float()  # (B, positions, in)
-            return ("sketch", torch.bmm(x, self.probe._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
-        if type(m) is nn.LayerNorm:
+            form = _linear_form(x.shape[1], x.shape[2], m.out_features)
+            if form == "sketch":
+                return ("sketch", torch.bmm(x, self._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
+            return (form, x)
+        if self.kind is nn.LayerNorm:
             return ("normed", F.layer_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
-        if type(m) is nn.RMSNorm:
+        if self.kind is nn.RMSNorm:
             return ("normed", F.rms_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
         # GroupNorm: (B, C, *) normalised per example and group; per-channel weight and bias
         return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
 
     def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
         self.grads += 1
+        if self.sharded and _shards.is_dtensor(grad):
+            grad = grad.to_local()
         if saved[0] == "pair":
             self.pair = (x, grad)
             return
         how, d = saved[0], grad.detach().float()
         b = d.shape[0]
-        if how == "sketch":  # E‖Σ_t δ_t (x_t·v)‖² = ‖Σ_t δ_t x_tᵀ‖²; bias: ‖Σ_t δ_t‖², exact
+        weight, bias = self.counted
+        total = d.new_zeros(())
+        if how in ("sketch", "gram", "direct"):  # weight: ‖Σ_t δ_t x_tᵀ‖² per example; bias: ‖Σ_t δ_t‖²
             d = d.flatten(1, -2)  # (B, positions, out)
-            total = d.new_zeros(())
-            if self.weight:
-                total = torch.einsum("bto,btk->bok", d, saved[1]).square().sum() / SKETCH_VECTORS
-            if self.bias:
+            if weight and how == "sketch":  # E‖Σ_t δ_t (x_t·v)‖² over Gaussian v
+                total = torch.bmm(saved[1].transpose(1, 2), d).square().sum() / SKETCH_VECTORS
+            elif weight and how == "gram":
+                a = saved[1]
+                total = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum()
+            elif weight:
+                total = torch.bmm(saved[1].transpose(1, 2), d).square().sum()  # each example's xᵀδ
+            if bias:
                 total = total + d.sum(1).square().sum()
         elif how == "normed":  # weight: Σ over positions of δ·x̂, per example; bias: Σ δ
             shape = (b, -1, math.prod(d.shape[d.dim() - saved[2]:]))
-            total = d.new_zeros(())
-            if self.weight:
+            if weight:
                 total = (d * saved[1]).reshape(shape).sum(1).square().sum()
-            if self.bias:
+            if bias:
                 total = total + d.reshape(shape).sum(1).square().sum()
         else:  # channels (GroupNorm): sums over the positions of each channel
             shape = (b, d.shape[1], -1)
-            total = d.new_zeros(())
-            if self.weight:
+            if weight:
                 total = (d * saved[1]).reshape(shape).sum(2).square().sum()
-            if self.bias:
+            if bias:
                 total = total + d.reshape(shape).sum(2).square().sum()
         self.total = total
 
@@ -470,36 +595,53 @@ class NoiseProbe:
     def __init__(self, model: nn.Module, skip: Collection[int] = ()) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
-        self._model = model
-        owners: dict[int, int] = {}
-        for module in model.modules():
-            for p in module._parameters.values():
-                if p is not None:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-        self._sources = [
-            _Source(self, m) for m in model.modules()
-            if type(m) in SOURCE_TYPES and id(m) not in skip and getattr(m, "weight", None) is not None
-            and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
-        ]
-        self._sources = [s for s in self._sources if s.parameters]
+        self._model, self._skip = model, frozenset(skip)
+        # The layers and parameters, looked up once at the first arm (a deep model's `parameters()`
+        # takes ms): after `fully_shard` or `parallelize_module` have made their DTensor parameters.
+        self._sources: list[_Source] = []
+        self._parameters: list[Tensor] = []
+        self._sharded = False
+        self._looked_up = False
         self._handles: list[RemovableHandle] = []
         self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
         self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
-        # The trainable parameters, looked up once (a deep model's `parameters()` takes ms).
-        self._parameters = [p for p in model.parameters() if p.requires_grad]
         self._armed = False
         self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
         self._accumulation = 1
         self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
         self._backwards = 0  # ... over this many backward passes (micro-batches)
-        self._generator: dict[torch.device, torch.Generator] = {}
         #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
         self.collectives = 0
 
+    def _look_up(self) -> None:
+        """Find the per-example source layers and the trainable parameters, once."""
+        if self._looked_up:
+            return
+        self._looked_up = True
+        owners: dict[int, int] = {}
+        for module in self._model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+        sources = [
+            _Source(m, _shards.unsharded_type(m)) for m in self._model.modules()
+            if _shards.unsharded_type(m) in SOURCE_TYPES and id(m) not in self._skip
+            and getattr(m, "weight", None) is not None
+            and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
+        ]
+        self._sources = [s for s in sources if s.parameters]
+        self._parameters = [p for p in self._model.parameters() if p.requires_grad]
+        # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
+        # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
+        self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
+        for source in self._sources:
+            source.sharded = self._sharded
+
     @property
     def sources(self) -> list[str]:
-        """The per-example source layers, by qualified name."""
+        """The per-example source layers, by qualified name (looked up at the first arm)."""
+        self._look_up()
         names = {id(m): n for n, m in self._model.named_modules()}
         return [names[id(s.module)] for s in self._sources]
 
@@ -511,15 +653,6 @@ class NoiseProbe:
     def hooks(self) -> int:
         """How many hooks of the probe are in the model now (0 when not armed)."""
         return len(self._handles)
-
-    def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
-        """Gaussian vectors of the sketch, ``(examples, features, SKETCH_VECTORS)``: fresh ones for
-        each example and layer, so that their errors average out over the batch; from a generator
-        of the probe's own (the user's random stream is left alone)."""
-        generator = self._generator.get(device)
-        if generator is None:
-            generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
-        return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
 
     def arm(self, batch_size: int | None = None, accumulation: int = 1, fed: Collection[int] = ()) -> None:
         """Put the hooks in for the coming step; what an armed probe measured is dropped.
@@ -535,11 +668,12 @@ class NoiseProbe:
         check_int("batch_size", batch_size, allow_none=True)
         check_int("accumulation", accumulation)
         self.disarm()
+        self._look_up()
         self._armed = True
         self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
         self._small, self._backwards = None, 0
-        if accumulation > 1 or _world() > 1:
+        if (accumulation > 1 or _world() > 1) and not self._sharded:
             params = self._parameters
             if params:
                 self._handles.append(register_multi_grad_hook(params, self._each_backward, mode="all"))
@@ -548,14 +682,31 @@ class NoiseProbe:
             if id(source.module) in fed:
                 self._fed[id(source.module)] = source
             else:
-                self._handles.append(source.module.register_forward_hook(source.forward))
+                self._handles.append(source.module.register_forward_hook(functools.partial(self._forward, source)))
 
     def saw(self, module: nn.Module, args: tuple, output: object) -> Callable[[Tensor], None] | None:
         """One forward of a module the caller's hook feeds (``fed`` when arming): returns what to
         call with the gradient of ``output`` in backward; None when the probe needs nothing of it
         (not a source, not armed for per-example norms, a second call)."""
         source = self._fed.get(id(module))
-        return None if source is None else source.seen(args, output)
+        return None if source is None else self._seen(source, args, output)
+
+    def _forward(self, source: _Source, module: nn.Module, args: tuple, output: object) -> None:
+        """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
+        backward = self._seen(source, args, output)
+        if backward is not None:
+            output.register_hook(backward)
+
+    def _seen(self, source: _Source, args: tuple, output: object) -> Callable[[Tensor], None] | None:
+        fresh = source.calls == 0
+        backward = source.seen(args, output)
+        if fresh and source.calls:
+            self._touched.append(source)  # reset by disarm
+        if backward is None:
+            return None
+        armings = self._armings
+        # The hook goes with the graph; a backward after disarming finds it stale.
+        return lambda grad: backward(grad) if self._armings == armings else None
 
     def _each_backward(self, grads: Sequence[Tensor | None]) -> None:
         """The squared norm of one backward's gradient (one micro-batch's, on this rank), summed
@@ -597,9 +748,9 @@ class NoiseProbe:
             params = self._parameters if parameters is None else [p for p in parameters if p.requires_grad]
             if not params:  # a backward that no optimizer step followed (the end of an epoch)
                 return None
-            if any(type(p) is not nn.Parameter and type(p) is not Tensor for p in params):
-                return NoiseSample.none("sharded parameters (DTensor) are not supported")
             world, k = _world(), self._accumulation
+            if self._sharded:
+                return NoiseSample.none(8, "per_example") if k > 1 else self._per_example(params, world)
             if k > 1 or world > 1:
                 return self._two_batches(params, world, k)
             return self._per_example(params)
@@ -609,7 +760,7 @@ class NoiseProbe:
     def _two_batches(self, params: list[Tensor], world: int, k: int) -> NoiseSample:
         source = "+".join(s for s, on in (("accumulation", k > 1), ("data_parallel", world > 1)) if on)
         if self._batch is None:  # before the collective: every rank decides alike
-            return NoiseSample.none("the micro-batch size is unknown (pass `batch_size` when arming)", source)
+            return NoiseSample.none(0, source)
         first = None if self._small is None else self._small / self._backwards  # the mean over micro-batches
         device = first.device if first is not None else next((p.device for p in params), torch.device("cpu"))
         dtype = torch.float64 if device.type == "cpu" else torch.float32
@@ -627,50 +778,85 @@ class NoiseProbe:
         big = b * k * world
         bad = tuple(r for r, v in enumerate(values) if not math.isfinite(v))
         if bad:  # before the collective: these ranks' own gradients were not finite
-            return replace(NoiseSample.none("the gradients are not finite", source, big), nonfinite_ranks=bad)
+            return replace(NoiseSample.none(1, source, big), nonfinite_ranks=bad)
         if not all(reached):
-            return NoiseSample.none("no backward pass reached the parameters on a rank", source, big)
+            return NoiseSample.none(2, source, big)
         small_sq = sum(values) / world * k * k  # the micro-batch's loss was divided by k
         big_sq = _squares(p.grad for p in params)
         big_sq = 0.0 if big_sq is None else float(big_sq)
         return self._checked(NoiseSample(small_sq, big_sq, b, big, source))
 
-    def _per_example(self, params: list[Tensor]) -> NoiseSample:
+    def _per_example(self, params: list[Tensor], world: int = 1) -> NoiseSample:
+        """From per-example norms: ``b = 1``, ``B`` the batch. Sharded (``world`` ranks): each rank's
+        own examples, or its piece of each, summed over the ranks in the one collective."""
         if not self._sources:
-            return NoiseSample.none("no gradient accumulation, one process, and no layer that gives per-example "
-                                    f"gradient norms ({', '.join(t.__name__ for t in SOURCE_TYPES)})",
-                                    "per_example")
+            return NoiseSample.none(3, "per_example")
+        used, batch, why = self._usable(params)
+        total = big_sq = None
+        if why is None:
+            total = _pairs_total([s for s in used if s.pair is not None])
+            totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
+            total = sum(t.to(totals[0].device) for t in totals[1:]) + totals[0]
+            pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None)
+                      for s in used for p in s.parameters]
+            if any(reason == _shards.PARTIAL for _, reason in pieces):
+                why = 9
+            big_sq = _squares(piece for piece, _ in pieces)
+        covered = [p for s in used for p in s.parameters]
+        all_elements = sum(p.numel() for p in params)
+        coverage = sum(p.numel() for p in covered) / all_elements if all_elements else 0.0
+        if self._sharded and world > 1:
+            return self._pooled(total, big_sq, batch, min(s.owns_examples for s in used) if used else False,
+                                why, coverage, world)
+        if why is not None:
+            return NoiseSample.none(why, "per_example", batch if why in (5, 6) else math.nan)
+        big_sq = 0.0 if big_sq is None else float(big_sq)
+        # Example i's share of .grad is c_i; its gradient of the mean loss is B c_i, so the mean
+        # over examples of |G_1|² is B Σ|c_i|².
+        return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
+
+    def _usable(self, params: list[Tensor]) -> tuple[list[_Source], int, int | None]:
+        """The sources that give this step's per-example norms, the batch, and why none do (an
+        index into :data:`REASONS`)."""
         wanted = {id(p) for p in params}
         used = [s for s in self._sources if s.calls == 1 and s.grads == 1 and (s.total is not None or s.pair)
                 and all(id(p) in wanted for p in s.parameters)]
-        batches = {s.examples for s in used}
         if not used:
-            return NoiseSample.none("no per-example layer ran exactly once in the step's forward and backward",
-                                    "per_example")
-        batch = self._batch or max(batches)
+            return [], self._batch or 0, 4
+        batch = self._batch or max(s.examples for s in used)
         used = [s for s in used if s.examples == batch]
         if not used:
-            return NoiseSample.none(f"no per-example layer saw the batch of {batch} along its input's first dimension",
-                                    "per_example", batch)
-        if batch < 2:
-            return NoiseSample.none("a step of one example has no spread of per-example gradients", "per_example",
-                                    batch)
-        covered = [p for s in used for p in s.parameters]
-        total = _pairs_total([s for s in used if s.pair is not None])
-        totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
-        total = float(sum(t.to(totals[0].device) for t in totals[1:]) + totals[0])
-        big_sq = _squares(p.grad for p in covered)
-        big_sq = 0.0 if big_sq is None else float(big_sq)
-        all_elements = sum(p.numel() for p in params)
-        coverage = sum(p.numel() for p in covered) / all_elements if all_elements else 0.0
-        # Example i's share of .grad is c_i; its gradient of the mean loss is B c_i, so the mean
-        # over examples of |G_1|² is B Σ|c_i|².
-        return self._checked(NoiseSample(batch * total, big_sq, 1, batch, "per_example", coverage))
+            return [], batch, 5
+        return used, batch, 6 if batch < 2 else None
+
+    def _pooled(self, total: Tensor | None, big_sq: Tensor | None, batch: int, owns: bool, why: int | None,
+                coverage: float, world: int) -> NoiseSample:
+        """The sharded estimate: one ``all_reduce`` of a slot per rank for each of its examples'
+        ``b² Σ|c_i|²``, its pieces' ``|G_B|²``, the examples it owns and whether it has them."""
+        device = total.device if total is not None else torch.device("cpu")
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        slots = torch.zeros(4, world, dtype=dtype, device=device)
+        rank = dist.get_rank()
+        if why is None:
+            slots[0, rank] = total.to(dtype) * batch * batch
+            if big_sq is not None:
+                slots[1, rank] = big_sq.to(device, dtype)
+            slots[2, rank], slots[3, rank] = float(batch) if owns else 0.0, 1.0
+        dist.all_reduce(slots)  # the one collective
+        self.collectives += 1
+        small, big, examples, usable = slots.tolist()
+        big_batch = sum(examples)
+        bad = tuple(r for r in range(world) if not (math.isfinite(small[r]) and math.isfinite(big[r])))
+        if bad:
+            return replace(NoiseSample.none(1, "per_example", big_batch), nonfinite_ranks=bad)
+        if not all(usable):
+            return NoiseSample.none(10 if why is None else why, "per_example", batch if why in (5, 6) else math.nan)
+        return self._checked(NoiseSample(sum(small) / big_batch, sum(big), 1, big_batch, "per_example", coverage))
 
     @staticmethod
     def _checked(sample: NoiseSample) -> NoiseSample:
         if not (math.isfinite(sample.small_sq) and math.isfinite(sample.big_sq)):
-            return NoiseSample.none("the gradients are not finite", sample.source, sample.big)
+            return NoiseSample.none(1, sample.source, sample.big)
         if sample.small_sq == 0 and sample.big_sq == 0:
-            return NoiseSample.none("the gradients are all zero", sample.source, sample.big)
+            return NoiseSample.none(7, sample.source, sample.big)
         return sample

@@ -1,0 +1,74 @@
+"""Fits a student of ``test_noise.models()`` at learning rate 0 with Lightning's
+``ModelParallelStrategy`` on two CPU processes (gloo), every step logged.
+
+Run by ``tests/core/test_noise.py`` as ``python noise_sharded.py OUT_DIR MODE NAME``: MODE ``fsdp2``
+(``fully_shard``, data parallel 2, 16 examples a rank) or ``tp`` (tensor parallel 2: the first
+Linear column-wise, the last row-wise; both ranks see the same 32 examples); NAME ``linear`` or
+``mlp``. Lightning starts rank 1 by running this script again. Rank 0 writes the events and
+``facts.json``: the noise probe's ``all_reduce`` calls and the logged steps.
+"""
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+from gloo_exit import finish
+from lightning_gradhooks import GradHooks
+from noise_ddp import Facts
+from test_noise import Fit, models
+
+STEPS = 16
+
+
+class Sharded(Fit):
+    def __init__(self, model, mode: str) -> None:  # noqa: ANN001
+        super().__init__(model)
+        self.mode = mode
+
+    def configure_model(self) -> None:
+        linears = [m for m in self.model.modules() if type(m).__name__ == "Linear"]
+        if self.mode == "fsdp2":
+            for module in [*linears, self.model] if len(linears) > 1 else [self.model]:
+                fully_shard(module, mesh=self.device_mesh["data_parallel"])
+            return
+        mesh = self.device_mesh["tensor_parallel"]
+        if len(linears) == 1:  # Linear(6, 1): its inputs split between the ranks
+            parallelize_module(self.model, mesh, RowwiseParallel(input_layouts=Replicate()))
+        else:
+            parallelize_module(self.model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def main() -> None:
+    out, mode, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    pl.seed_everything(0, verbose=False)
+    model, x, y = models()[name]
+    gradhooks = GradHooks(every_n_steps=1, histograms=False)
+    fsdp = mode == "fsdp2"
+    trainer = pl.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=2 if fsdp else 1, tensor_parallel_size=1 if fsdp else 2,
+                                       timeout=timedelta(seconds=60)),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=TensorBoardLogger(str(out), name="logs"),
+        callbacks=[Facts(out, gradhooks), gradhooks],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    # FSDP2: each rank its own half, shuffled (a DistributedSampler); TP: both ranks the same batches
+    trainer.fit(Sharded(model, mode), DataLoader(TensorDataset(x, y), batch_size=16 if fsdp else 32, shuffle=True))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
