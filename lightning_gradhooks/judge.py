@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 from lightning_gradhooks._text import counted, listed
-from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary, rms
+from lightning_gradhooks.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind, Summary, rms
 
 #: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
@@ -267,6 +267,8 @@ def _size(stats: Mapping[str, float]) -> float | None:
 
 def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
     """Why an entry is non-finite (None: it is not)."""
+    if kind in ACTIVATION_KINDS:  # the forward statistics: not judged yet
+        return None
     count = stats.get("nonfinite", 0)
     if count and count > 0:
         return f"{int(count)} NaN/Inf"
@@ -395,6 +397,8 @@ class Judge:
             self._seen.append(step)
         merged = self._pending[step]
         for key, s in _f32_step(stats):
+            if key[0] in ACTIVATION_KINDS:  # the forward statistics: not judged yet
+                continue
             key = key if isinstance(key, Key) else Key(*key)
             if key in merged:
                 merged[key].update(s)
