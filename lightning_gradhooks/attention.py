@@ -25,7 +25,7 @@ import functools
 import inspect
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -116,13 +116,16 @@ class AttentionLogits:
     Args:
         modules: every module of the model outside compiled code, by label: each gets a forward
             pre-hook and a forward hook (:attr:`hooks`) that the monitor puts in on armed steps.
-        compiled: labels of the modules in compiled code (named if they are attention modules).
+        compiled: the modules in compiled code, by label (named if they are attention modules).
         reduce: the monitor's ``(kind, label, tensor, histogram)`` reduction.
         armed: whether the monitor is armed.
+        wrappers: what ``torch.compile(module)`` returned, in the model: the mode is left while
+            they run (compiled code runs as on other steps, with no recompile of ours).
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], compiled: Mapping[str, nn.Module],
-                 reduce: Callable[[Kind, str, Tensor, bool], None], armed: Callable[[], bool]) -> None:
+                 reduce: Callable[[Kind, str, Tensor, bool], None], armed: Callable[[], bool],
+                 wrappers: Sequence[nn.Module] = ()) -> None:
         self._reduce = reduce
         self._armed = armed
         self._mode = _Mode(self)
@@ -136,6 +139,8 @@ class AttentionLogits:
         self.hooks = [hook for label, m in modules.items()
                       for hook in ((m, True, functools.partial(self._enter, label)),
                                    (m, False, functools.partial(self._leave, label), True))]
+        self.hooks += [hook for m in wrappers for hook in ((m, True, self._pause), (m, False, self._resume, True))]
+        self._paused: list[bool] = []  # per compiled call running: whether it left the mode
 
     def _enter(self, label: str, module: nn.Module, args: tuple) -> None:
         if not self._armed() or torch._C._current_graph_task_id() != -1:  # a recomputation in backward
@@ -159,6 +164,16 @@ class AttentionLogits:
             self._seen.add(label)
             self._reduce(Kind.ATTENTION_LOGIT, label, maxima, False)
 
+    def _pause(self, module: nn.Module, args: tuple) -> None:
+        ours = bool(self._running) and torch.overrides._get_current_function_mode() is self._mode
+        if ours:
+            self._mode.__exit__(None, None, None)
+        self._paused.append(ours)
+
+    def _resume(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._paused and self._paused.pop():
+            self._mode.__enter__()
+
     @contextmanager
     def outside(self) -> Iterator[None]:
         """The mode left for the block (our own reductions in a forward hook), if it is the
@@ -177,6 +192,7 @@ class AttentionLogits:
         if self._running:  # a forward left without its forward hook (cannot happen with always_call)
             self._running.clear()
             self._mode.__exit__(None, None, None)
+        self._paused.clear()
         unseen = [label for label in [*self._unseen, *sorted(self._ran)] if label not in self._said
                   and not any(s == label or s.startswith(f"{label}.") or label == "(model)" for s in self._seen)]
         self._unseen, self._seen, self._ran = [], set(), set()

@@ -34,7 +34,7 @@ from lightning_gradhooks.attention import AttentionLogits
 from lightning_gradhooks.forward_checks import ForwardChecks, Hook, OutputStatistics
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.planning import (
-    Plan, Planner, Read, _compiled_modules, _grad_tensors, _named_modules, select_modules,
+    Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
 )
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
@@ -242,6 +242,7 @@ class GradientMonitor:
         self._attention = AttentionLogits(
             {label: m for label, m in labels.items() if id(m) not in compiled},
             {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
+            [m for m in model.modules() if _is_compile_wrapper(m)],
         ) if attention_logits else None
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}

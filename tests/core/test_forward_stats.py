@@ -52,14 +52,14 @@ class SelfAttention(nn.Module):
     boolean or additive masks, causal, GQA; keeps the q and k it passed."""
 
     def __init__(self, width: int = 32, heads: int = 4, kv_heads: int | None = None, qk_norm: bool = False,
-                 **call) -> None:
+                 keep: bool = True, **call) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.call = heads, kv_heads or heads, call
         self.q = nn.Linear(width, width)
         self.kv = nn.Linear(width, 2 * width // heads * self.kv_heads)
         self.norm = nn.LayerNorm(width // heads) if qk_norm else None
         self.out = nn.Linear(width, width)
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if keep else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -67,7 +67,8 @@ class SelfAttention(nn.Module):
         k, v = self.kv(x).view(b, t, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
         if self.norm is not None:
             q, k = self.norm(q), self.norm(k)
-        self.seen.append((q.detach(), k.detach()))
+        if self.seen is not None:
+            self.seen.append((q.detach(), k.detach()))
         y = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads, **self.call)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
@@ -253,3 +254,23 @@ def test_steps_that_are_not_logged_run_nothing_of_ours_and_a_raising_forward_lea
             model(torch.randn(1, T, 32))
         assert stacks == [1, 0, 1] and torch._C._len_torch_function_stack() == 0
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_attention_in_compiled_code_is_named_once_and_runs_as_compiled():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    block = Block(torch.compile(SelfAttention(keep=False), backend="eager"))
+    x = torch.randn(2, T, 32)
+    off = {"activations": False, "attention_logits": False, "compile_statistics": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _logged(block, x, steps=3, **off)  # what the monitor's own hooks make Dynamo compile
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = _logged(block, x, steps=3, compile_statistics=False)  # no kernels of ours compiled either
+    said = [str(w.message) for w in caught if "attention_logits" in str(w.message)]
+    assert len(said) == 1 and "in attn on a logged step" in said[0]
+    assert not _entries(record, Kind.ATTENTION_LOGIT)
+    assert counters["stats"]["unique_graphs"] == graphs  # the mode left while compiled code runs: no recompile
