@@ -110,8 +110,8 @@ class GradHooksLogic:
         noise_scale: bool = True,
         compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
-        activations: bool = True,
-        attention_logits: bool = True,
+        activations: bool = False,
+        attention_logits: bool = False,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)

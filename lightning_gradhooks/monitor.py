@@ -193,8 +193,8 @@ class GradientMonitor:
         *,
         noise_scale: bool = True,
         compile_statistics: bool = True,
-        activations: bool = True,
-        attention_logits: bool = True,
+        activations: bool = False,
+        attention_logits: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")

@@ -19,7 +19,7 @@ from lightning_gradhooks.records import Kind, forward_values, step_summary
 
 def _logged(model: nn.Module, *inputs: torch.Tensor, steps: int = 2, **options):  # noqa: ANN202
     """The record of the last of ``steps`` logged steps (the first one probes the read plans)."""
-    monitor = GradientMonitor(model, **options)
+    monitor = GradientMonitor(model, **{"activations": True, "attention_logits": True, **options})
     with monitor.attach():
         for _ in range(steps):
             with monitor.arm():
@@ -221,10 +221,14 @@ def test_output_statistics_are_those_of_each_output_as_its_module_returned_it():
     assert outputs["fc"].stats.zero_fraction == 0.0  # read before the relu_ that zeroed half of it
 
 
-def test_off_by_argument_and_checked():
+def test_off_by_default_and_checked():
     torch.manual_seed(0)
-    record = _logged(Block(SelfAttention()), torch.randn(2, T, 32), activations=False, attention_logits=False)
-    assert not _entries(record, Kind.OUTPUT) and not _entries(record, Kind.ATTENTION_LOGIT)
+    block, x = Block(SelfAttention()), torch.randn(2, T, 32)
+    monitor = GradientMonitor(block)
+    with monitor.attach(), monitor.arm():
+        block(x).sum().backward()
+        record = monitor.collect()
+    assert record.entries and not _entries(record, Kind.OUTPUT) and not _entries(record, Kind.ATTENTION_LOGIT)
     with pytest.raises(ValueError, match="activations"):
         GradientMonitor(nn.Linear(2, 2), activations=1)
     with pytest.raises(ValueError, match="attention_logits"):
@@ -242,7 +246,7 @@ def test_steps_that_are_not_logged_run_nothing_of_ours_and_a_raising_forward_lea
             return x
 
     model = nn.Sequential(Block(SelfAttention()), Probe())
-    monitor = GradientMonitor(model)
+    monitor = GradientMonitor(model, activations=True, attention_logits=True)
     with monitor.attach():
         with monitor.arm():
             model(torch.randn(2, T, 32)).sum().backward()
