@@ -133,7 +133,8 @@ class GradientEntry:
 
     Attributes:
         kind: a :class:`Kind`: ``grad_output``, ``grad_input`` or ``param_grad`` (and the forward
-            checks' ``forward``, ``forward_input``, ``weights``).
+            checks' ``forward``, ``forward_input``, ``weights``; the forward statistics' ``output``
+            and ``attention_logit``).
         name: the module's qualified name, or the parameter's. A module with several output
             (or input) tensors gives one entry per tensor, named by its position or key in the
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
