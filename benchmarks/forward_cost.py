@@ -9,6 +9,10 @@ Variants, interleaved round by round in one process (the models of ``logged_step
 alone (``logged_step.py --variants bare,logged_grads,logged_outputs,logged`` times the whole
 logged step with its writing). Reported: the median over rounds of the mean step, and its ratio
 to ``bare`` (median of per-round ratios).
+
+``--count-ops``: instead, the aten ops an armed step dispatches on 20 ``Linear(64, 64)`` layers
+with eager statistics (every op counted by a ``TorchDispatchMode``), with the gradients alone and
+with the outputs too.
 """
 
 from __future__ import annotations
@@ -27,13 +31,45 @@ VARIANTS = {"bare": None, "grads": {"activations": False, "attention_logits": Fa
             "outputs": {"attention_logits": False}, "all": {}}
 
 
+def count_ops() -> None:
+    import torch
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_gradhooks import GradientMonitor
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model, x = nn.Sequential(*[nn.Linear(64, 64) for _ in range(20)]), torch.randn(32, 64)
+    counts = {}
+    for name, options in (("grads", {}), ("outputs", {"activations": True})):
+        monitor = GradientMonitor(model, compile_statistics=False, noise_scale=False, **options)
+        with monitor.attach():
+            for _ in range(2):  # the second step: read plans settled
+                Count.ops = 0
+                with Count(), monitor.arm():
+                    model(x).sum().backward()
+                    monitor.collect()
+        counts[name] = Count.ops
+    print(f"aten ops of an armed step: {counts}; {(counts['outputs'] - counts['grads']) / 20:.0f} per output")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--models", default="encoder,gpt2,resnet18")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--count-ops", action="store_true", help="count the aten ops of an armed step instead")
     args = parser.parse_args()
+    if args.count_ops:
+        count_ops()
+        return
     import torch
 
     from lightning_gradhooks import GradientMonitor
