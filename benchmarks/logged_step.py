@@ -12,6 +12,9 @@ the same batch every step. Variants, each window in a fresh process, interleaved
 - ``logged``: the same with every step logged: ``GradientMonitor.arm``, ``collect`` and
   ``GradientLog.write`` into a ``SummaryWriter`` (the steps go to our own event file,
   checksummed in C);
+- ``logged_grads``, ``logged_outputs``: ``logged`` without the forward statistics (output
+  statistics and attention logits), or with the output statistics alone: what the forward pass
+  adds to a logged step (``--variants bare,logged_grads,logged_outputs,logged``);
 - ``logged_tb``: the same, each step's event written through the SummaryWriter's own
   file writer instead (TensorBoard's pure-Python CRC-32C, in its writer thread): the cost of
   leaving the writing to TensorBoard;
@@ -84,6 +87,12 @@ def make_case(name: str, device: str):  # noqa: ANN201
     return model.to(device), tuple(t.to(device) for t in batch), loss
 
 
+#: The monitor's options of a variant: ``logged`` has the defaults (output statistics and
+#: attention logits on); ``logged_grads`` neither; ``logged_outputs`` the output statistics alone.
+FORWARD_OPTIONS = {"logged_grads": {"activations": False, "attention_logits": False},
+                   "logged_outputs": {"attention_logits": False}}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -98,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
     folder = tempfile.mkdtemp()
     writer = SummaryWriter(folder)
     logged = variant.startswith("logged")
-    monitor = GradientMonitor(model) if logged else None
+    monitor = GradientMonitor(model, **FORWARD_OPTIONS.get(variant, {})) if logged else None
     if variant == "logged_tb":
         from lightning_gradhooks import _tensorboard
 

@@ -25,7 +25,8 @@ class Fit:
     def __init__(self, hooks: Any, trainer: Any, pl_module: Any) -> None:
         self.monitor = GradientMonitor(pl_module, include=hooks.include, exclude=hooks.exclude, histograms=hooks.histograms,
                                        bins=hooks.histogram_bins, noise_scale=hooks.noise_scale,
-                                       compile_statistics=hooks.compile_statistics,
+                                       compile_statistics=hooks.compile_statistics, activations=hooks.activations,
+                                       attention_logits=hooks.attention_logits,
                                        forward_checks=True)  # where NaN/Inf are born: the report names it
         #: Log every this many optimizer steps.
         self.interval = hooks.every_n_steps or trainer.log_every_n_steps or 1

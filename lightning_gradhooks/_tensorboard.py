@@ -4,7 +4,9 @@ Tag scheme: ``<section>/<name>``, and TensorBoard shows one section per ``<secti
 of ours are numbered, in the order a person reads them: ``∇1 overview`` (the total gradient norm,
 the non-finite total, the gradient-flow picture), ``∇2 grad_output_norm``, ``∇3 grad_input_norm``,
 ``∇4 param_grad_norm``, ``∇5 param_update_ratio``, ``∇6 histograms`` (``<kind>/<name>``), and
-``∇7 <kind>_<statistic>`` for the statistics charted only by option (``∇7 grad_output_mean``).
+``∇7 <kind>_<statistic>`` for the statistics charted only by option (``∇7 grad_output_mean``), and
+``∇8 forward`` for the forward statistics (``∇8 forward/output_rms/<name>``,
+``∇8 forward/attention_logit_max/<name>``).
 
 Why the ``∇``: TensorBoard's Time Series dashboard groups cards by the tag up to its first
 ``/`` and orders the groups by their first tag, compared digit runs as numbers first, then
@@ -56,7 +58,9 @@ from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-from lightning_gradhooks.records import FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Key, Kind, Summary
+from lightning_gradhooks.records import (
+    ACTIVATION_KINDS, FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Key, Kind, Summary, forward_values,
+)
 from lightning_gradhooks.stats import STATISTICS, histogram_edges
 
 
@@ -68,6 +72,17 @@ FLOW_TAG = f"{OVERVIEW}/gradient_flow"
 HISTOGRAMS = "∇6 histograms"
 #: The numbered sections of the default statistics; every other statistic is in a ``∇7`` one.
 _NUMBERS = {(Kind.GRAD_OUTPUT, "norm"): 2, (Kind.GRAD_INPUT, "norm"): 3, (Kind.PARAM_GRAD, "norm"): 4, (Kind.PARAM, "update_ratio"): 5}
+
+
+#: The section of the forward statistics: what is charted of each ``output`` and ``attention_logit`` entry.
+FORWARD = "∇8 forward"
+#: The charted statistic of each forward kind (:func:`~lightning_gradhooks.records.forward_values`).
+FORWARD_CHARTS = {Kind.OUTPUT: "rms", Kind.ATTENTION_LOGIT: "max"}
+
+
+def forward_chart(kind: str) -> str:
+    """The tags of a forward kind, before the name: ``∇8 forward/output_rms``, ``∇8 forward/attention_logit_max``."""
+    return f"{FORWARD}/{kind}_{FORWARD_CHARTS[kind]}"
 
 
 def section(kind: str, stat: str) -> str:
@@ -105,12 +120,17 @@ def scalar_metrics(
     ``torch.nn.utils.clip_grad_norm_`` computes; the overview tags end with ``suffix`` (with
     several optimizers, one per optimizer: ``total_norm_optimizer_<i>``). The overview is
     written whatever the statistics; the forward checks (kinds ``forward``, ``forward_input``,
-    ``weights``) are not charted: :func:`stats_value` carries them.
+    ``weights``) are not charted: :func:`stats_value` carries them; of the forward statistics,
+    the RMS of each output and the largest attention logit are, in ``∇8 forward``, whatever the
+    statistics.
     """
     metrics = {}
     nonfinite_total, squares, params = 0.0, 0.0, False
     for entry in record.entries:
         if entry.kind in FORWARD_KINDS:
+            continue
+        if entry.kind in ACTIVATION_KINDS:
+            metrics[f"{forward_chart(entry.kind)}/{entry.key.label}"] = forward_values(entry.kind, entry.stats)[FORWARD_CHARTS[entry.kind]]
             continue
         if entry.kind == Kind.PARAM_GRAD:
             squares, params = squares + entry.stats.norm**2, True

@@ -75,6 +75,12 @@ class GradHooksLogic:
             (or no compiler, said once at INFO): the same torch ops, eagerly.
         histogram_every_n_steps: histograms on the first logged step of each window of this many
             optimizer steps (scalars and the report's summary on every logged step).
+        activations: on logged steps, also reduce each monitored module's outputs (RMS, absmax,
+            mean, the share of zeros, absmax over RMS: one read of each output, on the device),
+            charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
+        attention_logits: on logged steps, also measure the maximum attention logit of every
+            ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
+            (one more ``q·kᵀ`` per call; :mod:`lightning_gradhooks.attention`).
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -104,6 +110,8 @@ class GradHooksLogic:
         noise_scale: bool = True,
         compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
+        activations: bool = False,
+        attention_logits: bool = False,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)
@@ -122,6 +130,8 @@ class GradHooksLogic:
         self.offload_fix_mmap_threshold = check_bool("offload_fix_mmap_threshold", offload_fix_mmap_threshold)
         self.noise_scale = check_bool("noise_scale", noise_scale)
         self.compile_statistics = check_bool("compile_statistics", compile_statistics)
+        self.activations = check_bool("activations", activations)
+        self.attention_logits = check_bool("attention_logits", attention_logits)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
         #: The report's :class:`~lightning_gradhooks.Thresholds`, made (each range-checked) now, not at fit start.

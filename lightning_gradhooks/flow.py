@@ -46,7 +46,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from lightning_gradhooks._tensorboard import OVERVIEW, UPDATE_SECTIONS, section
+from lightning_gradhooks._tensorboard import FORWARD, FORWARD_CHARTS, OVERVIEW, UPDATE_SECTIONS, forward_chart, section
 from lightning_gradhooks.records import GRADIENT_KINDS, GradientRecord, Kind, rms
 from lightning_gradhooks.stats import STATISTICS
 
@@ -373,8 +373,9 @@ def custom_scalars_layout(
 
     Categories, named as the sections of the Time Series dashboard: ``∇1 overview`` (the total
     gradient norm and the non-finite total), then one per kind and statistic
-    (``∇2 grad_output_norm``), and ``∇5 param_update_ratio`` and ``∇7 param_norm`` for the
-    parameters of ``record``'s ``param_grad`` entries. Each holds the charts of
+    (``∇2 grad_output_norm``), ``∇5 param_update_ratio`` and ``∇7 param_norm`` for the
+    parameters of ``record``'s ``param_grad`` entries, and ``∇8 forward`` for its forward
+    statistics (one chart per group of modules and forward kind). Each holds the charts of
     :func:`chart_groups`: at most :data:`MAX_LINES` lines each. No per-module ``nonfinite``
     charts (empty on healthy runs). Without a record, only the overview.
 
@@ -405,4 +406,8 @@ def custom_scalars_layout(
     for tag, kind in sorted(tags):  # in the order of the Time Series sections (one-digit numbers)
         if ordered.get(kind):
             layout[tag] = {title: ["Multiline", [_exact(tag, group)]] for title, group in chart_groups(ordered[kind])}
+    forward = {f"{kind} {title}": ["Multiline", [_exact(forward_chart(kind), group)]]
+               for kind in FORWARD_CHARTS for title, group in chart_groups(list(names.get(kind, ())))}  # in forward order
+    if forward:
+        layout[FORWARD] = forward
     return layout

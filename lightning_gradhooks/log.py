@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
-    FLOW_TAG, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
+    FLOW_TAG, FORWARD, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
 from lightning_gradhooks._checks import check_int
 from lightning_gradhooks._text import listed
@@ -95,11 +95,12 @@ def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
 
 
 def _table_columns(metrics: dict[str, float]) -> dict[str, float]:
-    """What a table of columns (CSV, MLflow, ...) gets: the overview and the norms, named without
+    """What a table of columns (CSV, MLflow, ...) gets: the overview, the norms and the forward
+    statistics' charts (``forward/output_rms/net.0``), named without
     the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
     which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
     return {tag.split(" ", 1)[1]: value for tag, value in metrics.items()
-            if tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS)}
+            if tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS, FORWARD)}
 
 
 def _rank() -> int:

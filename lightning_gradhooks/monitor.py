@@ -16,6 +16,7 @@ Which modules are watched and how each is read is planned in :mod:`lightning_gra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import warnings
@@ -29,10 +30,11 @@ from torch.utils.hooks import RemovableHandle
 import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int
 from lightning_gradhooks._text import listed
-from lightning_gradhooks.forward_checks import ForwardChecks, Hook
+from lightning_gradhooks.attention import AttentionLogits
+from lightning_gradhooks.forward_checks import ForwardChecks, Hook, OutputStatistics
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.planning import (
-    Plan, Planner, Read, _compiled_modules, _grad_tensors, _named_modules, select_modules,
+    Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
 )
 from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
@@ -84,7 +86,10 @@ class MonitorHandle:
 
     def put(self, hooks: Sequence[Hook]) -> None:
         """Register hooks on their modules, until :meth:`park`."""
-        for module, pre, hook in hooks:
+        for module, pre, hook, *always in hooks:  # a fourth item True: a forward hook called also on an exception
+            if always:
+                self._handles.append(module.register_forward_hook(hook, always_call=True))
+                continue
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
             self._handles.append(register(hook))
 
@@ -149,6 +154,13 @@ class GradientMonitor:
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.health.nonfinite_origin`).
         noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
+        activations: on armed steps, also reduce each watched module's floating outputs when its
+            forward returns them, into entries of kind ``"output"`` (RMS, absmax, mean, the share
+            of zeros, absmax over RMS; one read of each output, on the device; keyword only).
+        attention_logits: on armed steps, also measure the maximum attention logit of every
+            ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, for the
+            innermost module running the call (kind ``"attention_logit"``; one more ``q·kᵀ`` per
+            call, in chunks of queries; see :mod:`lightning_gradhooks.attention`; keyword only).
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
             there; False: the same torch ops, run eagerly (slower; no compile at the first logged
@@ -181,12 +193,15 @@ class GradientMonitor:
         *,
         noise_scale: bool = True,
         compile_statistics: bool = True,
+        activations: bool = False,
+        attention_logits: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks),
-                                ("compile_statistics", compile_statistics)):
+                                ("compile_statistics", compile_statistics), ("activations", activations),
+                                ("attention_logits", attention_logits)):
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
@@ -222,6 +237,13 @@ class GradientMonitor:
                        if _label(name) not in self._hooked and id(module) not in compiled}
         self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
             if forward_checks else None
+        self._outputs = OutputStatistics(self._hooked, self._reduce_output, lambda: self._armed) if activations else None
+        labels = {_label(name): module for name, module in _named_modules(model).items()}
+        self._attention = AttentionLogits(
+            {label: m for label, m in labels.items() if id(m) not in compiled},
+            {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
+            [m for m in model.modules() if _is_compile_wrapper(m)],
+        ) if attention_logits else None
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -261,8 +283,9 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks of each module's plan in the modules."""
-        if self._checks is not None:
-            self._handle.put(self._checks.hooks)
+        for part in (self._checks, self._outputs, self._attention):
+            if part is not None:
+                self._handle.put(part.hooks)
         self._planner.start()
         if self._hooks is None:  # made once per plan, registered and removed at every logged step
             self._hooks = []
@@ -300,6 +323,8 @@ class GradientMonitor:
     def _park(self) -> None:
         if self._checks is not None:
             self._checks.reset()
+        if self._attention is not None and not self._armed:
+            self._attention.reset()
         self._planner.stop()  # a probe whose backward never came is run again at the next arm
         if self._handle is not None:
             self._handle.park()
@@ -464,6 +489,14 @@ class GradientMonitor:
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
         if self._checks is not None and module.training:
             self._checks.check(name, args, output)
+
+    def _reduce_output(self, label: str, t: Tensor) -> None:
+        """A module's output, reduced now (outside the attention mode: with the compiled kernels)."""
+        with self._attention.outside() if self._attention is not None else contextlib.nullcontext():
+            self._reduce(Kind.OUTPUT, label, t, False)
+            reducer = self._reducers.get(t.device)
+            if reducer is not None:
+                reducer.flush()
 
     def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool,
               noise: Callable[[Tensor], None] | None = None) -> None:

@@ -41,6 +41,15 @@ class Kind(enum.StrEnum):
     FORWARD = "forward"
     FORWARD_INPUT = "forward_input"
     WEIGHTS = "weights"
+    #: The forward statistics (``GradientMonitor(activations=True)``): a module's output as its
+    #: forward made it, one entry per tensor; the summary adds ``rms`` and ``outlier``
+    #: (absmax over RMS) to its statistics.
+    OUTPUT = "output"
+    #: The maximum attention logit of the attention calls a module made
+    #: (``GradientMonitor(attention_logits=True)``): the statistics of its per-head maxima (one
+    #: value for calls without heads); the summary's ``max`` is the maximum over every head,
+    #: query and key, as the softmax saw it.
+    ATTENTION_LOGIT = "attention_logit"
     #: In the summary only: the optimizer step of a parameter (``update_ratio``, ``param_norm``,
     #: ``in_optimizer``).
     PARAM = "param"
@@ -60,6 +69,8 @@ class Kind(enum.StrEnum):
 GRADIENT_KINDS = (Kind.GRAD_OUTPUT, Kind.GRAD_INPUT, Kind.PARAM_GRAD)
 #: The kinds of the monitor's forward checks.
 FORWARD_KINDS = (Kind.FORWARD, Kind.FORWARD_INPUT, Kind.WEIGHTS)
+#: The kinds of the forward statistics.
+ACTIVATION_KINDS = (Kind.OUTPUT, Kind.ATTENTION_LOGIT)
 
 #: Fields of a row that do not change when a gradient is multiplied by a loss scale.
 _SCALE_FREE = ("nonfinite", "zero_fraction", "count")
@@ -122,7 +133,8 @@ class GradientEntry:
 
     Attributes:
         kind: a :class:`Kind`: ``grad_output``, ``grad_input`` or ``param_grad`` (and the forward
-            checks' ``forward``, ``forward_input``, ``weights``).
+            checks' ``forward``, ``forward_input``, ``weights``; the forward statistics' ``output``
+            and ``attention_logit``).
         name: the module's qualified name, or the parameter's. A module with several output
             (or input) tensors gives one entry per tensor, named by its position or key in the
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
@@ -253,6 +265,8 @@ def step_summary(
     summary: Summary = {}
     for e in record.entries if record is not None else ():
         values = dict(zip(STATISTICS, e.stats))
+        if e.kind in ACTIVATION_KINDS:
+            values.update(forward_values(e.kind, e.stats))
         if e.calls > 1:
             values["calls"] = e.calls
         summary[e.key] = values
@@ -273,6 +287,24 @@ def step_summary(
     if ranks is not None:
         summary[Key(Kind.RANKS, "gradient")] = dict(ranks)
     return summary
+
+
+def forward_values(kind: Kind, row: StatsRow) -> dict[str, float]:
+    """What the summary adds to the statistics of a forward entry: for an ``output``, its
+    ``rms`` over the finite elements and ``outlier``, absmax over RMS (0 when the RMS is); for an
+    ``attention_logit``, ``max``, the largest logit (NaN when none was finite).
+
+    Example:
+        >>> import torch
+        >>> from lightning_gradhooks.stats import reduce
+        >>> (row, _), = reduce([torch.tensor([3.0, -4.0])])
+        >>> forward_values(Kind.OUTPUT, row)
+        {'rms': 3.5355339059327378, 'outlier': 1.131370849898476}
+    """
+    if kind == Kind.ATTENTION_LOGIT:
+        return {"max": row.high if row.count > 0 else math.nan}
+    value = math.sqrt(row.norm * row.norm / row.count) if row.count > 0 else 0.0
+    return {"rms": value, "outlier": row.absmax / value if value > 0 else 0.0}
 
 
 def rms(stats: Mapping[str, float]) -> float | None:

@@ -192,6 +192,12 @@ class Reducer:
         batch.positions.append(position)
         batch.elements += n
 
+    def flush(self) -> None:
+        """Reduce what waits now: a tensor that may change after it was added (a module's output,
+        which a later in-place op may overwrite) is read as it was."""
+        for key in list(self._open):
+            self._flush(key)
+
     def _flush(self, histogram: bool) -> None:
         batch = self._open.pop(histogram)
         moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled)

@@ -32,7 +32,7 @@ from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
 from lightning_gradhooks.health.vanishing import Vanishing
-from lightning_gradhooks.records import Key, Kind, Summary
+from lightning_gradhooks.records import ACTIVATION_KINDS, Key, Kind, Summary
 
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
@@ -92,8 +92,9 @@ class Judge:
             self._judge_pending()
             self._pending[step] = {}
             self._seen.append(step)
-        merge_summary(self._pending[step],
-                      ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)))
+        merge_summary(self._pending[step],  # the forward statistics are not judged yet
+                      ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)
+                       if key[0] not in ACTIVATION_KINDS))
 
     def _judge_pending(self) -> None:
         for number in sorted(self._pending):

@@ -8,11 +8,13 @@ from collections.abc import Mapping
 
 from lightning_gradhooks._text import counted
 from lightning_gradhooks.health.flags import OVERFLOW_NORM
-from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind
+from lightning_gradhooks.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind
 
 
 def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
     """Why an entry is non-finite (None: it is not)."""
+    if kind in ACTIVATION_KINDS:  # the forward statistics: not judged yet
+        return None
     count = stats.get("nonfinite", 0)
     if count and count > 0:
         return f"{int(count)} NaN/Inf"
