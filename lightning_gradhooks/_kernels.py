@@ -8,7 +8,8 @@ tensor's dtype or the bin count changes); the compiled code is reused by every m
 Inductor's on-disk cache makes the next process's compile quick. Elsewhere (Windows, no Inductor,
 no compiler, ``torch.compile`` disabled by the user with ``TORCH_COMPILE_DISABLE=1`` or
 ``torch._dynamo.config.disable``, or a compile that raises) the same function runs eagerly, and
-the ``lightning_gradhooks`` logger says so once at INFO. Nothing here changes a ``torch.compile``
+the ``lightning_gradhooks`` logger says so once at INFO; it also says, once per process at INFO,
+that the first compile begins and how long it usually takes. Nothing here changes a ``torch.compile``
 or Dynamo setting: options are per call.
 """
 
@@ -30,7 +31,7 @@ log = logging.getLogger("lightning_gradhooks")
 EAGER_ROWS = 1024
 
 # Process-wide: the compiled function per (function, device type), or the function itself where
-# it runs eagerly; the reasons already logged.
+# it runs eagerly; what was already logged (the reasons, and "compile" once the first compile was announced).
 _compiled: dict[tuple[Callable, str], Callable] = {}
 _said: set[str] = set()
 
@@ -67,6 +68,11 @@ def _kernel(function: Callable, device_type: str) -> Callable:
         reason = unavailable(device_type)
         if reason:
             _say(reason)
+        elif "compile" not in _said:  # the first compile of the process: it takes a while, say so before
+            _said.add("compile")
+            log.info("lightning_gradhooks: compiling the gradient statistics with torch.compile, once per process: "
+                     "usually 10-30 s in a first run, a few seconds once Inductor's on-disk cache is warm "
+                     "(compile_statistics=False: no compile, slower statistics)")
         _compiled[key] = function if reason else _compile(function)
     return _compiled[key]
 

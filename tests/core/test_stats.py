@@ -1,3 +1,4 @@
+import logging
 import math
 
 import pytest
@@ -447,4 +448,36 @@ def test_a_dispatch_mode_of_the_users_runs_the_eager_ops_once_and_leaves_compili
     assert not [r for r in caplog.records if "eager" in r.getMessage()]
     assert inside == reduce(tensors, bins=16, compiled=False)
     reduce(tensors, bins=16)
+    assert stats._kernels._compiled[stats.row_moments, "cpu"] is not stats.row_moments
+
+
+def test_the_first_compile_is_announced_once_before_it_starts(fresh_kernels, caplog):
+    from torch import nn
+
+    from lightning_gradhooks import GradientMonitor
+
+    compiled_when_said = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            compiled_when_said.append(dict(stats._kernels._compiled))
+
+    watch = Watch()
+    logging.getLogger("lightning_gradhooks").addHandler(watch)
+    try:
+        with caplog.at_level("INFO", logger="lightning_gradhooks"):
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            monitor = GradientMonitor(model)
+            with monitor.attach():
+                for _ in range(3):
+                    with monitor.arm():
+                        model(torch.randn(16, 4)).sum().backward()
+                        assert monitor.collect().entries
+            reduce(_awkward(torch.float32), bins=16)
+    finally:
+        logging.getLogger("lightning_gradhooks").removeHandler(watch)
+    said = [r for r in caplog.records if r.name == "lightning_gradhooks"]
+    assert len(said) == 1 and said[0].levelname == "INFO", [r.getMessage() for r in said]
+    assert "compiling" in said[0].getMessage() and "10-30 s" in said[0].getMessage()
+    assert compiled_when_said == [{}]  # said before the first kernel was made, let alone run
     assert stats._kernels._compiled[stats.row_moments, "cpu"] is not stats.row_moments
