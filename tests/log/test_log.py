@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,8 @@ def test_a_plain_loop_tells_the_log_what_its_scaler_skipped(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(tmp_path), "--fail-on", "nonfinite"]) == 0  # a note fails nothing
     assert capsys.readouterr().out.split("\n", 1)[1].startswith(text + "\n")
+    docs = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
+    assert textwrap.indent(LOOP_FP16.strip(), "  ") in docs  # the loop shown is the loop run
     log = GradientLog(None, echo=None)
     with pytest.raises(ValueError, match="`scale` expected a finite number >= 0, got nan"):
         log.write_scaler(0, float("nan"), 1.0)
