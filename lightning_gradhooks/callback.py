@@ -299,7 +299,7 @@ class GradHooksLogic:
             # pre-hook: the log copies the weights now, and the post-hook measures the update.
             self.gradient_log.write(record, self._batch.step, optimizer=optimizer, stepping=optimizer is not None,
                                     scalars=None if scale is None else {"loss_scale": scale}, pool=pool)
-            if optimizer is not None and scale is not None and self._batch.scale is None:
+            if optimizer is not None and scale is not None and record.entries and self._batch.scale is None:
                 self._batch.scale = scale  # told to the log once the batch ends (_end_batch)
 
 
