@@ -208,6 +208,9 @@ _THRESHOLD_HELP = {
     "stalled_update_ratio": "Flag stalled when a parameter's update ratio is 0 or below this share of the model's "
     "median.",
     "stalled_steps": "Flag stalled only after this many logged steps in a row.",
+    "scaler_skip_steps": ("A gradient scaler that skips every step for this many steps in a row, after it had "
+                          "found a working scale, is nonfinite; fewer is a note."),
+    "scaler_min_scale": "A gradient scaler whose scale falls below this while it skips steps is nonfinite.",
 }
 
 

@@ -40,6 +40,7 @@ class _BatchState:
     step: int = 0  # the global step the armed record is logged at
     pieces_due: bool = False  # a logged step on which this rank reduces its sharded pieces only
     log_next: bool = False  # the sentinel caught a NaN: log the next batch in full
+    scale: float | None = None  # the gradient scaler's scale at the logged step's write, until the batch ends
 
 
 class GradHooksLogic:
@@ -278,6 +279,9 @@ class GradHooksLogic:
         self._batch.open = False
         if self._fit is None:
             return
+        scale, self._batch.scale = self._batch.scale, None
+        if scale is not None and self.gradient_log is not None:  # scaler.update() has run: did it skip the step?
+            self.gradient_log.write_scaler(self._batch.step, scale, _trainer.loss_scale(trainer))
         monitor = self._fit.monitor
         try:
             self._fit.leave_offload()
@@ -305,6 +309,8 @@ class GradHooksLogic:
             # pre-hook: the log copies the weights now, and the post-hook measures the update.
             self.gradient_log.write(record, self._batch.step, optimizer=optimizer, stepping=optimizer is not None,
                                     scalars=None if scale is None else {"loss_scale": scale}, pool=pool)
+            if optimizer is not None and scale is not None and record.entries and self._batch.scale is None:
+                self._batch.scale = scale  # told to the log once the batch ends (_end_batch)
 
 
 class GradHooks(GradHooksLogic, pytorch_lightning.Callback):

@@ -43,7 +43,7 @@ from lightning_gradhooks._checks import check_choices, check_instance
 from lightning_gradhooks._tensorboard import (
     FLOW_TAG, FORWARD, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
 )
-from lightning_gradhooks._checks import check_int
+from lightning_gradhooks._checks import check_int, check_number
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.distributed import RankReducer
 from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
@@ -289,15 +289,52 @@ class GradientLog:
             raise RuntimeError("GradientLog.write_caught: the log is closed")
         if _rank() != 0 or not names:
             return
-        self._write_updates()
         stats = step_summary(caught=names, checked=checked)
-        metrics = {f"{OVERVIEW}/caught_nonfinite": float(len(names))}
+        self._write_beside(step, stats, {f"{OVERVIEW}/caught_nonfinite": float(len(names))})
+        self._warn_nonfinite(step, stats)
+
+    def write_scaler(self, step: int, scale: float, new_scale: float) -> None:
+        """Write what a gradient scaler did at logged step ``step``, once its ``update()`` ran.
+
+        A scaler (``torch.amp.GradScaler``, FSDP2's ``ShardedGradScaler``) that finds non-finite
+        gradients skips the optimizer step and lowers its scale, by design: the report counts
+        such a logged step (a note at the end) instead of flagging its NaN/Inf, unless the
+        skipping persists (see :class:`~lightning_gradhooks.health.scaler.ScalerSkips`). The
+        ``GradHooks`` callback calls it itself; a plain loop or Fabric, after ``write``::
+
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            log.write(monitor.collect().unscaled(scale), step, scalars={"loss_scale": scale})
+            scaler.step(optimizer)
+            scaler.update()
+            log.write_scaler(step, scale, scaler.get_scale())
+
+        Args:
+            step: the logged step (that of :meth:`write`).
+            scale: the scale the step's loss was multiplied by (``scaler.get_scale()`` before
+                ``scaler.step``).
+            new_scale: the scale after ``scaler.update()``: lower than ``scale`` when the scaler
+                skipped the step. Charted as ``∇1 overview/scaler_skipped`` (1 or 0).
+
+        Raises:
+            ValueError: a scale that is not a finite number of at least 0.
+        """
+        scale, new_scale = check_number("scale", scale, 0.0), check_number("new_scale", new_scale, 0.0)
+        if self.closed:
+            raise RuntimeError("GradientLog.write_scaler: the log is closed")
+        if _rank() != 0:
+            return
+        self._write_beside(step, step_summary(scaler=(scale, new_scale)),
+                           {f"{OVERVIEW}/scaler_skipped": float(new_scale < scale)})
+
+    def _write_beside(self, step: int, stats: Summary, metrics: dict[str, float]) -> None:
+        """Write a summary and scalars of ``step`` beside its record (to every writer and the report)."""
+        self._write_updates()
         for writer in self._tensorboards:
             write_step(writer, metrics, None, step, stats)
         for other in self._others:
             other.log_metrics(metrics if _is_wandb(other) else _table_columns(metrics), step=step)
         self.report.add_stats(step, stats)
-        self._warn_nonfinite(step, stats)
 
     def _warn_nonfinite(self, step: int, stats: Summary) -> None:
         # Named as the report and the `report` command name it (the same function).

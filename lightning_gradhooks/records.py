@@ -63,6 +63,10 @@ class Kind(enum.StrEnum):
     #: In the summary only: the relative precision (``eps``) of the gradients the hooks see,
     #: when not float32's (autocast to bfloat16 or float16): what round-off means.
     PRECISION = "precision"
+    #: In the summary only: the gradient scaler at a logged step: ``scale`` (what its loss was
+    #: multiplied by) and ``new_scale`` (after ``scaler.update()``: lower when the scaler found
+    #: non-finite gradients and skipped the optimizer step).
+    SCALER = "scaler"
 
 
 #: The kinds that are gradients, in the order of the docs.
@@ -243,6 +247,7 @@ def step_summary(
     checked: int = 0,
     noise: Mapping[str, float] | None = None,
     ranks: Mapping[str, float] | None = None,
+    scaler: tuple[float, float] | None = None,
 ) -> Summary:
     """The summary of (what is known of) one step: every statistic of every entry of ``record``
     (with ``calls`` where an entry pools several gradients), and what the log learns beside it.
@@ -257,6 +262,7 @@ def step_summary(
         caught: parameters whose non-finite gradient the sentinel caught, of ``checked``.
         noise: the noise scale's raw estimates (:meth:`NoiseSample.stats`).
         ranks: which ranks' own gradients were not finite before the all-reduce.
+        scaler: a gradient scaler's ``(scale, new_scale)`` at the step (:attr:`Kind.SCALER`).
 
     Example:
         >>> step_summary(updates={"net.0.weight": (0.01, 2.0)}, optimizer=1)
@@ -286,6 +292,8 @@ def step_summary(
         summary[Key(Kind.NOISE, "gradient")] = dict(noise)
     if ranks is not None:
         summary[Key(Kind.RANKS, "gradient")] = dict(ranks)
+    if scaler is not None:
+        summary[Key(Kind.SCALER, "loss_scale")] = {"scale": float(scaler[0]), "new_scale": float(scaler[1])}
     return summary
 
 

@@ -9,7 +9,9 @@ judge and renders what it decided. The flags, worst first:
 - ``nonfinite`` (:mod:`.nonfinite`): NaN/Inf, or a gradient whose L2 norm overflows float32
   (what ``clip_grad_norm_`` then sees as an infinite total norm), or a non-finite update. One
   row: the first logged step where it appears and where it was born
-  (:func:`~lightning_gradhooks.health.origin.nonfinite_origin`).
+  (:func:`~lightning_gradhooks.health.origin.nonfinite_origin`). A step whose gradient scaler
+  caught its NaN/Inf and skipped it is the scaler's business (:mod:`.scaler`): counted in a note,
+  and ``nonfinite`` only once the skipping persists.
 - ``exploding`` (:mod:`.exploding`, :mod:`.exploding_updates`, :mod:`.exploding_at_nonfinite`):
   a gradient many times its own recent median, or an update many times the weights it moves.
 - ``vanishing`` (:mod:`.vanishing`): a gradient far below the model's median of its kind, while
@@ -18,7 +20,8 @@ judge and renders what it decided. The flags, worst first:
 - ``stalled``: a parameter that does not move (:mod:`.stalled`), with its causes where there is
   one: in no optimizer (:mod:`.unowned`), no gradient (:mod:`.no_gradient`), a cut learning
   rate (:mod:`.lr_cut`).
-- notes, never flags (:mod:`.round_off`): parameters whose gradient is zero by construction.
+- notes, never flags (:mod:`.round_off`): parameters whose gradient is zero by construction;
+  a check's own line (:meth:`~lightning_gradhooks.health.check.Check.note`: the scaler's skipped steps).
 
 Why each definition is what it is (docs/usage.md has the validation): gradients are compared with
 the model's own scale at the same step, or with their own recent median, never with zero or with
@@ -43,9 +46,9 @@ and one line in :data:`~lightning_gradhooks.health.judge.CHECKS`:
   median, a vectorised pass) is a cached property of ``Step``, computed once for every check.
 - **What it may write.** Flags only through ``tracker.run(flag, subject, step, bad, needed,
   value, ...)`` (a run of ``needed`` bad steps raises the flag; ``reason`` for a cause of its
-  own) or ``tracker.promote``; notes in ``tracker.notes``; the first non-finite row in
-  ``tracker.nonfinite``. What it tells the checks after it: a field of ``Step``, declared and
-  documented there (``unowned``, ``round_off``, ``no_gradient``, ``lr_cut``,
+  own) or ``tracker.promote``; notes in ``tracker.notes`` (a parameter's), or one line of the
+  check's own from its ``note()``; the first non-finite row in ``tracker.nonfinite``. What it tells the checks after it: a field of ``Step``, declared and
+  documented there (``scaler_skipped``, ``unowned``, ``round_off``, ``no_gradient``, ``lr_cut``,
   ``first_nonfinite``): add a field there rather than reading another check's state.
 - **How it is ordered.** ``CHECKS`` is the order: a check comes after every check whose
   ``Step`` fields it reads (the comments there say who writes and who reads what). Within one

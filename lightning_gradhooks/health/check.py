@@ -25,6 +25,10 @@ class Check:
     def __call__(self, step: Step, tracker: Tracker) -> None:
         raise NotImplementedError
 
+    def note(self) -> str | None:
+        """One line for the end of the report (``note: ...``), never a flag; None: nothing to say."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

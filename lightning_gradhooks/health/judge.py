@@ -25,6 +25,7 @@ from lightning_gradhooks.health.migrate import VERSION, upgrade
 from lightning_gradhooks.health.no_gradient import NoGradient
 from lightning_gradhooks.health.nonfinite import NonFinite
 from lightning_gradhooks.health.round_off import RoundOff
+from lightning_gradhooks.health.scaler import ScalerSkips
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.stalled import Stalled
 from lightning_gradhooks.health.step import Step, merge_summary, rounded
@@ -37,7 +38,8 @@ from lightning_gradhooks.records import ACTIVATION_KINDS, Key, Kind, Summary
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
 CHECKS: tuple[type[Check], ...] = (
-    NonFinite,  # writes first_nonfinite
+    ScalerSkips,  # writes scaler_skipped
+    NonFinite,  # reads scaler_skipped; writes first_nonfinite
     Unowned,  # writes unowned
     RoundOff,  # writes round_off
     NoGradient,  # writes no_gradient
@@ -135,6 +137,12 @@ class Judge:
         construction (``note`` entries, in backward order). Never a flag, never ``--fail-on``."""
         self._judge_pending()
         return grouping.notes(self.tracker, self.shape)
+
+    def check_notes(self) -> list[str]:
+        """The checks' lines for the end of the report (a gradient scaler's skipped steps): never a
+        flag, never ``--fail-on``."""
+        self._judge_pending()
+        return [line for check in self.checks if (line := check.note()) is not None]
 
     def names(self, flags: set[str] | None = None) -> set[str]:
         """The flags present (optionally only among ``flags``)."""

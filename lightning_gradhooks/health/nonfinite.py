@@ -19,12 +19,14 @@ class NonFinite(Check):
     A step caught by the sentinel but not logged tells only the parameters: the next logged step
     without a catch that is non-finite again, logged in full, adds where they are born.
 
-    Writes: ``step.first_nonfinite``.
+    Reads ``step.scaler_skipped``. Writes: ``step.first_nonfinite``.
     """
 
     name = "nonfinite"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
+        if step.scaler_skipped:  # the scaler's business (ScalerSkips)
+            return
         first = tracker.nonfinite
         if first is not None and first.since <= step.number:
             if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(

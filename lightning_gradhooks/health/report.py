@@ -94,6 +94,13 @@ class HealthReport:
         return render_markdown(self.judge)
 
 
+def _note_lines(judge: Judge) -> list[str]:
+    """The notes at the end of the report: parameters that get no gradient by construction, then
+    the checks' own (a gradient scaler's skipped steps)."""
+    line = _note_line(judge)
+    return ([line] if line else []) + judge.check_notes()
+
+
 def _note_line(judge: Judge) -> str | None:
     """The line on parameters that get no gradient by construction (None: there are none)."""
     notes = judge.notes()
@@ -110,10 +117,9 @@ def _note_line(judge: Judge) -> str | None:
 def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: int = 40) -> str:
     """:meth:`HealthReport.table` of ``judge``."""
     rows = judge.rows()
-    note = _note_line(judge)
+    notes = _note_lines(judge)
     if not rows:
-        clean = f"GradHooks: no gradient problems seen in {counted(judge.steps, 'logged step')}."
-        return clean + (f"\n{note}" if note else "")
+        return "\n".join([f"GradHooks: no gradient problems seen in {counted(judge.steps, 'logged step')}.", *notes])
     if full:
         return render_full_table(judge)
     counts = {flag: sum(r.flag == flag for r in rows) + sum(c.flag == flag and c.score == math.inf
@@ -123,7 +129,7 @@ def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: in
     cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
     lines = [header, "  ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + "  what"]
-    budget = max_lines - len(lines) - bool(note)
+    budget = max_lines - len(lines) - len(notes)
     blocks = {flag: [(r, cell) for r, cell in zip(rows, cells[1:]) if r.flag == flag] for flag in FLAGS}
     # Every flag keeps room for its worst row (and what follows from it) and a count of the rest.
     reserved = {f: 1 + bool(b[0][0].consequences) + (len(b) > 1) if b else 0 for f, b in blocks.items()}
@@ -143,7 +149,7 @@ def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: in
         if shown < len(block) and budget > 0:
             lines.append(f"    ... and {counted(len(block) - shown, 'more module')} flagged {flag} (--all)")
             budget -= 1
-    lines += [note] if note else []
+    lines += notes
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -158,23 +164,23 @@ def render_full_table(judge: Judge) -> str:
     header = f"GradHooks: {counted(len(flags), 'flagged entry', 'flagged entries')} in {counted(judge.steps, 'logged step')}:"
     first = judge.first_nonfinite
     extra = [f"nonfinite: {first.detail}"] if first else []
-    note = _note_line(judge)
-    return "\n".join([header, *lines, *extra, *([note] if note else [])])
+    return "\n".join([header, *lines, *extra, *_note_lines(judge)])
 
 
 def render_markdown(judge: Judge) -> str:
     """:meth:`HealthReport.markdown` of ``judge``."""
     rows = judge.rows()
-    note = _note_line(judge)
+    notes = _note_lines(judge)
     if not rows:
-        return f"No gradient problems seen in {counted(judge.steps, 'logged step')}." + (f"\n\n{note}" if note else "")
+        return "\n\n".join([f"No gradient problems seen in {counted(judge.steps, 'logged step')}.", *notes])
     lines = ["| flag | module | since step | value | what |", "|---|---|---|---|---|"]
     for r in rows:
         what = r.detail + (f"<br>{_consequences(r)}" if r.consequences else "")
         lines.append(f"| {r.flag} | `{r.module}` | {r.since} | {r.value:.3g} | {what} |")
     lines += ["", "Every flagged entry:", "", "| entry | flag | since step | last value |", "|---|---|---|---|"]
     lines += [f"| `{f.name}` | {f.flag} | {f.since} | {f.last:.3g} |" for f in judge.flags()]
-    lines += ["", note] if note else []
+    for note in notes:
+        lines += ["", note]
     return "\n".join(lines)
 
 

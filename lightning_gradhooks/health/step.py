@@ -74,6 +74,9 @@ class Step:
 
     Written by the checks, for the checks after them (the only fields a check writes):
 
+    - ``scaler_skipped`` (:class:`~lightning_gradhooks.health.scaler.ScalerSkips`): a gradient
+      scaler found this step's non-finite gradients and skipped it, while that is its business
+      (no ``nonfinite`` judgement of the step);
     - ``first_nonfinite`` (:class:`~lightning_gradhooks.health.nonfinite.NonFinite`): this step
       is the run's first non-finite one;
     - ``unowned`` (:class:`~lightning_gradhooks.health.unowned.Unowned`): parameters in no optimizer;
@@ -90,6 +93,7 @@ class Step:
         self.number, self.entries, self.previous = number, entries, previous
         self.subjects, self.shape, self.thresholds = subjects, shape, thresholds
         self.bad = bad_entries(entries)
+        self.scaler_skipped = False
         self.first_nonfinite = False
         self.unowned: set[str] = set()
         self.round_off: set[str] = set()

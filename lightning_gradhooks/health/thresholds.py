@@ -40,6 +40,11 @@ class Thresholds:
         stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
             update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
         stalled_steps: ... for this many logged steps in a row.
+        scaler_skip_steps: a gradient scaler that skips every optimizer step for this many steps
+            in a row, after it had found a working scale, has stopped training: ``nonfinite``
+            (fewer: a note; a run from the start of training is a scale coming down from too high) ...
+        scaler_min_scale: ... as has one whose scale falls below this while it skips (below 1 it
+            shrinks gradients that fp16 could hold).
 
     Raises:
         ValueError: a field out of its range (``Thresholds.<field> expected ..., got ...``).
@@ -58,6 +63,8 @@ class Thresholds:
     dead_steps: int = 3
     stalled_update_ratio: float = 1e-4
     stalled_steps: int = 3
+    scaler_skip_steps: int = 8
+    scaler_min_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -80,4 +87,5 @@ _RANGES = {
     "floor_ratio": (0.0, 1.0, (True, False)),
     "dead_zero_fraction": (0.0, 1.0, (False, True)),
     "stalled_update_ratio": (0.0, 1.0, (True, False)),
+    "scaler_min_scale": (0.0, None, (False, True)),
 }

@@ -39,7 +39,8 @@ class Lit(pl.LightningModule):
 
     Args:
         net: the model; called on the batch's input.
-        optimizer: ``"sgd"`` (momentum 0.9), ``"adamw"`` or ``"adam"``.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adamw"`` or ``"adam"`` (``"adamw_fused"``,
+            ``"adam_fused"``: ``fused=True``, which unscales inside its own step under a scaler).
         lr: the learning rate.
         task: ``"classify"`` (cross entropy on ``net(x)`` against ``y``; an HF output's
             ``.logits`` is taken; a ``(B, C, H, W)`` output against ``(B, H, W)`` labels is a
@@ -131,14 +132,17 @@ class Lit(pl.LightningModule):
             groups.append({"params": [p for n, p in named if under(n, self.frozen_lr)], "lr": 0.0})
         for prefix, lr in self.group_lr.items():
             groups.append({"params": [p for n, p in named if under(n, (prefix,))], "lr": lr})
+        fused = {"fused": True} if self.optimizer.endswith("_fused") else {}  # unscales inside its own step()
         if self.optimizer == "sgd":
             opt = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        elif self.optimizer.startswith("adam_"):
+            opt = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay, **fused)
         elif self.optimizer == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
         elif self.optimizer == "adafactor":
             opt = torch.optim.Adafactor(groups, lr=self.lr, weight_decay=self.weight_decay)
         else:
-            opt = torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
+            opt = torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay, **fused)
         if self.schedule is None and self.lr_zero_at is None:
             return opt
         total = self.total_steps or self.trainer.max_steps
@@ -1398,12 +1402,69 @@ def sparse_adam_manual(seed: int) -> tuple[SparseBag, TensorDataset]:
 
 # -- one fit, and the CLI on its log ---------------------------------------------------------
 
+# -- fp16 under a gradient scaler (issue 43): skipped steps that are the scaler's business, and
+# overflows that stay
+
+class Fp16Net(nn.Module):
+    """``head(act(blowup(act(body(x)))))``, an MLP whose middle layer is named ``blowup``."""
+
+    def __init__(self, dim: int = 8, width: int = 64, classes: int = 3) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(dim, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.blowup = nn.Linear(width, width)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blowup(self.body(x)))
+
+
+def weight_times(name: str, factor: float):  # noqa: ANN201
+    """An event: multiply the weight of module ``name`` (of the LightningModule) by ``factor``:
+    under fp16 autocast, a factor of 1e6 makes its output overflow from then on (a skipped step
+    leaves the weight as it is)."""
+
+    def event(lit: Lit) -> None:
+        with torch.no_grad():
+            lit.get_submodule(name).weight.mul_(factor)
+
+    return event
+
+
+def loss_times(factor: float):  # noqa: ANN201
+    """An event: multiply the loss by ``factor`` from then on (1.0: back to normal)."""
+
+    def event(lit: Lit) -> None:
+        lit.loss_scale = factor
+
+    return event
+
+
+def fp16_mlp(seed: int, optimizer: str = "adam", lr: float = 3e-3, events: dict | None = None) -> tuple[Lit, TensorDataset]:
+    """:class:`Fp16Net` on :func:`points` (run under ``init_scale``: fp16 autocast); ``events``
+    as :class:`Lit`'s (made per call: a Lit consumes them)."""
+    return Lit(Fp16Net(), optimizer, lr, events=events), points(seed)
+
+
+def fp16_cnn(seed: int, optimizer: str = "sgd", lr: float = 0.05, events: dict | None = None) -> tuple[Lit, TensorDataset]:
+    """A plain CNN ``Conv, ReLU, Conv, ReLU, pool, Linear`` on :func:`images` (8x8)."""
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, 1, 1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    return Lit(net, optimizer, lr, events=events), images(seed, size=8)
+
+
+def fp16_transformer(seed: int, optimizer: str = "adamw", lr: float = 1e-3, events: dict | None = None) -> tuple[Lit, TensorDataset]:
+    """:class:`TinyTransformer` on :func:`sequences`."""
+    return Lit(TinyTransformer(), optimizer, lr, events=events), sequences(seed)
+
+
 def fit(root: Path, make, seed: int = 0, steps: int = 30, every: int = 3, batch: int = 16,  # noqa: ANN001
         *, trainer: dict | None = None, resume_at: int | None = None, **hooks_kwargs) -> tuple[object, str, str, Lit]:
     """Fit ``make(seed)`` for ``steps`` steps with ``GradHooks(every_n_steps=every)``.
 
     Args:
-        trainer: more ``pl.Trainer`` arguments (``gradient_clip_val``, ``accumulate_grad_batches``, ...).
+        trainer: more ``pl.Trainer`` arguments (``gradient_clip_val``, ``accumulate_grad_batches``, ...);
+            ``init_scale``: fp16 autocast on the CPU (``MixedPrecision("16-mixed", "cpu")``) under a
+            new ``torch.amp.GradScaler("cpu", init_scale=...)``.
         resume_at: fit ``resume_at`` steps with ``ModelCheckpoint(save_last=True)`` into the log
             folder ``logs/version_0``, then a new model, a new Trainer and a new ``GradHooks`` fit to
             ``steps`` from ``last.ckpt`` into the same folder; the report returned is the second
@@ -1444,6 +1505,12 @@ def _fit(root: Path, make, seed: int, steps: int, every: int, batch: int, traine
         enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=every, callbacks=callbacks,
     )
+    trainer_kwargs = dict(trainer_kwargs)
+    if "init_scale" in trainer_kwargs:  # fp16 autocast on the CPU under a fresh gradient scaler
+        from pytorch_lightning.plugins.precision import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=trainer_kwargs.pop("init_scale"))
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
     loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))

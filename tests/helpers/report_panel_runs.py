@@ -64,6 +64,7 @@ class Run:
     schedule: bool = False  # a warmup + decay schedule stepped every optimizer step
     seeds: tuple[int, ...] | None = None  # the seeds its ground truth was checked on, when it depends on the seed
     forbid: tuple[str, ...] = ()  # phrases the report must not say (a false cause, a wrong note)
+    hooks: dict = field(default_factory=dict)  # more GradHooks arguments
 
     @property
     def healthy(self) -> bool:
@@ -76,6 +77,10 @@ class Run:
 
 
 CLIP = {"gradient_clip_val": 1.0}
+#: The noise-scale probe's per-example norms of a sequence Linear fail under fp16 autocast (its
+#: forward hook's product is autocast to float16, the backward's gradient is float32): the fit
+#: raises. Off for the fp16 Transformer runs until noise.py handles it.
+NO_NOISE = {"noise_scale": False}
 
 TUNE = {r.name: r for r in [
     # -- healthy
@@ -140,6 +145,26 @@ TUNE = {r.name: r for r in [
     Run("detached_encoder", panel.detached_encoder, "MLP encoder + linear head",
         "Adam; the encoder's output is .detach()ed by mistake", 60, 5,
         expect=Expect("stalled", "net.encoder", (0, 5), "no gradient"), forbid=("follows from it",)),
+    # -- fp16 under a gradient scaler (issue 43): healthy
+    Run("fp16_mlp_scale_too_high", panel.fp16_mlp, "MLP, fp16 autocast, GradScaler init_scale 2^40",
+        "Adam 3e-3: the scaler skips ~25 steps at the start, then trains", 60, 1, trainer={"init_scale": 2.0 ** 40}),
+    Run("fp16_mlp_fused_scale_too_high", lambda seed: panel.fp16_mlp(seed, "adam_fused"),
+        "MLP, fp16 autocast, GradScaler init_scale 2^40", "fused Adam (unscales in its own step)", 60, 3,
+        trainer={"init_scale": 2.0 ** 40}),
+    Run("fp16_mlp_spike_goes_away", lambda seed: panel.fp16_mlp(
+        seed, events={30: panel.loss_times(1e9), 33: panel.loss_times(1.0)}), "MLP, fp16 autocast, GradScaler",
+        "Adam; the loss x1e9 at steps 30-32: the scaler skips them, then trains", 60, 1, trainer={"init_scale": 2.0 ** 16}),
+    # -- fp16: broken
+    Run("fp16_mlp_blowup_stays", lambda seed: panel.fp16_mlp(seed, events={40: panel.weight_times("net.blowup", 1e6)}),
+        "MLP, fp16 autocast, GradScaler", "Adam; net.blowup's output overflows fp16 from step 40 on", 70, 2,
+        trainer={"init_scale": 2.0 ** 16},
+        expect=(Expect("nonfinite", "net.blowup", (40, 40), "born in the forward of `net.blowup`"),
+                Expect("nonfinite", "net.blowup", (40, 40), "skipped every step since 40"))),
+    Run("fp16_mlp_fused_blowup_stays", lambda seed: panel.fp16_mlp(
+        seed, "adam_fused", events={40: panel.weight_times("net.blowup", 1e6)}),
+        "MLP, fp16 autocast, GradScaler", "fused Adam; net.blowup's output overflows fp16 from step 40 on", 80, 5,
+        trainer={"init_scale": 2.0 ** 16},
+        expect=Expect("nonfinite", "net.blowup", (40, 40), "born in the forward of `net.blowup`")),
 ]}
 
 HELDOUT = {r.name: r for r in [
@@ -211,6 +236,26 @@ HELDOUT = {r.name: r for r in [
     Run("head_group_lr_to_zero", panel.group_cut_transformer, "Transformer encoder classifier, 2 groups",
         "AdamW, head group 3e-3 set to 0 from step 60 by the scheduler, the rest 1e-3", 100, 5,
         expect=Expect("stalled", None, (60, 65), "learning rate"), forbid=("follows from it",)),
+    # -- fp16 under a gradient scaler (issue 43): healthy
+    Run("fp16_cnn_scale_too_high", panel.fp16_cnn, "plain CNN, fp16 autocast, GradScaler init_scale 2^40",
+        "SGD momentum 0.05", 60, 2, trainer={"init_scale": 2.0 ** 40}),
+    Run("fp16_transformer_fused_scale_too_high", lambda seed: panel.fp16_transformer(seed, "adamw_fused"),
+        "Transformer encoder classifier, fp16 autocast, GradScaler init_scale 2^36", "fused AdamW, dropout", 60, 5,
+        trainer={"init_scale": 2.0 ** 36}, hooks=NO_NOISE),
+    Run("fp16_cnn_spike_goes_away", lambda seed: panel.fp16_cnn(
+        seed, "adam", 1e-3, events={30: panel.loss_times(1e9), 33: panel.loss_times(1.0)}),
+        "plain CNN, fp16 autocast, GradScaler", "Adam; the loss x1e9 at steps 30-32", 60, 1,
+        trainer={"init_scale": 2.0 ** 16}),
+    # -- fp16: broken
+    Run("fp16_transformer_overflow_stays", lambda seed: panel.fp16_transformer(
+        seed, events={30: panel.weight_times("net.encoder.layers.1.linear1", 1e6)}),
+        "Transformer encoder classifier, fp16 autocast, GradScaler", "AdamW; layer 1's FFN overflows from step 30 on",
+        60, 2, trainer={"init_scale": 2.0 ** 16}, hooks=NO_NOISE,
+        expect=Expect("nonfinite", "net.encoder.layers.1", (30, 30), "born in the forward")),
+    Run("fp16_cnn_fused_loss_overflows", lambda seed: panel.fp16_cnn(seed, "adam_fused", 1e-3,
+                                                                    events={25: panel.loss_times(1e30)}),
+        "plain CNN, fp16 autocast, GradScaler", "fused Adam; the loss x1e30 from step 25 on: the scale collapses",
+        60, 5, trainer={"init_scale": 2.0 ** 16}, expect=Expect("nonfinite", None, (25, 25), "training has stopped")),
 ]}
 
 HALVES = {"tune": TUNE, "heldout": HELDOUT}
@@ -315,7 +360,8 @@ def _one(run: Run, half: str, seed: int) -> bool:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
             report, text, log_dir, model = panel.fit(Path(root), run.make, seed, steps=run.steps, every=run.every,
-                                                     batch=run.batch, trainer=run.trainer, resume_at=run.resume_at)
+                                                     batch=run.batch, trainer=run.trainer, resume_at=run.resume_at,
+                                                     **run.hooks)
         seconds = time.perf_counter() - start
         try:
             cli_text = panel.cli_table(log_dir)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +213,53 @@ def test_log_arguments_are_checked_and_a_second_close_is_a_no_op(tmp_path):
     assert report is not None and log.close() is report  # the second close returns the same report
     with pytest.raises(RuntimeError, match="closed"):
         log.write(GradientMonitor(model()).collect(), 0)
+
+
+#: The fp16 loop of docs/usage.md ("Skipped steps"), run verbatim below.
+LOOP_FP16 = """
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)   # "cuda" on a GPU; starts too high
+monitor = GradientMonitor(model)
+log = GradientLog(writer, optimizers=[optimizer], precision=torch.float16)
+with monitor.attach():
+    for step, batch in enumerate(loader):
+        logged = step % 2 == 0
+        if logged:
+            monitor.arm()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(batch))
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        log.write(monitor.collect().unscaled(scale, parameters=True), step, scalars={"loss_scale": scale})
+        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
+        if logged:                                  # a lower scale: the scaler skipped the step
+            log.write_scaler(step, scale, scaler.get_scale())
+report = log.close()
+"""
+
+
+def test_a_plain_loop_tells_the_log_what_its_scaler_skipped(tmp_path, capsys):
+    """A scaler that starts at 2^40 skips its first steps: counted in one note, no flag, and the
+    report command reads the same from the event files."""
+    from lightning_gradhooks.__main__ import main
+
+    net = model()
+    namespace = {"GradientMonitor": GradientMonitor, "GradientLog": GradientLog, "torch": torch, "model": net,
+                 "optimizer": torch.optim.Adam(net.parameters(), lr=1e-3), "loader": batches(60),
+                 "loss_fn": lambda out: out.float().square().mean(), "writer": SummaryWriter(str(tmp_path))}
+    exec(LOOP_FP16, namespace)  # noqa: S102 - the documented loop, verbatim
+    namespace["writer"].close()
+    report = namespace["report"]
+    text = report.table()
+    assert report.rows() == [] and report.names() == set(), text
+    assert text.splitlines()[1].startswith("note: the gradient scaler skipped 11 of 30 logged steps")
+    assert text.splitlines()[1].endswith("its scale went from 2^40 to 2^18")
+    events = read_events(str(tmp_path))
+    assert [e.value for e in events.Scalars("∇1 overview/scaler_skipped")][:3] == [1.0, 1.0, 1.0]
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--fail-on", "nonfinite"]) == 0  # a note fails nothing
+    assert capsys.readouterr().out.split("\n", 1)[1].startswith(text + "\n")
+    docs = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
+    assert textwrap.indent(LOOP_FP16.strip(), "  ") in docs  # the loop shown is the loop run
+    log = GradientLog(None, echo=None)
+    with pytest.raises(ValueError, match="`scale` expected a finite number >= 0, got nan"):
+        log.write_scaler(0, float("nan"), 1.0)

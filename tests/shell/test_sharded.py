@@ -16,6 +16,7 @@ from lightning_gradhooks.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
 from launch import run_script
+from report_panel import cli
 
 STATS = ("norm", "mean", "std", "absmax")
 
@@ -164,3 +165,15 @@ def test_a_chosen_parameter_without_gradient_is_named_once(tmp_path):
         trainer.fit(Unused(), loader())
     told = [str(w.message) for w in caught if "param_grad entry" in str(w.message)]
     assert len(told) == 1 and "spare.weight, spare.bias (no gradient" in told[0]
+
+
+def test_fsdp2_sharded_scaler_skips_are_a_note(tmp_path):
+    """FSDP2's ShardedGradScaler starting at 2^24 skips the first steps: one note, no flag, and
+    the report command says the same (tests/helpers/sharded_fp16.py)."""
+    run_script(tmp_path, "sharded_fp16.py")
+    text = (tmp_path / "report.txt").read_text()
+    clean, note = text.splitlines()
+    assert clean == "GradHooks: no gradient problems seen in 12 logged steps."
+    assert note.startswith("note: the gradient scaler skipped 7 of 12 logged steps") and "from 2^24 to 2^17" in note
+    code, out, _ = cli("report", (tmp_path / "log_dir.txt").read_text(), "--fail-on", "nonfinite")
+    assert code == 0 and out.rstrip().endswith(text)
