@@ -63,6 +63,8 @@ moving averages, and gives the ratio of the smoothed values.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import math
 import random
@@ -118,6 +120,13 @@ def noise_estimates(small_sq: float, big_sq: float, small: float, big: float) ->
     grad_sq = (big * big_sq - small * small_sq) / (big - small)
     trace = (small_sq - big_sq) / (1 / small - 1 / big)
     return grad_sq, trace
+
+
+def _float32(tensor: Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off on ``tensor``'s device: the probe's products stay in the float32 it casts to
+    (under fp16 autocast the forward's would be float16 and meet a float32 gradient)."""
+    kind = tensor.device.type
+    return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext()
 
 
 @dataclass
@@ -503,7 +512,8 @@ class _Source:
         if self.kind is nn.Linear and x.dim() == 2:
             saved = ("pair",)  # no op here; reduced with the others at collect
         else:
-            saved = self._saved(x.detach())
+            with _float32(x):
+                saved = self._saved(x.detach())
         return lambda grad: self._backward(grad, saved, x)
 
     def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
@@ -531,6 +541,10 @@ class _Source:
         return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
 
     def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
+        with _float32(grad):
+            self._reduce_backward(grad, saved, x)
+
+    def _reduce_backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
         self.grads += 1
         if self.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()

@@ -473,3 +473,26 @@ def test_all_zero_gradients(tmp_path):
     said, messages = fit_and_warnings(tmp_path, model, x, y * 0, batch_size=16, accumulate_grad_batches=2)
     assert said == ["GradHooks: no gradient noise scale estimate: the gradients are all zero."]
     assert messages[-1] == said[0]
+
+
+@pytest.mark.parametrize(("features_in", "features_out", "positions"), [(16, 32, 5), (6, 1, 5), (64, 64, 64)])
+def test_per_example_norms_under_fp16_autocast(features_in, features_out, positions):
+    # Under autocast the forward's products would be float16 and meet a float32 gradient in the
+    # backward: the probe works in float32 whatever the autocast state, as without autocast.
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(features_in, features_out), nn.Tanh(), nn.Linear(features_out, 3))
+    x = torch.randn(32, positions, features_in, generator=g)
+    estimates = []
+    for autocast in (False, True):
+        probe = NoiseProbe(model)
+        model.zero_grad()
+        probe.arm()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            out = model(x)
+        out.float().square().mean().backward()
+        estimates.append(probe.collect())
+    exact, autocast = estimates
+    assert autocast.reason == exact.reason
+    # the raw norms the estimates come from: float16 forward products round them a little
+    assert math.isfinite(autocast.small_sq) and math.isfinite(autocast.big_sq)
+    assert (autocast.small_sq, autocast.big_sq) == pytest.approx((exact.small_sq, exact.big_sq), rel=0.05)

@@ -77,10 +77,6 @@ class Run:
 
 
 CLIP = {"gradient_clip_val": 1.0}
-#: The noise-scale probe's per-example norms of a sequence Linear fail under fp16 autocast (its
-#: forward hook's product is autocast to float16, the backward's gradient is float32): the fit
-#: raises. Off for the fp16 Transformer runs until noise.py handles it.
-NO_NOISE = {"noise_scale": False}
 
 TUNE = {r.name: r for r in [
     # -- healthy
@@ -241,7 +237,7 @@ HELDOUT = {r.name: r for r in [
         "SGD momentum 0.05", 60, 2, trainer={"init_scale": 2.0 ** 40}),
     Run("fp16_transformer_fused_scale_too_high", lambda seed: panel.fp16_transformer(seed, "adamw_fused"),
         "Transformer encoder classifier, fp16 autocast, GradScaler init_scale 2^36", "fused AdamW, dropout", 60, 5,
-        trainer={"init_scale": 2.0 ** 36}, hooks=NO_NOISE),
+        trainer={"init_scale": 2.0 ** 36}),
     Run("fp16_cnn_spike_goes_away", lambda seed: panel.fp16_cnn(
         seed, "adam", 1e-3, events={30: panel.loss_times(1e9), 33: panel.loss_times(1.0)}),
         "plain CNN, fp16 autocast, GradScaler", "Adam; the loss x1e9 at steps 30-32", 60, 1,
@@ -250,7 +246,7 @@ HELDOUT = {r.name: r for r in [
     Run("fp16_transformer_overflow_stays", lambda seed: panel.fp16_transformer(
         seed, events={30: panel.weight_times("net.encoder.layers.1.linear1", 1e6)}),
         "Transformer encoder classifier, fp16 autocast, GradScaler", "AdamW; layer 1's FFN overflows from step 30 on",
-        60, 2, trainer={"init_scale": 2.0 ** 16}, hooks=NO_NOISE,
+        60, 2, trainer={"init_scale": 2.0 ** 16},
         expect=Expect("nonfinite", "net.encoder.layers.1", (30, 30), "born in the forward")),
     Run("fp16_cnn_fused_loss_overflows", lambda seed: panel.fp16_cnn(seed, "adam_fused", 1e-3,
                                                                     events={25: panel.loss_times(1e30)}),
