@@ -26,10 +26,12 @@ collect) over a bare one, with the CPU's block sizes and with an accelerator's
 (``stats.SIZES`` emptied: a block is a whole batch), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
-replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
-``armed + collect``; ``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
+replaced by nothing); ``hooks + bookkeeping`` (every tensor added to its batch, no batch
+reduced); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
+``armed + collect`` (the noise probe off in these); ``armed + collect, noise probe``; ``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
 hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
-interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
+interleaved; the cost per module and per tensor by part (hooks, bookkeeping, reductions,
+collect, noise probe); then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
 C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
@@ -489,7 +491,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def no_grad_input() -> Iterator[None]:
     """While active, the monitors' plans read no grad_input."""
-    from lightning_gradhooks import monitor as core
+    from lightning_gradhooks import planning as core
 
     decide = core._decide
 
@@ -506,14 +508,17 @@ def no_grad_input() -> Iterator[None]:
 def part_d(names: list[str], args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_gradhooks import stats
+
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         model = case.make()
-        monitor = GradientMonitor(model)
-        # A second monitor on the same model, whose plan gives no module a grad_input hook.
-        no_inputs = GradientMonitor(model)
+        monitor = GradientMonitor(model, noise_scale=False)
+        # More monitors on the same model: no module with a grad_input hook; no histograms; the noise probe on.
+        no_inputs = GradientMonitor(model, noise_scale=False)
         others = {"armed + collect, no grad_input": no_inputs,
-                  "armed + collect, no histograms": GradientMonitor(model, histograms=False)}
+                  "armed + collect, no histograms": GradientMonitor(model, histograms=False, noise_scale=False),
+                  "armed + collect, noise probe": GradientMonitor(model)}
 
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
@@ -524,7 +529,11 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             if stage == "hooks only":  # the hooks fire, their reductions are left out
                 m._reduce = lambda *a: None
             try:
-                case.loss(model, case.batch).backward()
+                if stage == "hooks + bookkeeping":  # every tensor added to its batch, no batch reduced
+                    with mock.patch.object(stats.Reducer, "_flush", lambda self, histogram: self._open.pop(histogram)):
+                        case.loss(model, case.batch).backward()
+                else:
+                    case.loss(model, case.batch).backward()
             finally:
                 m.__dict__.pop("_reduce", None)
             if stage.startswith("armed + collect"):
@@ -535,18 +544,21 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             synchronize()
             return time.perf_counter() - start
 
-        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect",
-                  "armed + collect, no grad_input", "armed + collect, no histograms"]
+        stages = ["bare", "hooks only", "hooks + bookkeeping", "hooks + reductions", "armed + collect",
+                  "armed + collect, no grad_input", "armed + collect, no histograms", "armed + collect, noise probe"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach(), others["armed + collect, no histograms"].attach():
+        with contextlib.ExitStack() as attached:
+            for m in (monitor, *others.values()):
+                attached.enter_context(m.attach())
             with no_grad_input():  # its probe step plans it
                 step("armed + collect, no grad_input")
-            for stage in ("armed + collect", *stages):  # the probe step, then warm-up
+            for stage in ("armed + collect", "armed + collect, noise probe", *stages):  # the probe steps, then warm-up
                 step(stage)
             windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}
             timings.rounds(windows, args.rounds)
             print(f"\n{case.name}, where an armed step's time goes ({case.modules} hooked modules, no optimizer)")
             timings.table("bare")
+            per_module_table(case, model, monitor, timings)
             profile_table(case, model, monitor, timings)
             monitor.arm()
             case.loss(model, case.batch).backward()
@@ -554,6 +566,35 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
                 monitor.collect()
             model.zero_grad(set_to_none=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def per_module_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
+    """What an armed step adds per hooked module and per tensor reduced, by part (from the
+    stages' medians): the hooks firing; the bookkeeping of each tensor (its batch); the
+    reductions; ``collect`` (parameter gradients, the transfer, the record); the noise probe."""
+    with monitor.arm():
+        case.loss(model, case.batch).backward()
+        tensors = len(monitor.collect().entries)
+    model.zero_grad(set_to_none=True)
+    # On a loaded machine the per-round ratios to bare are steadier than the times: each stage is
+    # its median ratio times the median bare step.
+    bare = timings.times["bare"]
+    t = {name: statistics.median(a / b for a, b in zip(v, bare)) * statistics.median(bare)
+         for name, v in timings.times.items() if v}
+    parts = {
+        "hooks": t["hooks only"] - t["bare"],
+        "bookkeeping": t["hooks + bookkeeping"] - t["hooks only"],
+        "reductions (in backward)": t["hooks + reductions"] - t["hooks + bookkeeping"],
+        "collect (parameters, transfer, record)": t["armed + collect"] - t["hooks + reductions"],
+        "noise probe": t["armed + collect, noise probe"] - t["armed + collect"],
+        "all, without the noise probe": t["armed + collect"] - t["bare"],
+        "all, without histograms or the noise probe": t["armed + collect, no histograms"] - t["bare"],
+    }
+    print(f"{case.name}: an armed step's cost per hooked module ({case.modules}) and per tensor reduced ({tensors}),"
+          f" us (the stages' median ratios to bare, times the median bare step)\n| part | us per module | us per tensor |\n| --- | --- | --- |")
+    for name, seconds in parts.items():
+        print(f"| {name} | {seconds * 1e6 / case.modules:.1f} | {seconds * 1e6 / tensors:.1f} |")
+    print()
 
 
 def profile_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
