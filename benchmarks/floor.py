@@ -81,7 +81,7 @@ def floor(args: argparse.Namespace) -> None:
     model = chain(args.modules).to(args.device)
     x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0)).to(args.device).requires_grad_()
     try:
-        monitors = {  # the statistics alone: the noise probe is timed by benchmarks/noise_cost.py
+        monitors = {  # the statistics alone: the noise probe is timed by benchmarks/noise_scale.py cost
             "compiled": GradientMonitor(model, noise_scale=False),
             "compiled, no histograms": GradientMonitor(model, histograms=False, noise_scale=False),
             "eager": GradientMonitor(model, compile_statistics=False, noise_scale=False),

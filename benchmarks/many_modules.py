@@ -3,13 +3,14 @@
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
         [--breakdown] [--device cuda]
+    python benchmarks/many_modules.py --lightning-only [--models encoder] [--lightning-steps 50] [--lightning-rounds 3]
     python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10] [--device cuda]
 
 Models, on the CPU with torch's default threads (or with ``--device cuda`` on the GPU, every
 step timed to ``torch.cuda.synchronize()``), SGD lr 1e-4, the same initial weights for every
 window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64x64, cross-entropy),
-``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (overhead.py's
-4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
+``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (a
+4-layer Transformer encoder, d_model 256, 4 heads; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
 that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, eager`` (the
@@ -33,7 +34,7 @@ hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
 interleaved; the cost per module and per tensor by part (hooks, bookkeeping, reductions,
 collect, noise probe); then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
-C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
+C, Lightning + TensorBoardLogger (``--lightning-only``: this part alone): plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 Two tables: the mean step of each fit (the headline), and its median step (without the rare slow
 steps where the allocator returned freed memory to the kernel). With ``--breakdown`` also every
@@ -52,6 +53,7 @@ import contextlib
 import functools
 import logging
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -70,13 +72,35 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import StepTimer, machine  # noqa: E402
-
 from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
 from lightning_gradhooks import stats  # noqa: E402
 from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
+
+
+def machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return (
+        f"{model}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), pytorch-lightning {pl.__version__}, Python {platform.python_version()}"
+    )
+
+
+class StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self._start = self._cpu = 0.0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self._start, self._cpu = time.perf_counter(), time.process_time()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 Batch = tuple[Tensor, ...]
@@ -670,6 +694,7 @@ def main() -> None:
     parser.add_argument("--no-wandb", action="store_true", help="leave the wandb.watch variants out")
     parser.add_argument("--skip-lightning", action="store_true")
     parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--lightning-only", action="store_true", help="part C only: what GradHooks costs a Lightning fit")
     parser.add_argument(
         "--breakdown", action="store_true", help="part C also fits GradHooks without histograms, and with every reduction skipped"
     )
@@ -692,6 +717,10 @@ def main() -> None:
     start = time.perf_counter()
     if args.stages:
         part_d(names, args)
+        print(f"Wall time: {time.perf_counter() - start:.0f} s")
+        return
+    if args.lightning_only:
+        part_c(names, args)
         print(f"Wall time: {time.perf_counter() - start:.0f} s")
         return
     with tempfile.TemporaryDirectory() as logdir:
