@@ -244,9 +244,10 @@ def main() -> None:
             event = statistics.median(r["event_bytes"] for r in res)
             shown = "-" if args.write_only else f"{ratio:.3f}x"  # nothing to compare with
             # Host and device time a logged step adds, per watched module (median of per-round figures).
-            modules = res[0]["modules"]
-            per_module = statistics.median((r["mean"] - b["mean"]) / modules * 1e6 for r, b in zip(res, results["bare"]))
-            shown_module = f"{per_module:.0f}" if modules and not args.write_only else "-"
+            modules = res[0]["modules"]  # 0 for bare: no monitor
+            shown_module = "-"
+            if modules and not args.write_only:
+                shown_module = f"{statistics.median((r['mean'] - b['mean']) / modules * 1e6 for r, b in zip(res, results['bare'])):.0f}"
             line = f"  {name:<20}{step * 1e3:>8.1f}ms{shown:>9}{shown_module:>11}{event / 1024:>7.0f} KiB"
             if args.device == "cuda":
                 line += f"{statistics.median(r['peak'] for r in res) / MiB:>7.0f} MiB"
