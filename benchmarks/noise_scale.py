@@ -204,16 +204,14 @@ def advice(argv: list[str]) -> None:
     grad_sq, trace = truth(cnn(seed), nn.functional.cross_entropy, x, y)
     print(f"truth {trace / grad_sq:.1f}")
     for accumulation in (1, 4):
-        said = []
         hooks = GradHooks(every_n_steps=2, histograms=False)
-        hooks._echo = lambda trainer: said.append
         trainer = pl.Trainer(max_steps=120, accumulate_grad_batches=accumulation, accelerator="cpu",
                              logger=pl.loggers.TensorBoardLogger(tempfile.mkdtemp()), callbacks=[hooks],
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         loader = DataLoader(TensorDataset(x, y), batch_size=64 // accumulation, shuffle=True,
                             generator=torch.Generator().manual_seed(1))
         trainer.fit(Fit(cnn(seed)), loader)
-        print(f"accumulation {accumulation}: {hooks.gradient_log.noise_scale.summary()}\n  {said[-1]}")
+        print(f"accumulation {accumulation}: {hooks.gradient_log.noise_scale.summary()}\n  {hooks.gradient_log.noise_scale.sentence()}")
 
 
 # -- figure ------------------------------------------------------------------------------
