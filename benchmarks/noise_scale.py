@@ -68,6 +68,7 @@ from many_modules import cases  # noqa: E402
 from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor  # noqa: E402
 from lightning_gradhooks.__main__ import read_folder  # noqa: E402
 from lightning_gradhooks.noise import NoiseProbe  # noqa: E402
+from lightning_gradhooks.records import Key, Kind  # noqa: E402
 
 # -- cost --------------------------------------------------------------------------------
 def cost(argv: list[str]) -> None:
@@ -281,8 +282,9 @@ def figure(argv: list[str]) -> None:
         events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
         events.Reload()
         smoothed = [(e.step, e.value) for e in events.Scalars("∇1 overview/noise_scale")]
-        raw = [(step, s[("noise", "gradient")]["noise_scale"]) for step, s in sorted(read_folder(log_dir).steps.items())
-               if ("noise", "gradient") in s and s[("noise", "gradient")]["noise_scale"] > 0]  # NaN: |G|² <= 0
+        key = Key(Kind.NOISE, "gradient")
+        raw = [(step, s[key]["noise_scale"]) for step, s in sorted(read_folder(log_dir).steps.items())
+               if key in s and s[key]["noise_scale"] > 0]  # NaN: |G|² <= 0
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
     ax.scatter(*zip(*raw), s=8, color="0.6", label="one logged step (raw tr(Σ)/|G|², summary)")
     ax.plot(*zip(*smoothed), color="C0", lw=2, label="∇1 overview/noise_scale (smoothed)")
