@@ -1,7 +1,8 @@
-"""What a run leaves on disk, and how fast ``python -m lightning_gradhooks report`` reads it.
+"""What a run leaves on disk, what TensorBoard shows of it, and how fast ``python -m lightning_gradhooks report`` reads it.
 
     python benchmarks/disk.py [--ref DIR] [--layers 200] [--steps 40] [--every 50]
         [--cli-layers 500] [--cli-steps 40] [--rounds 5]
+    python benchmarks/disk.py --charts
 
 A plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
 (``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
@@ -26,6 +27,13 @@ run (old event files). Timed: the whole command, and its reading of the event fi
 one fresh process per variant and round, the order rotated each round; the median over rounds
 of the time per module per logged step.
 Each command's output is checked against the report the run printed at its end.
+
+``--charts``: how many charts and sections GradHooks gives, with the defaults and with every
+statistic. Counts what TensorBoard would show for two logged steps of a plain loop
+(GradientMonitor and GradientLog into a SummaryWriter, the same log the callback writes) on a
+ResNet-18, a ViT-Tiny and GPT-2 small: scalar tags, histogram tags, images, and the sections of
+ours (tags up to their first ``/`` that start with ``∇``). Counts, not timings: the same on any
+machine.
 """
 
 from __future__ import annotations
@@ -40,12 +48,16 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # A worker imports the library from its --repo.
 sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(HERE.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 PARTS = ("histograms", "summary", "scalars", "images", "other")
 
@@ -152,6 +164,114 @@ def bytes_by_part(folder: str) -> dict[str, float]:
     return dict(parts)
 
 
+# -- what TensorBoard shows (--charts) ------------------------------------------------------------
+class Block(nn.Module):
+    """A ViT block, named as timm names it (norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.attn.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.attn.proj(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp.fc2(self.mlp.act(self.mlp.fc1(self.norm2(x))))
+
+
+class VitTiny(nn.Module):
+    """ViT-Tiny/16 at 224 pixels: 12 blocks of width 192, as timm's ``vit_tiny_patch16_224``."""
+
+    def __init__(self, dim: int = 192, depth: int = 12, classes: int = 1000) -> None:
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, dim, 16, 16)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 197, dim) * 0.02)
+        self.blocks = nn.Sequential(*(Block(dim, 3) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], 1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0, eos_token_id=0))
+
+
+def _resnet18() -> nn.Module:
+    sys.path.insert(0, str(HERE))
+    from many_modules import ResNet18
+
+    return ResNet18()
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Callable]] = {
+    "ResNet-18": (_resnet18, lambda: torch.randn(2, 3, 64, 64), lambda m, x: m(x).square().mean()),
+    "ViT-Tiny": (VitTiny, lambda: torch.randn(2, 3, 224, 224), lambda m, x: m(x).square().mean()),
+    "GPT-2, 3 layers": (gpt2, lambda: torch.randint(0, 1000, (2, 32)), lambda m, x: m(x, labels=x).loss),
+}
+
+
+def count(make: Callable[[], nn.Module], batch: Callable[[], torch.Tensor], loss: Callable, statistics) -> dict:  # noqa: ANN001
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog, GradientMonitor
+
+    torch.manual_seed(0)
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tempfile.TemporaryDirectory() as folder:
+        writer = SummaryWriter(folder)
+        monitor = GradientMonitor(model)
+        log = GradientLog(writer, optimizers=[optimizer], statistics=statistics, echo=None)
+        with monitor.attach():
+            for step in range(2):
+                monitor.arm()
+                loss(model, batch()).backward()
+                log.write(monitor.collect(), step)
+                optimizer.step()
+                optimizer.zero_grad()
+        log.close()
+        writer.close()
+        events = EventAccumulator(folder, size_guidance={"scalars": 0, "histograms": 0, "images": 0})
+        events.Reload()
+        tags = events.Tags()
+    charted = tags["scalars"] + tags["histograms"] + tags["images"]
+    return {
+        "scalars": len(tags["scalars"]),
+        "histograms": len(tags["histograms"]),
+        "sections": len({t.partition("/")[0] for t in charted if t.startswith("∇")}),
+    }
+
+
+def charts() -> None:
+    """How many charts and sections TensorBoard shows, with the defaults and with every statistic."""
+    from lightning_gradhooks.log import LOGGED_STATISTICS
+
+    print(f"torch {torch.__version__}")
+    print("| model | every statistic: sections, scalars, histograms | defaults: sections, scalars, histograms "
+          "| default/every: scalars, all tags |")
+    print("| --- | --- | --- | --- |")
+    for name, (make, batch, loss) in MODELS.items():
+        every = count(make, batch, loss, list(LOGGED_STATISTICS))
+        default = count(make, batch, loss, None)
+        print(f"| {name} | {every['sections']}, {every['scalars']}, {every['histograms']} "
+              f"| {default['sections']}, {default['scalars']}, {default['histograms']} "
+              f"| {default['scalars'] / every['scalars']:.0%}, "
+              f"{(default['scalars'] + default['histograms']) / (every['scalars'] + every['histograms']):.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", type=Path, help="a checkout to compare with (the 'before')")
@@ -165,7 +285,10 @@ def main() -> None:
     parser.add_argument("--worker", choices=("write", "cli"))
     parser.add_argument("--repo", type=Path)
     parser.add_argument("--folder")
+    parser.add_argument("--charts", action="store_true", help="count the charts and sections TensorBoard shows")
     args = parser.parse_args()
+    if args.charts:
+        return charts()
     if args.worker:
         return worker(args)
     checkouts = {"after": HERE.parent} | ({"before": args.ref.resolve()} if args.ref else {})

@@ -8,9 +8,11 @@ activation of ``--elements`` float32 elements, so that backward is a few passes 
 statistics of the gradients are most of an armed step. Variants, interleaved, the order rotated
 every round: ``bare`` (forward, backward), ``compiled`` and ``eager`` (armed
 ``GradientMonitor`` with ``compile_statistics`` True and False: forward, backward, collect;
-histograms on, the defaults). The statistics' time (armed minus bare, median over rounds) is
-given in *reads*: the time of one plain ``g.sum()`` over each big gradient the monitor reduced
-(counted from the record), timed in the same rounds. The target is at most 3 reads.
+64-bin histograms on, the defaults), and ``compiled, no histograms``; the noise probe off
+(``noise_scale=False``: the statistics alone). The statistics' time (armed minus bare, median
+over rounds) is given in *reads*: the time of one plain ``g.sum()`` over each big gradient the
+monitor reduced (counted from the record), timed in the same rounds, and per module in µs. The
+targets: at most 2 reads without histograms, 8 with.
 
 ``--compile-time``: the first logged step of a fresh process with an empty Inductor cache
 (``TORCHINDUCTOR_CACHE_DIR`` set to a new folder), less a later logged step, then the same in a
@@ -79,7 +81,11 @@ def floor(args: argparse.Namespace) -> None:
     model = chain(args.modules).to(args.device)
     x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0)).to(args.device).requires_grad_()
     try:
-        monitors = {"compiled": GradientMonitor(model), "eager": GradientMonitor(model, compile_statistics=False)}
+        monitors = {  # the statistics alone: the noise probe is timed by benchmarks/noise_scale.py cost
+            "compiled": GradientMonitor(model, noise_scale=False),
+            "compiled, no histograms": GradientMonitor(model, histograms=False, noise_scale=False),
+            "eager": GradientMonitor(model, compile_statistics=False, noise_scale=False),
+        }
     except TypeError:  # a checkout before compile_statistics (PYTHONPATH=/path/to/it): its one path
         monitors = {"armed": GradientMonitor(model)}
     big: list[int] = []
@@ -111,13 +117,14 @@ def floor(args: argparse.Namespace) -> None:
         monitor.remove()
     print(f"floor: {args.modules} x (y = x * s) on {args.elements} float32 elements; {machine(args.device)}")
     print(f"big gradients reduced per armed step: {big[0]}; {args.rounds} rounds of {args.steps} steps, medians")
-    print("| variant | step ms | statistics ms (armed - bare) | reads of the gradient bytes |")
-    print("| --- | --- | --- | --- |")
+    print("| variant | step ms | statistics ms (armed - bare) | us per module | reads of the gradient bytes |")
+    print("| --- | --- | --- | --- | --- |")
     for name in ("bare", *monitors):
         per_round = [(a - b) / (big[0] * s) for a, b, s in zip(times[name], times["bare"], times["read"])]
         extra = statistics.median(a - b for a, b in zip(times[name], times["bare"])) * 1e3
         reads = f"{statistics.median(per_round):.1f}" if name != "bare" else "-"
-        print(f"| {name} | {statistics.median(times[name]) * 1e3:.1f} | {extra:.1f} | {reads} |")
+        per_module = f"{extra * 1e3 / args.modules:.0f}" if name != "bare" else "-"
+        print(f"| {name} | {statistics.median(times[name]) * 1e3:.2f} | {extra:.2f} | {per_module} | {reads} |")
     print(f"one read (g.sum() of {args.elements} float32): {statistics.median(times['read']) * 1e3:.2f} ms")
 
 

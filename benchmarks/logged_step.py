@@ -25,8 +25,10 @@ the same batch every step. Variants, each window in a fresh process, interleaved
 A window is 2 untimed steps, then ``--steps`` steps timed together up to ``writer.flush()``
 (which waits for the writer thread's checksums and writes) and, on a GPU,
 ``torch.cuda.synchronize()``. Reported: the median over rounds of the window's mean step, its
-ratio to ``bare`` (median of per-round ratios), the event-file bytes per step (all files), and on a
-GPU the peak ``torch.cuda.max_memory_allocated`` of the window.
+ratio to ``bare`` (median of per-round ratios), for logged variants what a logged step adds per
+watched module in µs (median of per-round figures), the event-file bytes per step (all files), and
+on a GPU the peak ``torch.cuda.max_memory_allocated`` of the window. Each window's time is printed
+as it comes, so a run stopped by a time limit still shows what it measured.
 
 ``--write-only``: the time of writing one logged step's event alone (the same scalars,
 histograms and compact summary, written ``--steps`` times up to ``writer.flush()``), where a
@@ -181,7 +183,8 @@ def worker(args: argparse.Namespace) -> None:
         offload.close()
     event_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if "tfevents" in f)
     shutil.rmtree(folder)
-    print(json.dumps({"mean": mean, "peak": peak, "event_bytes": event_bytes / (2 + args.steps)}))
+    modules = len(monitor.modules) if monitor is not None else 0
+    print(json.dumps({"mean": mean, "peak": peak, "event_bytes": event_bytes / (2 + args.steps), "modules": modules}))
 
 
 def main() -> None:
@@ -227,16 +230,25 @@ def main() -> None:
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{model} / {label(variant, repo)} failed:\n{done.stderr[-4000:]}")
-                results[label(variant, repo)].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                results[label(variant, repo)].append(result)
+                print(f"  {model} round {len(results[label(variant, repo)])} {label(variant, repo)}: "
+                      f"{result['mean'] * 1e3:.1f} ms", flush=True)  # a run stopped by a time limit shows this much
         print(f"\n{model}: {args.rounds} rounds x {args.steps} steps, medians")
-        print(f"  {'variant':<20}{'step':>10}{'vs bare':>9}{'event':>10}" + (f"{'peak mem':>11}" if args.device == "cuda" else ""))
+        print(f"  {'variant':<20}{'step':>10}{'vs bare':>9}{'us/module':>11}{'event':>10}"
+              + (f"{'peak mem':>11}" if args.device == "cuda" else ""))
         for name, res in results.items():
             step = statistics.median(r["mean"] for r in res)
             ratio = statistics.median(r["mean"] / max(b["mean"], 1e-9)
                                       for r, b in zip(res, results["bare"], strict=True))
             event = statistics.median(r["event_bytes"] for r in res)
             shown = "-" if args.write_only else f"{ratio:.3f}x"  # nothing to compare with
-            line = f"  {name:<20}{step * 1e3:>8.1f}ms{shown:>9}{event / 1024:>7.0f} KiB"
+            # Host and device time a logged step adds, per watched module (median of per-round figures).
+            modules = res[0]["modules"]  # 0 for bare: no monitor
+            shown_module = "-"
+            if modules and not args.write_only:
+                shown_module = f"{statistics.median((r['mean'] - b['mean']) / modules * 1e6 for r, b in zip(res, results['bare'])):.0f}"
+            line = f"  {name:<20}{step * 1e3:>8.1f}ms{shown:>9}{shown_module:>11}{event / 1024:>7.0f} KiB"
             if args.device == "cuda":
                 line += f"{statistics.median(r['peak'] for r in res) / MiB:>7.0f} MiB"
             print(line, flush=True)

@@ -3,13 +3,14 @@
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
         [--breakdown] [--device cuda]
+    python benchmarks/many_modules.py --lightning-only [--models encoder] [--lightning-steps 50] [--lightning-rounds 3]
     python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10] [--device cuda]
 
 Models, on the CPU with torch's default threads (or with ``--device cuda`` on the GPU, every
 step timed to ``torch.cuda.synchronize()``), SGD lr 1e-4, the same initial weights for every
 window: ``resnet18`` (torchvision-style, written here; 41 hooked modules; 8x3x64x64, cross-entropy),
-``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (overhead.py's
-4-layer Transformer encoder; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
+``mlp500`` (500 x Linear(64, 64) + Tanh; 500 hooked modules; 32x64) and ``encoder`` (a
+4-layer Transformer encoder, d_model 256, 4 heads; 24 hooked modules; 16x128x256). One ``GradientMonitor(model)`` each.
 
 A, plain loop: variants ``bare``, ``attached`` (one armed step after attach, then unarmed steps
 that still call ``collect``), ``armed`` (arm, forward, backward, collect), ``armed, eager`` (the
@@ -26,12 +27,14 @@ collect) over a bare one, with the CPU's block sizes and with an accelerator's
 (``stats.SIZES`` emptied: a block is a whole batch), and of an attached, unarmed step.
 D, ``--stages`` (instead of A to C): where an armed step's time goes, in a plain loop without the
 optimizer: ``bare``; ``hooks only`` (armed, the hooks registered and firing, their reduction
-replaced by nothing); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
-``armed + collect``; ``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
+replaced by nothing); ``hooks + bookkeeping`` (every tensor added to its batch, no batch
+reduced); ``hooks + reductions`` (armed, then ``disarm`` instead of ``collect``);
+``armed + collect`` (the noise probe off in these); ``armed + collect, noise probe``; ``armed + collect, no grad_input`` (a third monitor whose plan gives no module a grad_input
 hook: what grad_input costs); ``--rounds`` rounds of 3-step windows,
-interleaved; then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
+interleaved; the cost per module and per tensor by part (hooks, bookkeeping, reductions,
+collect, noise probe); then the top aten ops of one ``collect`` (torch.profiler, self CPU time, profiler
 overhead included).
-C, Lightning + TensorBoardLogger: plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
+C, Lightning + TensorBoardLogger (``--lightning-only``: this part alone): plain, GradHooks every step, every 50 steps, every step charting every statistic; ``--lightning-rounds``
 fits of ``--lightning-steps`` steps each, interleaved; the first 2 steps of a fit are left out.
 Two tables: the mean step of each fit (the headline), and its median step (without the rare slow
 steps where the allocator returned freed memory to the kernel). With ``--breakdown`` also every
@@ -50,6 +53,7 @@ import contextlib
 import functools
 import logging
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -68,13 +72,35 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import StepTimer, machine  # noqa: E402
-
 from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
 from lightning_gradhooks import stats  # noqa: E402
 from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
+
+
+def machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return (
+        f"{model}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), pytorch-lightning {pl.__version__}, Python {platform.python_version()}"
+    )
+
+
+class StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self._start = self._cpu = 0.0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self._start, self._cpu = time.perf_counter(), time.process_time()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 Batch = tuple[Tensor, ...]
@@ -489,7 +515,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def no_grad_input() -> Iterator[None]:
     """While active, the monitors' plans read no grad_input."""
-    from lightning_gradhooks import monitor as core
+    from lightning_gradhooks import planning as core
 
     decide = core._decide
 
@@ -506,14 +532,17 @@ def no_grad_input() -> Iterator[None]:
 def part_d(names: list[str], args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_gradhooks import stats
+
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)
         model = case.make()
-        monitor = GradientMonitor(model)
-        # A second monitor on the same model, whose plan gives no module a grad_input hook.
-        no_inputs = GradientMonitor(model)
+        monitor = GradientMonitor(model, noise_scale=False)
+        # More monitors on the same model: no module with a grad_input hook; no histograms; the noise probe on.
+        no_inputs = GradientMonitor(model, noise_scale=False)
         others = {"armed + collect, no grad_input": no_inputs,
-                  "armed + collect, no histograms": GradientMonitor(model, histograms=False)}
+                  "armed + collect, no histograms": GradientMonitor(model, histograms=False, noise_scale=False),
+                  "armed + collect, noise probe": GradientMonitor(model)}
 
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
@@ -524,7 +553,11 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             if stage == "hooks only":  # the hooks fire, their reductions are left out
                 m._reduce = lambda *a: None
             try:
-                case.loss(model, case.batch).backward()
+                if stage == "hooks + bookkeeping":  # every tensor added to its batch, no batch reduced
+                    with mock.patch.object(stats.Reducer, "_flush", lambda self, histogram: self._open.pop(histogram)):
+                        case.loss(model, case.batch).backward()
+                else:
+                    case.loss(model, case.batch).backward()
             finally:
                 m.__dict__.pop("_reduce", None)
             if stage.startswith("armed + collect"):
@@ -535,18 +568,21 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             synchronize()
             return time.perf_counter() - start
 
-        stages = ["bare", "hooks only", "hooks + reductions", "armed + collect",
-                  "armed + collect, no grad_input", "armed + collect, no histograms"]
+        stages = ["bare", "hooks only", "hooks + bookkeeping", "hooks + reductions", "armed + collect",
+                  "armed + collect, no grad_input", "armed + collect, no histograms", "armed + collect, noise probe"]
         timings = Timings(f"{case.name} (stages)", stages)
-        with monitor.attach(), no_inputs.attach(), others["armed + collect, no histograms"].attach():
+        with contextlib.ExitStack() as attached:
+            for m in (monitor, *others.values()):
+                attached.enter_context(m.attach())
             with no_grad_input():  # its probe step plans it
                 step("armed + collect, no grad_input")
-            for stage in ("armed + collect", *stages):  # the probe step, then warm-up
+            for stage in ("armed + collect", "armed + collect, noise probe", *stages):  # the probe steps, then warm-up
                 step(stage)
             windows = {stage: functools.partial(lambda s: statistics.fmean(step(s) for _ in range(3)), stage) for stage in stages}
             timings.rounds(windows, args.rounds)
             print(f"\n{case.name}, where an armed step's time goes ({case.modules} hooked modules, no optimizer)")
             timings.table("bare")
+            per_module_table(case, model, monitor, timings)
             profile_table(case, model, monitor, timings)
             monitor.arm()
             case.loss(model, case.batch).backward()
@@ -554,6 +590,35 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
                 monitor.collect()
             model.zero_grad(set_to_none=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def per_module_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
+    """What an armed step adds per hooked module and per tensor reduced, by part (from the
+    stages' medians): the hooks firing; the bookkeeping of each tensor (its batch); the
+    reductions; ``collect`` (parameter gradients, the transfer, the record); the noise probe."""
+    with monitor.arm():
+        case.loss(model, case.batch).backward()
+        tensors = len(monitor.collect().entries)
+    model.zero_grad(set_to_none=True)
+    # On a loaded machine the per-round ratios to bare are steadier than the times: each stage is
+    # its median ratio times the median bare step.
+    bare = timings.times["bare"]
+    t = {name: statistics.median(a / b for a, b in zip(v, bare)) * statistics.median(bare)
+         for name, v in timings.times.items() if v}
+    parts = {
+        "hooks": t["hooks only"] - t["bare"],
+        "bookkeeping": t["hooks + bookkeeping"] - t["hooks only"],
+        "reductions (in backward)": t["hooks + reductions"] - t["hooks + bookkeeping"],
+        "collect (parameters, transfer, record)": t["armed + collect"] - t["hooks + reductions"],
+        "noise probe": t["armed + collect, noise probe"] - t["armed + collect"],
+        "all, without the noise probe": t["armed + collect"] - t["bare"],
+        "all, without histograms or the noise probe": t["armed + collect, no histograms"] - t["bare"],
+    }
+    print(f"{case.name}: an armed step's cost per hooked module ({case.modules}) and per tensor reduced ({tensors}),"
+          f" us (the stages' median ratios to bare, times the median bare step)\n| part | us per module | us per tensor |\n| --- | --- | --- |")
+    for name, seconds in parts.items():
+        print(f"| {name} | {seconds * 1e6 / case.modules:.1f} | {seconds * 1e6 / tensors:.1f} |")
+    print()
 
 
 def profile_table(case: Case, model: nn.Module, monitor: GradientMonitor, timings: Timings) -> None:
@@ -629,6 +694,7 @@ def main() -> None:
     parser.add_argument("--no-wandb", action="store_true", help="leave the wandb.watch variants out")
     parser.add_argument("--skip-lightning", action="store_true")
     parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--lightning-only", action="store_true", help="part C only: what GradHooks costs a Lightning fit")
     parser.add_argument(
         "--breakdown", action="store_true", help="part C also fits GradHooks without histograms, and with every reduction skipped"
     )
@@ -651,6 +717,10 @@ def main() -> None:
     start = time.perf_counter()
     if args.stages:
         part_d(names, args)
+        print(f"Wall time: {time.perf_counter() - start:.0f} s")
+        return
+    if args.lightning_only:
+        part_c(names, args)
         print(f"Wall time: {time.perf_counter() - start:.0f} s")
         return
     with tempfile.TemporaryDirectory() as logdir:

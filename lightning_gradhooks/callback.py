@@ -220,9 +220,11 @@ class GradHooksLogic:
         observed = trainer.is_global_zero or fit.pooled
         if observed and not monitor.armed and logged:
             state.step = trainer.global_step
-            if self.gradient_log is not None:  # histograms are counted on their own cadence
-                monitor.histograms = self.gradient_log.histograms_due(state.step)
-            monitor.arm(batch_size=_trainer.batch_size(batch), accumulation=trainer.accumulate_grad_batches)
+            size, accumulation = _trainer.batch_size(batch), trainer.accumulate_grad_batches
+            if self.gradient_log is not None:  # histograms counted on the log's cadence
+                self.gradient_log.arm(monitor, state.step, batch_size=size, accumulation=accumulation)
+            else:
+                monitor.arm(batch_size=size, accumulation=accumulation)
         elif logged and trainer.world_size > 1:  # a rank that logs nothing itself
             monitor.arm_noise(_trainer.batch_size(batch), trainer.accumulate_grad_batches)
         fit.enter_offload()

@@ -147,3 +147,46 @@ class RankReducer:
             calls = 1 if kind == Kind.PARAM_GRAD else int(sum(row[0] for row in present))
             entries.append(pool_entries(kind, name, parts, self.bins, calls=calls))
         return entries
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 outside a distributed job."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather_device() -> torch.device:
+    """Where a collective of the default group runs: the current CUDA device under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class RankPooling:
+    """Decides which records are pooled over the ranks of the default group, and pools them
+    with one :class:`RankReducer`, made at the first record that needs it.
+
+    A record is pooled in a job of more than one rank when a monitor collected it and either
+    ``sync_dist`` (the hook statistics of the global batch) or it holds sharded parameters
+    (their pieces, always). Every rank must call :meth:`pool` at the same steps.
+
+    Args:
+        sync_dist: pool the hook statistics too; False: only the pieces of sharded parameters.
+    """
+
+    def __init__(self, sync_dist: bool = False) -> None:
+        self.sync_dist = bool(sync_dist)
+        self._reducer: RankReducer | None = None
+
+    @property
+    def collectives(self) -> int:
+        """How many collectives pooling made so far (for tests and the curious)."""
+        return 0 if self._reducer is None else self._reducer.collectives
+
+    def pool(self, record: GradientRecord) -> GradientRecord:
+        """``record`` pooled over the ranks where it needs to be; else ``record`` itself."""
+        if not (record.bins > 0 and (self.sync_dist or record.sharded) and dist.is_available()
+                and dist.is_initialized() and dist.get_world_size() > 1):
+            return record
+        if self._reducer is None:
+            self._reducer = RankReducer(record.bins, _gather_device(), hooks=self.sync_dist)
+        return self._reducer.reduce(record, record.sharded)

@@ -1,11 +1,16 @@
 """``GradientLog``: everything after :meth:`GradientMonitor.collect`, in any training loop.
 
 A :class:`GradientLog` takes one :class:`~lightning_gradhooks.records.GradientRecord` per logged
-step and owns what follows from it: the TensorBoard events (scalars and histograms in one event
-per step, the custom-scalars layout), the update ratios of the optimizers it is given, the
-gradient-flow picture, the warning that names where NaN/Inf were born, pooling over the ranks
-of a distributed job and the health report. It never imports Lightning: the ``GradHooks``
-callback is a thin shell that decides *when* and hands the records to one of these.
+step and owns what follows from it: the histogram cadence (:meth:`GradientLog.arm`), the
+warning that names where NaN/Inf were born and the health report. The rest are units it calls:
+:class:`~lightning_gradhooks.distributed.RankPooling` pools a record over the ranks of a
+distributed job, :class:`~lightning_gradhooks.updates.UpdateRatios` measures the optimizer
+steps, :class:`~lightning_gradhooks.noise.NoiseScale` smooths the noise scale,
+:class:`~lightning_gradhooks.flow.GradientFlow` keeps the flow picture; and every step, a
+record's, its update ratios or a caught one, goes out one way, through
+:class:`~lightning_gradhooks.writers.Writers` to every writer and on to the report. It never
+imports Lightning: the ``GradHooks`` callback is a thin shell that decides *when* and hands the
+records to one of these.
 
 Example:
     >>> import tempfile
@@ -18,7 +23,7 @@ Example:
     >>> log = GradientLog(SummaryWriter(folder.name), optimizers=[optimizer])
     >>> with monitor.attach():
     ...     for step in range(4):
-    ...         with monitor.arm(when=step % 2 == 0):
+    ...         with log.arm(monitor, step) if step % 2 == 0 else monitor.arm(when=False):
     ...             model(torch.randn(16, 4)).square().mean().backward()
     ...             log.write(monitor.collect(), step)   # before optimizer.step(): the update is measured
     ...         optimizer.step(); optimizer.zero_grad()
@@ -31,27 +36,26 @@ Example:
 
 from __future__ import annotations
 
-import html
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 
-from lightning_gradhooks._checks import check_choices, check_instance
-from lightning_gradhooks._tensorboard import (
-    FLOW_TAG, FORWARD, NORM_SECTIONS, OVERVIEW, UPDATE_SECTIONS, histogram_tag, scalar_metrics, write_step,
-)
-from lightning_gradhooks._checks import check_int, check_number
+from lightning_gradhooks._checks import check_choices, check_instance, check_int, check_number
+from lightning_gradhooks._tensorboard import FLOW_TAG, OVERVIEW, UPDATE_SECTIONS, scalar_metrics
 from lightning_gradhooks._text import listed
-from lightning_gradhooks.distributed import RankReducer
-from lightning_gradhooks.flow import GradientFlow, custom_scalars_layout, have_matplotlib
+from lightning_gradhooks.distributed import RankPooling, rank
+from lightning_gradhooks.flow import GradientFlow, have_matplotlib
+from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
 from lightning_gradhooks.noise import NoiseScale
 from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
-from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
-from lightning_gradhooks.stats import STATISTICS, Statistic, histogram_edges
-from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
+from lightning_gradhooks.stats import STATISTICS, Statistic
+from lightning_gradhooks.updates import UpdateRatios
+from lightning_gradhooks.writers import Writers
+
+if TYPE_CHECKING:
+    from lightning_gradhooks.monitor import GradientMonitor, _Armed
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -68,50 +72,6 @@ DEFAULT_STATISTICS: tuple[str, ...] = ("norm", "update_ratio")
 #: ``--samples_per_plugin`` default), and a histogram step costs about ten times the bytes of
 #: the rest of a logged step (docs/benchmarks.md).
 DEFAULT_HISTOGRAM_EVERY_N_STEPS = 500
-
-def _is_tensorboard(writer: Any) -> bool:
-    from torch.utils.tensorboard import SummaryWriter
-
-    return isinstance(writer, SummaryWriter)
-
-
-def _is_wandb(writer: Any) -> bool:
-    """A Lightning ``WandbLogger``: its ``log_metrics`` takes W&B objects too (histograms, HTML)."""
-    return any(c.__name__ == "WandbLogger" for c in type(writer).__mro__)
-
-
-def _wandb_histograms(record: GradientRecord) -> dict[str, Any]:
-    """The record's histograms as ``wandb.Histogram`` values, under the TensorBoard tags."""
-    import wandb
-
-    values = {}
-    for entry in record.entries:
-        hist = entry.histogram
-        if hist is None or sum(hist.counts) == 0:
-            continue
-        edges = [hist.low, *histogram_edges(hist.low, hist.high, len(hist.counts))]  # TensorBoard's right edges
-        values[histogram_tag(entry)] = wandb.Histogram(np_histogram=(hist.counts, edges))
-    return values
-
-
-def _table_columns(metrics: dict[str, float]) -> dict[str, float]:
-    """What a table of columns (CSV, MLflow, ...) gets: the overview, the norms and the forward
-    statistics' charts (``forward/output_rms/net.0``), named without
-    the ``∇<n> `` that orders TensorBoard's sections (``grad_output_norm/net.0``): ASCII names,
-    which MLflow requires and a CSV file in a non-UTF-8 locale can write."""
-    return {tag.split(" ", 1)[1]: value for tag, value in metrics.items()
-            if tag.partition("/")[0] in (OVERVIEW, *NORM_SECTIONS, FORWARD)}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _gather_device() -> torch.device:
-    """Where a collective of the default group runs: the current CUDA device under NCCL."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class GradientLog:
@@ -171,58 +131,58 @@ class GradientLog:
         echo: Callable[[str], Any] | None = print,
         precision: torch.dtype | None = None,
     ) -> None:
-        writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
-        for w in writers:
-            if not (_is_tensorboard(w) or hasattr(w, "log_metrics")):
-                raise ValueError(
-                    "`writer` expected a SummaryWriter, an object with `log_metrics(metrics, step)`, a list of "
-                    f"those or None, got {type(w).__name__}"
-                )
         statistics = list(DEFAULT_STATISTICS if statistics is None else
                           check_choices("statistics", statistics, LOGGED_STATISTICS))
         check_instance("thresholds", thresholds, (Thresholds, type(None)), "a Thresholds or None")
-        self._tensorboards = [w for w in writers if _is_tensorboard(w)]
-        self._others = [w for w in writers if not _is_tensorboard(w)]
-        self.optimizers = [unwrapped(o) for o in optimizers]  # Lightning/Fabric wrappers
+        self._writers = Writers(writer, statistics)
+        self._updates = UpdateRatios(optimizers)
+        self.optimizers = self._updates.optimizers  # Lightning/Fabric wrappers unwrapped
         self.statistics = statistics
         self.histograms = bool(histograms)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps)
         self._histogram_step: int | None = None  # the last step whose histograms were written
-        self.sync_dist = bool(sync_dist)
+        self._pooling = RankPooling(sync_dist)
+        self.sync_dist = self._pooling.sync_dist
         self._echo = echo
         if precision is not None and (not isinstance(precision, torch.dtype) or not precision.is_floating_point):
             raise ValueError(f"`precision` expected a floating-point torch.dtype or None, got {precision!r}")
         self._eps = None if precision in (None, torch.float32) else torch.finfo(precision).eps
         #: The health report of the steps written so far (kept after :meth:`close`).
         self.report = HealthReport(thresholds)
-        #: Collectives made to pool records over the ranks (for tests and the curious).
-        self.collectives = 0
         self.closed = False
-        self._flow = GradientFlow() if self._tensorboards and have_matplotlib() else None
-        if self._tensorboards and self._flow is None and _rank() == 0 and echo is not None:
+        tensorboards = self._writers.tensorboards
+        self._flow = GradientFlow() if tensorboards and have_matplotlib() else None
+        if tensorboards and self._flow is None and rank() == 0 and echo is not None:
             echo("GradHooks: `pip install lightning-gradhooks[plots]` (matplotlib) to get the gradient-flow picture "
                  "in TensorBoard's Images tab.")
-        self._layout_written = False
         self._nonfinite_seen: set[str] = set()
         #: Whether the last logged step had non-finite values (warned once per episode).
         self.in_nonfinite_episode = False
         self._told_skipped = False
-        self._reducer: RankReducer | None = None
-        self._updates: UpdateTracker | None = None
         self._last_step = 0
         #: The gradient noise scale of the steps written so far, smoothed (:class:`NoiseScale`).
         self.noise_scale = NoiseScale()
+
+    @property
+    def collectives(self) -> int:
+        """Collectives made to pool records over the ranks (for tests and the curious)."""
+        return self._pooling.collectives
 
     # -- per step ------------------------------------------------------------------------------
     def histograms_due(self, step: int) -> bool:
         """Whether the histograms of a record logged at ``step`` are written: on the first logged
         step of each window of ``histogram_every_n_steps`` steps (and again at that same step, for
-        another optimizer's record). A monitor can leave them uncounted on other steps::
-
-            monitor.histograms = log.histograms_due(step)
-        """
+        another optimizer's record). :meth:`arm` arms a monitor to count them on those steps only."""
         last, n = self._histogram_step, self.histogram_every_n_steps
         return self.histograms and (last is None or step == last or step // n != last // n)
+
+    def arm(self, monitor: GradientMonitor, step: int, *, batch_size: int | None = None,
+            accumulation: int = 1) -> _Armed:
+        """Arm ``monitor`` (:meth:`GradientMonitor.arm`) for the step to be logged at ``step``,
+        counting histograms only where this log writes them (:meth:`histograms_due`): the one
+        place the histogram cadence reaches the monitor. Returns what ``monitor.arm`` returns."""
+        monitor.histograms = self.histograms_due(step)
+        return monitor.arm(batch_size=batch_size, accumulation=accumulation)
 
     def write(
         self,
@@ -249,23 +209,17 @@ class GradientLog:
             pool: pool over the ranks (every rank must write at the same steps); False for a
                 record that only this rank has.
         """
-        collected = record.bins > 0  # by a monitor that was armed (or reduced its pieces)
         histograms = self.histograms_due(step)
-        if collected and histograms:  # on every rank: their monitors count histograms on the same steps
+        if record.bins > 0 and histograms:  # on every rank: their monitors count histograms on the same steps
             self._histogram_step = step
-        if pool and collected and (self.sync_dist or record.sharded) and dist.is_available() \
-                and dist.is_initialized() and dist.get_world_size() > 1:
-            if self._reducer is None:
-                self._reducer = RankReducer(record.bins, _gather_device(), hooks=self.sync_dist)
-            before = self._reducer.collectives
-            record = self._reducer.reduce(record, record.sharded)
-            self.collectives += self._reducer.collectives - before
+        if pool:
+            record = self._pooling.pool(record)
         if self.closed:
             raise RuntimeError("GradientLog.write: the log is closed")
-        if _rank() != 0:
+        if rank() != 0:
             return
         self._warn_skipped(record)
-        index = self._index(optimizer)
+        index = self._updates.index(optimizer)
         # With several optimizers, the names of each are told apart by its index.
         labelled = index if index is not None and len(self.optimizers) > 1 else None
         if labelled is not None:
@@ -275,7 +229,7 @@ class GradientLog:
         self._write_updates()
         if record.entries:
             self._last_step = step
-            self._measure_update(record, step, index, labelled, stepping)
+            self._updates.expect(record, step, index, labelled, now=stepping)
             self._write_record(record, step, labelled, scalars or {}, histograms)
 
     def write_caught(self, step: int, names: Sequence[str], checked: int) -> None:
@@ -287,11 +241,11 @@ class GradientLog:
         episode."""
         if self.closed:
             raise RuntimeError("GradientLog.write_caught: the log is closed")
-        if _rank() != 0 or not names:
+        if rank() != 0 or not names:
             return
-        stats = step_summary(caught=names, checked=checked)
-        self._write_beside(step, stats, {f"{OVERVIEW}/caught_nonfinite": float(len(names))})
-        self._warn_nonfinite(step, stats)
+        self._write_updates()
+        self._send(step, {f"{OVERVIEW}/caught_nonfinite": float(len(names))},
+                   step_summary(caught=names, checked=checked), warn=True)
 
     def write_scaler(self, step: int, scale: float, new_scale: float) -> None:
         """Write what a gradient scaler did at logged step ``step``, once its ``update()`` ran.
@@ -322,94 +276,46 @@ class GradientLog:
         scale, new_scale = check_number("scale", scale, 0.0), check_number("new_scale", new_scale, 0.0)
         if self.closed:
             raise RuntimeError("GradientLog.write_scaler: the log is closed")
-        if _rank() != 0:
+        if rank() != 0:
             return
-        self._write_beside(step, step_summary(scaler=(scale, new_scale)),
-                           {f"{OVERVIEW}/scaler_skipped": float(new_scale < scale)})
-
-    def _write_beside(self, step: int, stats: Summary, metrics: dict[str, float]) -> None:
-        """Write a summary and scalars of ``step`` beside its record (to every writer and the report)."""
         self._write_updates()
-        for writer in self._tensorboards:
-            write_step(writer, metrics, None, step, stats)
-        for other in self._others:
-            other.log_metrics(metrics if _is_wandb(other) else _table_columns(metrics), step=step)
+        self._send(step, {f"{OVERVIEW}/scaler_skipped": float(new_scale < scale)},
+                   step_summary(scaler=(scale, new_scale)))
+
+    def _send(self, step: int, metrics: dict[str, float], stats: Summary, record: GradientRecord | None = None,
+              histograms: bool = False, warn: bool = False) -> None:
+        """The one way a step goes out: to every writer, then to the report (and, for a record
+        or a caught step, the non-finite warning, named as the report names it)."""
+        self._writers.send(step, metrics, stats, record, histograms)
         self.report.add_stats(step, stats)
-
-    def _warn_nonfinite(self, step: int, stats: Summary) -> None:
-        # Named as the report and the `report` command name it (the same function).
-        origin = nonfinite_origin(stats)
-        if origin is not None and not self.in_nonfinite_episode:
-            warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=4)
-        self.in_nonfinite_episode = origin is not None
-
-    def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
-        if optimizer is None:
-            return None
-        optimizer = unwrapped(optimizer)
-        for i, o in enumerate(self.optimizers):
-            if o is optimizer:
-                return i
-        raise ValueError(f"`optimizer` expected one of the log's {len(self.optimizers)} optimizers, got another")
-
-    def _unowned(self, record: GradientRecord) -> list[str]:
-        """Chosen parameters with a gradient that no optimizer of the log holds: their
-        ``param`` entry says ``in_optimizer`` 0 (the report flags them ``stalled``)."""
-        if not self.optimizers or not record.parameters:
-            return []
-        return [name for name, p in unheld(record.parameters.items(), self.optimizers) if getattr(p, "grad", None) is not None]
-
-    def _measure_update(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
-                        stepping: bool) -> None:
-        if not self.optimizers:  # the report reads update ratios, charted or not
-            return
-        if self._updates is None:
-            # A sharded parameter is left out: the norm of a local piece is not the parameter's.
-            watched = {n: p for n, p in record.parameters.items() if n not in record.sharded}
-            if not watched:
-                return
-            self._updates = UpdateTracker(watched)
-            for o in self.optimizers:
-                self._updates.attach(o)
-        for i, o in enumerate(self.optimizers):
-            if index is None or i == index:
-                self._updates.expect(o, step, labelled, now=stepping)
+        if warn:
+            origin = nonfinite_origin(stats)
+            if origin is not None and not self.in_nonfinite_episode:
+                warnings.warn(f"GradHooks: non-finite values at step {step}: {origin[1]}.", stacklevel=4)
+            self.in_nonfinite_episode = origin is not None
 
     def _write_record(self, record: GradientRecord, step: int, labelled: int | None, extra: dict[str, float],
                       histograms: bool) -> None:
         suffix = "" if labelled is None else f"_optimizer_{labelled}"
         metrics = scalar_metrics(record, self.statistics, self._nonfinite_seen, suffix)
         metrics.update({f"{OVERVIEW}/{name}": value for name, value in extra.items()})
-        noise = None
+        noise = ranks = None
         if record.noise is not None:  # smoothed in the overview; its raw estimates in the summary
             value = self.noise_scale.take(record.noise, step)
             if value is not None:
                 metrics[f"{OVERVIEW}/noise_scale"] = value
             noise = record.noise.stats()
-        ranks = None
-        if record.noise is not None and record.noise.nonfinite_ranks:
-            # which ranks' own gradients were not finite before the all-reduce (the noise probe's)
-            bad = record.noise.nonfinite_ranks
-            ranks = {"nonfinite_ranks": float(len(bad)), "first_rank": float(bad[0]), "own": float(_rank() in bad)}
-        stats = step_summary(record, optimizer=labelled, unowned=self._unowned(record), noise=noise, ranks=ranks)
+            if bad := record.noise.nonfinite_ranks:
+                # which ranks' own gradients were not finite before the all-reduce (the noise probe's)
+                ranks = {"nonfinite_ranks": float(len(bad)), "first_rank": float(bad[0]), "own": float(rank() in bad)}
+        stats = step_summary(record, optimizer=labelled, unowned=self._updates.unowned(record), noise=noise, ranks=ranks)
         if self._eps is not None:  # round-off of the gradients the hooks saw
             stats[Key(Kind.PRECISION, "gradient")] = {"eps": self._eps}
-        for other in self._others:
-            if _is_wandb(other):
-                other.log_metrics({**metrics, **(_wandb_histograms(record) if histograms else {})}, step=step)
-            else:  # a table of columns (CSV): the overview and the norms
-                other.log_metrics(_table_columns(metrics), step=step)
-        for writer in self._tensorboards:
-            write_step(writer, metrics, record if histograms else None, step, stats)
-            if not self._layout_written:
-                writer.add_custom_scalars(custom_scalars_layout(self.statistics, record))
-        self._layout_written = True
+        self._send(step, metrics, stats, record, histograms, warn=True)
         if self._flow is not None:
             self._flow.add(step, record)
             if self._flow.steps and self._flow.steps[-1] == step and self._flow.due():
                 self._draw_flow()
-        self.report.add_stats(step, stats)
-        self._warn_nonfinite(step, stats)
 
     def _warn_skipped(self, record: GradientRecord) -> None:
         """Silence is a bug: say once which chosen parameters give no entry, and why."""
@@ -427,29 +333,18 @@ class GradientLog:
 
     def _write_updates(self) -> None:
         """Write the update ratios and parameter norms of the measured steps."""
-        if self._updates is None:
-            return
         for step, optimizer, values in self._updates.ready():
             stats = step_summary(updates=values, optimizer=optimizer)
-            metrics = {}
-            for key, value in stats.items():
-                for statistic in ("update_ratio", "param_norm"):
-                    if statistic in self.statistics:
-                        metrics[f"{UPDATE_SECTIONS[statistic]}/{key.label}"] = value[statistic]
-            for other in filter(_is_wandb, self._others):
-                other.log_metrics(metrics, step=step)
-            for writer in self._tensorboards:
-                write_step(writer, metrics, None, step, stats)
-            self.report.add_stats(step, stats)
+            metrics = {f"{UPDATE_SECTIONS[statistic]}/{key.label}": value[statistic]
+                       for key, value in stats.items() for statistic in UPDATE_SECTIONS if statistic in self.statistics}
+            self._send(step, metrics, stats)
 
     def _draw_flow(self, final: bool = False) -> None:
         """Write the flow picture of the latest logged step (at the end: if not drawn yet)."""
         flow = self._flow
         if flow is None or not flow.steps or (final and flow.drawn == flow.steps[-1]):
             return
-        image = flow.image()
-        for writer in self._tensorboards:
-            writer.add_image(FLOW_TAG, image, flow.steps[-1], dataformats="HWC")
+        self._writers.image(FLOW_TAG, flow.image(), flow.steps[-1])
 
     # -- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -482,10 +377,10 @@ class GradientLog:
         write it to the Text tab and remove the optimizer hooks. Returns the report on rank 0
         (None on other ranks). Idempotent; the writers stay open (they are the caller's)."""
         if self.closed:
-            return self.report if _rank() == 0 else None
+            return self.report if rank() == 0 else None
         self.closed = True
         try:
-            if _rank() != 0:
+            if rank() != 0:
                 return None
             self._write_updates()
             self._draw_flow(final=True)
@@ -497,16 +392,7 @@ class GradientLog:
                 if sentence is not None:
                     self._echo(sentence)
             if self.report.steps:
-                for writer in self._tensorboards:
-                    writer.add_text("gradhooks/health_report", self.report.markdown(), self._last_step)
-                    writer.flush()
-                for other in filter(_is_wandb, self._others):
-                    import wandb
-
-                    text = wandb.Html(f"<pre>{html.escape(self.report.table())}</pre>")
-                    other.log_metrics({"gradhooks/health_report": text}, step=self._last_step)
+                self._writers.report(self.report.table(), self.report.markdown(), self._last_step)
             return self.report
         finally:
-            if self._updates is not None:
-                self._updates.remove()
-                self._updates = None
+            self._updates.remove()

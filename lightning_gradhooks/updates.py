@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_gradhooks.records import GradientRecord
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
@@ -179,3 +182,67 @@ class UpdateTracker:
         self._due.clear()
         self._snapshot = None
         self._landing.clear()
+
+
+class UpdateRatios:
+    """The update ratios of a log's optimizers: which optimizer a step belongs to, which
+    parameters no optimizer holds, and one :class:`UpdateTracker` (made at the first record
+    with parameters to watch) whose hooks on every optimizer :meth:`remove` takes out.
+
+    Args:
+        optimizers: the optimizers to measure (Lightning and Fabric wrappers are unwrapped).
+    """
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = [unwrapped(o) for o in optimizers]
+        self._tracker: UpdateTracker | None = None
+
+    def index(self, optimizer: Any) -> int | None:
+        """The index of ``optimizer`` among :attr:`optimizers`; None for None (all of them).
+
+        Raises:
+            ValueError: an optimizer that is not one of them.
+        """
+        if optimizer is None:
+            return None
+        optimizer = unwrapped(optimizer)
+        for i, o in enumerate(self.optimizers):
+            if o is optimizer:
+                return i
+        raise ValueError(f"`optimizer` expected one of the log's {len(self.optimizers)} optimizers, got another")
+
+    def unowned(self, record: GradientRecord) -> list[str]:
+        """Chosen parameters with a gradient that no optimizer holds: their ``param`` entry says
+        ``in_optimizer`` 0 (the report flags them ``stalled``)."""
+        if not self.optimizers or not record.parameters:
+            return []
+        return [name for name, p in unheld(record.parameters.items(), self.optimizers)
+                if getattr(p, "grad", None) is not None]
+
+    def expect(self, record: GradientRecord, step: int, index: int | None, labelled: int | None,
+               now: bool = False) -> None:
+        """Measure the next step of optimizer ``index`` (None: of each), reported as ``step`` of
+        optimizer ``labelled``; ``now``: inside its step already (see :meth:`UpdateTracker.expect`).
+        A sharded parameter is left out: the norm of a local piece is not the parameter's."""
+        if not self.optimizers:
+            return
+        if self._tracker is None:
+            watched = {n: p for n, p in record.parameters.items() if n not in record.sharded}
+            if not watched:
+                return
+            self._tracker = UpdateTracker(watched)
+            for o in self.optimizers:
+                self._tracker.attach(o)
+        for i, o in enumerate(self.optimizers):
+            if index is None or i == index:
+                self._tracker.expect(o, step, labelled, now=now)
+
+    def ready(self) -> list[tuple[int, int | None, dict[str, Update]]]:
+        """The measured steps whose numbers are on the host (:meth:`UpdateTracker.ready`)."""
+        return [] if self._tracker is None else self._tracker.ready()
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks; idempotent."""
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None

@@ -156,7 +156,7 @@ def test_histograms_are_written_on_their_cadence_and_the_rest_every_logged_step(
     assert sorted(read_folder(tmp_path).steps) == [0, 2, 4, 6, 8, 10]
 
 
-def test_a_monitor_told_by_the_log_counts_histograms_on_their_steps_only(tmp_path):
+def test_a_monitor_armed_by_the_log_counts_histograms_on_their_steps_only(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     monitor = GradientMonitor(model)
@@ -164,8 +164,7 @@ def test_a_monitor_told_by_the_log_counts_histograms_on_their_steps_only(tmp_pat
     counted = []
     with monitor.attach():
         for step in range(4):
-            monitor.histograms = log.histograms_due(step)
-            with monitor.arm():
+            with log.arm(monitor, step):
                 model(torch.randn(16, 4)).square().mean().backward()
                 record = monitor.collect()
             counted.append(any(e.histogram is not None for e in record.entries))

@@ -1,0 +1,319 @@
+"""How big should my batch be, and what does asking cost? The gradient noise scale, three ways.
+
+    python benchmarks/noise_scale.py cost [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1] [--probe-alone]
+    python benchmarks/noise_scale.py advice SEED LABEL_NOISE
+    python benchmarks/noise_scale.py figure [--out docs/noise_scale.png] [--steps 400] [--every 10]
+
+``cost``: what the noise scale adds to a logged step, on the three models of many_modules.py.
+
+    A logged step in a plain loop: ``monitor.arm(...)``, forward and backward (one batch, or the
+    same batch as two micro-batches of half its size), ``monitor.collect()``, ``GradientLog.write``
+    to a ``SummaryWriter`` in a temporary folder (histograms on, the defaults), SGD step, zero_grad.
+    Two monitors on the same model, attached together (an unarmed monitor has no hook in): one with
+    ``noise_scale=False`` (``off``), one with the default ``noise_scale=True`` (``on``). Variants:
+    ``off`` / ``on`` with one backward (the noise probe reads per-example norms) and ``off, k=2`` /
+    ``on, k=2`` with two micro-batches (the probe reads each micro-batch's gradient). Every
+    round runs one step of each variant, in an order rotated each round, after two untimed rounds.
+    Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
+    threads), which a host shared with other work disturbs less. Prints the median of each
+    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks.
+
+    ``--probe-alone``: the ``NoiseProbe`` by itself (armed, forward and backward, collected) against
+    the bare step, interleaved, process CPU time: the probe's share without the monitor's own cost.
+
+``advice``: the noise-scale sentence against the truth: a GroupNorm CNN at learning rate 0, so the
+truth does not move (docs/usage.md, "How big should my batch be"); the table's rows are
+``advice 0 1``, ``advice 1 4`` and ``advice 2 1``. Prints the exact noise scale of the whole data set (every example's
+gradient, ``torch.func``) and, for one process (per-example norms) and accumulation x4, the
+summary and the sentence of the end of fit.
+
+``figure``: the figure of docs/usage.md: the noise scale GradHooks logs in a real fit, against
+brute force. A Lightning fit (SGD, lr 0.05, batch 32, no accumulation: per-example norms) of an MLP
+classifier on a synthetic task (a random teacher network's labels, 20 % of them flipped), with
+``GradHooks(every_n_steps=...)`` and a TensorBoardLogger. At each logged step a callback also
+computes the exact noise scale of the whole training set from every example's gradient
+(``torch.func.vmap(grad(...))``). The figure reads the event files back: the raw per-step
+estimate ``tr(Σ)/|G|²`` of the compact summary (dots), the smoothed ``∇1 overview/noise_scale``
+(line), the brute-force value (dashes) and the batch (a horizontal line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from pytorch_lightning.loggers import TensorBoardLogger  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.func import functional_call, grad, vmap  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from many_modules import cases  # noqa: E402
+
+from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor  # noqa: E402
+from lightning_gradhooks.__main__ import read_folder  # noqa: E402
+from lightning_gradhooks.noise import NoiseProbe  # noqa: E402
+from lightning_gradhooks.records import Key, Kind  # noqa: E402
+
+# -- cost --------------------------------------------------------------------------------
+def cost(argv: list[str]) -> None:
+    """What the noise scale adds to a logged step (see the module docstring, ``cost``)."""
+    parser = argparse.ArgumentParser(prog="noise_scale.py cost", description=cost.__doc__)
+    parser.add_argument("--models", default="resnet18,mlp500,encoder")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--probe-alone", action="store_true", help="the noise probe alone against bare steps")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.probe_alone:
+        for name in args.models.split(","):
+            probe_alone(cases()[name], args.rounds)
+        return
+    folder = tempfile.TemporaryDirectory()
+    for name in args.models.split(","):
+        case = cases()[name]
+        torch.manual_seed(0)
+        model = case.make()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay, so every window is alike
+        monitors = {"off": GradientMonitor(model, noise_scale=False), "on": GradientMonitor(model)}
+        writer = SummaryWriter(f"{folder.name}/{name}")
+        logs = {key: GradientLog(writer, [optimizer], echo=None) for key in monitors}
+        handles = [m.attach() for m in monitors.values()]
+        batch = case.batch
+        half = tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)
+        step_no = [0]
+
+        def step(key: str, k: int) -> tuple[float, float]:
+            monitor = monitors[key]
+            start, cpu = time.perf_counter(), time.process_time()
+            with monitor.arm(batch_size=len(batch[0]) // k, accumulation=k):
+                for part in ((batch,) if k == 1 else half):
+                    (case.loss(model, part) / k).backward()
+                logs[key].write(monitor.collect(), step_no[0])
+            optimizer.step()
+            optimizer.zero_grad()
+            step_no[0] += 1
+            return time.perf_counter() - start, time.process_time() - cpu
+
+        variants = [("off", 1), ("on", 1), ("off", 2), ("on", 2)]
+        times: dict[tuple[str, int], list[tuple[float, float]]] = {v: [] for v in variants}
+        for r in range(-2, args.rounds):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            for v in order:
+                took = step(*v)
+                if r >= 0:
+                    times[v].append(took)
+        for v in variants:
+            wall, cpu = (statistics.median(t[i] for t in times[v]) for i in (0, 1))
+            print(f"{name:9s} {v[0]:3s} k={v[1]}  wall {1000 * wall:8.1f} ms  cpu {1000 * cpu:8.1f} ms")
+        for k in (1, 2):
+            for i, clock in enumerate(("wall", "cpu")):
+                ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
+                print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
+                      f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
+        sample = logs["on"].noise_scale.value
+        print(f"{name:9s} noise scale of its batch: {sample if sample is None else round(sample, 1)}")
+        for h in handles:
+            h.remove()
+        for log in logs.values():
+            log.close()
+        writer.close()
+    folder.cleanup()
+
+
+def probe_alone(case, rounds: int) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model = case.make()
+    probe = NoiseProbe(model)
+
+    def step(on: bool) -> float:
+        cpu = time.process_time()
+        if on:
+            probe.arm()
+        case.loss(model, case.batch).backward()
+        if on:
+            probe.collect()
+        model.zero_grad()
+        return time.process_time() - cpu
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(-2, rounds):
+        for on in ((True, False) if r % 2 else (False, True)):
+            took = step(on)
+            if r >= 0:
+                times[on].append(took)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"{case.name:9s} probe alone: bare {1000 * off:.1f} ms, the probe adds {1000 * (on - off):.1f} ms "
+          f"({(on - off) / on:.1%} of the step with it), CPU medians")
+
+
+# -- advice ------------------------------------------------------------------------------
+class Fit(pl.LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 5))
+
+
+def advice(argv: list[str]) -> None:
+    """The noise-scale sentence against the truth (see the module docstring, ``advice``)."""
+    parser = argparse.ArgumentParser(prog="noise_scale.py advice", description=advice.__doc__)
+    parser.add_argument("seed", type=int)
+    parser.add_argument("label_noise", type=float)
+    args = parser.parse_args(argv)
+    seed, label_noise = args.seed, args.label_noise
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "core")]
+    from test_noise import truth
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, 3, 12, 12, generator=g)
+    torch.manual_seed(seed)
+    teacher = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 100, 5))
+    with torch.no_grad():
+        y = (teacher(x) + label_noise * torch.randn(1024, 5, generator=g)).argmax(1)
+    grad_sq, trace = truth(cnn(seed), nn.functional.cross_entropy, x, y)
+    print(f"truth {trace / grad_sq:.1f}")
+    for accumulation in (1, 4):
+        hooks = GradHooks(every_n_steps=2, histograms=False)
+        trainer = pl.Trainer(max_steps=120, accumulate_grad_batches=accumulation, accelerator="cpu",
+                             logger=pl.loggers.TensorBoardLogger(tempfile.mkdtemp()), callbacks=[hooks],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        loader = DataLoader(TensorDataset(x, y), batch_size=64 // accumulation, shuffle=True,
+                            generator=torch.Generator().manual_seed(1))
+        trainer.fit(Fit(cnn(seed)), loader)
+        print(f"accumulation {accumulation}: {hooks.gradient_log.noise_scale.summary()}\n  {hooks.gradient_log.noise_scale.sentence()}")
+
+
+# -- figure ------------------------------------------------------------------------------
+BATCH = 32
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(),
+                                 nn.Linear(64, 10))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Truth(pl.Callback):
+    """The exact noise scale of the training set at each logged step (before the update)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, every: int) -> None:
+        self.x, self.y, self.every, self.values = x, y, every, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # noqa: ANN001
+        if trainer.global_step % self.every:
+            return
+        net = pl_module.net
+        params = {k: v.detach() for k, v in net.named_parameters()}
+
+        def loss(p, xi, yi):  # noqa: ANN001, ANN202
+            return nn.functional.cross_entropy(functional_call(net, p, (xi[None],)), yi[None])
+
+        rows = []
+        for i in range(0, len(self.x), 512):
+            g = vmap(grad(loss), in_dims=(None, 0, 0))(params, self.x[i:i + 512], self.y[i:i + 512])
+            rows.append(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], 1).double())
+        g = torch.cat(rows)
+        mean = g.mean(0)
+        self.values[trainer.global_step] = float((g - mean).square().sum(1).mean() / mean.square().sum())
+
+
+def figure(argv: list[str]) -> None:
+    """The figure of docs/usage.md (see the module docstring, ``figure``)."""
+    parser = argparse.ArgumentParser(prog="noise_scale.py figure", description=figure.__doc__)
+    parser.add_argument("--out", default="docs/noise_scale.png")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--every", type=int, default=10)
+    args = parser.parse_args(argv)
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 20, generator=g)
+    teacher = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 10))
+    with torch.no_grad():
+        y = teacher(x).argmax(1)
+    flip = torch.rand(2048, generator=g) < 0.2
+    y[flip] = torch.randint(0, 10, (int(flip.sum()),), generator=g)
+    truth = Truth(x, y, args.every)
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", logger=TensorBoardLogger(folder, name="logs"),
+                             callbacks=[GradHooks(every_n_steps=args.every, histograms=False), truth],
+                             enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+        trainer.fit(Classifier(), DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True))
+        log_dir = Path(trainer.logger.log_dir)
+        events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        smoothed = [(e.step, e.value) for e in events.Scalars("∇1 overview/noise_scale")]
+        key = Key(Kind.NOISE, "gradient")
+        raw = [(step, s[key]["noise_scale"]) for step, s in sorted(read_folder(log_dir).steps.items())
+               if key in s and s[key]["noise_scale"] > 0]  # NaN: |G|² <= 0
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
+    ax.scatter(*zip(*raw), s=8, color="0.6", label="one logged step (raw tr(Σ)/|G|², summary)")
+    ax.plot(*zip(*smoothed), color="C0", lw=2, label="∇1 overview/noise_scale (smoothed)")
+    ax.plot(*zip(*sorted(truth.values.items())), color="C3", lw=1.5, ls="--",
+            label="exact, from every example's gradient (torch.func)")
+    ax.axhline(BATCH, color="k", lw=1, ls=":", label=f"batch per optimizer step ({BATCH})")
+    ax.set_yscale("log")
+    top = max(v for _, v in smoothed + list(truth.values.items())) * 4
+    ax.set_ylim(BATCH / 8, top)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("noise scale (examples)")
+    ax.set_title("Gradient noise scale of an MLP classifier (20 % label noise), batch 32, SGD")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(args.out)
+    ratios = [v / truth.values[s] for s, v in smoothed if s in truth.values]
+    print(f"wrote {args.out}; smoothed / exact over the run: median {sorted(ratios)[len(ratios) // 2]:.2f}, "
+          f"mean raw estimate / mean exact: "
+          f"{sum(v for _, v in smoothed) / len(smoothed) / (sum(truth.values.values()) / len(truth.values)):.2f}")
+
+
+COMMANDS = {"cost": cost, "advice": advice, "figure": figure}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        raise SystemExit(f"expected a command, one of {', '.join(COMMANDS)}, got {sys.argv[1:2]}\n\n{__doc__}")
+    COMMANDS[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()
