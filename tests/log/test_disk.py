@@ -26,6 +26,7 @@ from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram
 from lightning_gradhooks.stats import StatsRow, histogram_edges
 
 from conftest import read_events
+from report_panel import without_noise
 
 
 def bits(summary: dict) -> dict:
@@ -203,5 +204,7 @@ def test_the_report_command_reads_the_summaries_alone(tmp_path, capsys):
         f.write(_record(b"\xff" * 100))  # no event, but not a summary either
     assert main(["report", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
-    assert out == f"== {tmp_path}\n{printed}\n" and err == ""
+    # the table as printed, then the noise scale's sentence (compared with fit's in test_noise)
+    assert without_noise(out) == f"== {tmp_path}\n{printed}\n" and err == ""
+    assert out.splitlines()[-1].startswith("GradHooks: gradient noise scale ~ ")
     assert sorted(read_folder(tmp_path).steps) == [0, 1, 2]
