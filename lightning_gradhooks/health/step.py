@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.origin import bad_entries
 from lightning_gradhooks.health.shape import Shape
@@ -50,6 +52,50 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if len(values) > 2 else None
 
 
+class Gradients(NamedTuple):
+    """The step's finite gradient entries side by side, in record order (what ``values`` holds,
+    as columns): for checks that judge them all at once."""
+
+    keys: list[Key]
+    subjects: list[Subject]
+    labels: list[str]  # each subject's label
+    param: np.ndarray  # bool: a parameter's gradient (``param_grad``)
+    rms: np.ndarray  # float64: each RMS (:func:`~lightning_gradhooks.records.rms`), NaN where None
+    medians: np.ndarray  # float64: the median RMS of each one's kind at this step, NaN where None
+
+    def judged(self, quiet: set[str], mask: np.ndarray | None = None) -> tuple[np.ndarray, list[Subject], list[str]]:
+        """The entries a check judges: those in ``mask`` (default all), less the gradients of
+        ``quiet`` parameters; their indices, subjects and labels."""
+        chosen = np.ones(len(self.keys), dtype=bool) if mask is None else mask.copy()
+        if quiet:
+            chosen &= ~(self.param & np.array([key.label in quiet for key in self.keys], dtype=bool))
+        if chosen.all():
+            return np.arange(len(self.keys)), self.subjects, self.labels
+        indices = np.flatnonzero(chosen)
+        return indices, [self.subjects[i] for i in indices], [self.labels[i] for i in indices]
+
+
+def _rms(stats: list[Mapping[str, float]]) -> np.ndarray:
+    """:func:`~lightning_gradhooks.records.rms` of many entries at once, NaN where it is None: the
+    same float operations, in arrays (an entry without a finite norm is given to ``rms`` itself)."""
+    # A missing std or zero fraction is -1 (never a value of theirs); a missing mean is NaN (as NaN, it gives None).
+    mean, std, norm, zero = np.array([(s.get("mean", math.nan), s.get("std", -1.0), s.get("norm", math.nan),
+                                       s.get("zero_fraction", -1.0)) for s in stats], dtype=np.float64).reshape(-1, 4).T
+    with np.errstate(all="ignore"):
+        known = std != -1.0
+        std = np.where(np.isfinite(std), std, 0.0)
+        denominator = norm * norm + std * std
+        value = np.where(denominator > 0, np.sqrt(norm * norm * (mean * mean + std * std) / denominator), 0.0)
+        value[~known | ~np.isfinite(value)] = math.nan
+        told = zero != -1.0
+        value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
+        value = np.where(told, value / np.sqrt(1.0 - zero), value)
+        value[~(value > 0)] = math.nan
+    for i in np.flatnonzero(known & ~np.isfinite(norm)):  # math.hypot of mean and std: rms's own
+        value[i] = math.nan if (one := rms(stats[i])) is None else one
+    return value
+
+
 class Updates(NamedTuple):
     """The update ratios of a step's parameters (those not ``quiet``), and the model's scale."""
 
@@ -59,6 +105,8 @@ class Updates(NamedTuple):
     median_size: float | None
     readable: set[str]  # parameters at least ``floor_ratio`` of the median size
     median_ratio: float | None  # over the readable parameters (all, if they are too few)
+    subjects: list[Subject]  # the subject of each parameter in ``ratios``, in its order
+    labels: list[str]  # their labels
 
 
 class Step:
@@ -120,16 +168,34 @@ class Step:
                     FLOAT32_EPS)
 
     @cached_property
+    def _finite(self) -> tuple[list[Key], np.ndarray, np.ndarray]:
+        """The finite gradient entries' keys, their RMS (NaN: None) and their kinds (indices in
+        ``GRADIENT_KINDS``)."""
+        bad, entries = self.bad, self.entries
+        keys = [key for key in entries if key.kind in GRADIENT_KINDS and key not in bad]
+        kinds = np.array([GRADIENT_KINDS.index(key.kind) for key in keys], dtype=np.int64)
+        return keys, _rms([entries[key] for key in keys]), kinds
+
+    @cached_property
     def values(self) -> dict[Key, float | None]:
         """The RMS of each gradient entry that is finite (None where it cannot be told)."""
-        bad = self.bad
-        return {key: rms(s) for key, s in self.entries.items() if key.kind in GRADIENT_KINDS and key not in bad}
+        keys, values, _ = self._finite
+        return {key: None if math.isnan(v) else v for key, v in zip(keys, values.tolist())}
 
     @cached_property
     def medians(self) -> dict[str, float | None]:
         """The median RMS of each gradient kind (None: fewer than three values)."""
-        values = self.values
-        return {kind: median([v for key, v in values.items() if key.kind == kind]) for kind in GRADIENT_KINDS}
+        _, values, kinds = self._finite
+        return {kind: median(values[kinds == i].tolist()) for i, kind in enumerate(GRADIENT_KINDS)}
+
+    @cached_property
+    def gradients(self) -> Gradients:
+        """The finite gradient entries as columns: ``values`` and ``medians`` side by side."""
+        keys, values, kinds = self._finite
+        subjects = [self.subjects[key] for key in keys]
+        by_kind = np.array([math.nan if m is None else m for m in self.medians.values()], dtype=np.float64)
+        return Gradients(keys, subjects, [s.label for s in subjects], kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD),
+                         values, by_kind[kinds])
 
     @cached_property
     def updates(self) -> Updates:
@@ -146,7 +212,9 @@ class Step:
         floor = self.thresholds.floor_ratio
         readable = {n for n, size in sizes.items() if median_size is not None and size >= floor * median_size}
         median_ratio = median([r for n, r in ratios.items() if n in readable]) or median(list(ratios.values()))
-        return Updates({key.label: key for key, _ in params}, ratios, sizes, median_size, readable, median_ratio)
+        keys = {key.label: key for key, _ in params}
+        subjects = [self.subjects[keys[name]] for name in ratios]
+        return Updates(keys, ratios, sizes, median_size, readable, median_ratio, subjects, [s.label for s in subjects])
 
     @cached_property
     def moving(self) -> Callable[[Key], bool]:

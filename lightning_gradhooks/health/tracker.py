@@ -3,7 +3,7 @@ Pure Python."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -32,6 +32,8 @@ class Tracker:
         self.flags: dict[tuple[str, str], Flag] = {}
         self.notes: dict[str, Flag] = {}  # parameter -> its note, while it holds
         self.nonfinite: Row | None = None
+        self._judged: dict[str, set[str]] = {}  # flag -> the labels with a run of it
+        self._open: dict[str, set[str]] = {}  # flag -> the labels in a run of it now
 
     def run(self, flag: str, subject: Subject, step: int, bad: bool, needed: int, value: float,
             score: float = 0.0, reason: str = "", began: int | None = None) -> None:
@@ -43,14 +45,16 @@ class Tracker:
         run = self.runs.get((flag, label))
         if not bad:  # most calls: nothing to do but end a run
             if run is None:
-                self.runs[(flag, label)] = Run()  # (made now: the runs are kept in the order first judged)
+                self._made(flag, label)  # (made now: the runs are kept in the order first judged)
             elif run.start is not None:
                 run.start, run.length = None, 0
+                self._open[flag].discard(label)
             return
         if run is None:
-            run = self.runs[(flag, label)] = Run()
+            run = self._made(flag, label)
         if run.start is None:
             run.start = step
+            self._open.setdefault(flag, set()).add(label)
         run.length += 1
         run.last, run.score, run.subject = value, score, subject
         previous = self.flags.get((flag, label))
@@ -61,9 +65,35 @@ class Tracker:
         if began is not None and previous is not None and previous.since > began:
             self.flags[(flag, label)] = replace(previous, since=int(began))
 
+    def run_many(self, flag: str, subjects: Sequence[Subject], labels: Sequence[str], step: int,
+                 bad: Iterable[tuple[int, int, float, float]]) -> None:
+        """:meth:`run` on each of ``subjects`` (whose labels are ``labels``), in order: ``bad``
+        lists the bad ones as ``(index, needed, value, score)``, in order; the others are good.
+        The same as one :meth:`run` each, at the cost of the bad ones and the runs that end."""
+        bad = list(bad)
+        judged = self._judged.get(flag, set())
+        if len(judged) < len(labels) or not judged.issuperset(labels):  # new subjects: their runs made in order
+            flagged = {i: rest for i, *rest in bad}
+            for i, subject in enumerate(subjects):
+                needed, value, score = flagged.get(i, (0, 0.0, 0.0))
+                self.run(flag, subject, step, i in flagged, needed, value, score)
+            return
+        ending = self._open.get(flag, set()).intersection(labels).difference([labels[i] for i, *_ in bad])
+        for label in ending:
+            run = self.runs[(flag, label)]
+            run.start, run.length = None, 0
+            self._open[flag].discard(label)
+        for i, needed, value, score in bad:
+            self.run(flag, subjects[i], step, True, needed, value, score)
+
+    def _made(self, flag: str, label: str) -> Run:
+        run = self.runs[(flag, label)] = Run()
+        self._judged.setdefault(flag, set()).add(label)
+        return run
+
     def running(self, flag: str) -> bool:
         """Whether any subject is in a run of ``flag`` now."""
-        return any(f == flag and run.start is not None for (f, _), run in self.runs.items())
+        return bool(self._open.get(flag))
 
     def promote(self, flag: str) -> None:
         """Raise ``flag`` on every subject in a run of it now, however short."""
@@ -85,6 +115,11 @@ class Tracker:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.runs = {(flag, label): Run(start, length, last, score, Subject(*subject))
                      for flag, label, start, length, last, score, subject in state["runs"]}
+        self._judged, self._open = {}, {}
+        for (flag, label), run in self.runs.items():
+            self._judged.setdefault(flag, set()).add(label)
+            if run.start is not None:
+                self._open.setdefault(flag, set()).add(label)
         self.flags = {(flag.flag, flag.name): flag for flag in (Flag(**f) for f in state["flags"])}
         self.notes = {f["entry"]: Flag(**f) for f in state["notes"]}
         row = state["nonfinite"]
