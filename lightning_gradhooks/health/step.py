@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lightning_gradhooks.health.flags import Subject
-from lightning_gradhooks.health.origin import bad_entries
+from lightning_gradhooks.health.flags import OVERFLOW_NORM
+from lightning_gradhooks.health.origin import why_bad
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.thresholds import Thresholds
-from lightning_gradhooks.records import GRADIENT_KINDS, Key, Kind, Summary, rms
+from lightning_gradhooks.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind, Summary, rms
 
 #: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
 #: unless a step's summary says the gradients were of another precision (``precision`` entry).
@@ -52,6 +53,32 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if len(values) > 2 else None
 
 
+class Layout:
+    """What every logged step with the same keys shares (a model logs the same keys at each): made
+    once per set of keys by the judge, so that a step is judged in arrays, not entry by entry.
+
+    Attributes:
+        keys: the keys, in record order; ``subjects``, ``labels`` (each subject's label),
+            ``names`` (each key's label) and ``modules`` beside them.
+        kinds: each key's kind (an array of strings, for masks: ``layout.kinds == Kind.PARAM``).
+    """
+
+    def __init__(self, keys: Iterable[Key], subjects: Mapping[Key, Subject]) -> None:
+        self.keys = list(keys)
+        self.subjects = [subjects[key] for key in self.keys]
+        self.labels = [subject.label for subject in self.subjects]
+        self.names = [key.label for key in self.keys]
+        self.modules = [subject.module for subject in self.subjects]
+        self.kinds = np.array([str(key.kind) for key in self.keys], dtype=object)
+        self.gradient = np.isin(self.kinds, [str(kind) for kind in GRADIENT_KINDS])
+        self.param = self.kinds == Kind.PARAM
+        self.judged = ~np.isin(self.kinds, [str(kind) for kind in ACTIVATION_KINDS])
+        self.precision = next((i for i, key in enumerate(self.keys) if key.kind == Kind.PRECISION), None)
+        self.gradient_kinds = np.array([GRADIENT_KINDS.index(key.kind) if key.kind in GRADIENT_KINDS else -1
+                                        for key in self.keys], dtype=np.int64)
+        self.params = np.flatnonzero(self.param)
+
+
 class Gradients(NamedTuple):
     """The step's finite gradient entries side by side, in record order (what ``values`` holds,
     as columns): for checks that judge them all at once."""
@@ -75,12 +102,12 @@ class Gradients(NamedTuple):
         return indices, [self.subjects[i] for i in indices], [self.labels[i] for i in indices]
 
 
-def _rms(stats: list[Mapping[str, float]]) -> np.ndarray:
+def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
+         unnormed: list[Mapping[str, float]]) -> np.ndarray:
     """:func:`~lightning_gradhooks.records.rms` of many entries at once, NaN where it is None: the
-    same float operations, in arrays (an entry without a finite norm is given to ``rms`` itself)."""
-    # A missing std or zero fraction is -1 (never a value of theirs); a missing mean is NaN (as NaN, it gives None).
-    mean, std, norm, zero = np.array([(s.get("mean", math.nan), s.get("std", -1.0), s.get("norm", math.nan),
-                                       s.get("zero_fraction", -1.0)) for s in stats], dtype=np.float64).reshape(-1, 4).T
+    same float operations, in arrays. A missing std or zero fraction is -1 (never a value of
+    theirs), a missing mean or norm NaN; the entries without a finite norm (``unnormed``, in
+    order) are given to ``rms`` itself."""
     with np.errstate(all="ignore"):
         known = std != -1.0
         std = np.where(np.isfinite(std), std, 0.0)
@@ -91,8 +118,8 @@ def _rms(stats: list[Mapping[str, float]]) -> np.ndarray:
         value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
         value = np.where(told, value / np.sqrt(1.0 - zero), value)
         value[~(value > 0)] = math.nan
-    for i in np.flatnonzero(known & ~np.isfinite(norm)):  # math.hypot of mean and std: rms's own
-        value[i] = math.nan if (one := rms(stats[i])) is None else one
+    for i, stats in zip(np.flatnonzero(~np.isfinite(norm)), unnormed):  # math.hypot of mean and std: rms's own
+        value[i] = math.nan if (one := rms(stats)) is None else one
     return value
 
 
@@ -134,15 +161,39 @@ class Step:
     """
 
     def __init__(self, number: int, entries: Summary, previous: int | None, subjects: Mapping[Key, Subject],
-                 shape: Shape, thresholds: Thresholds) -> None:
+                 shape: Shape, thresholds: Thresholds, layout: Layout | None = None) -> None:
         self.number, self.entries, self.previous = number, entries, previous
         self.subjects, self.shape, self.thresholds = subjects, shape, thresholds
-        self.bad = bad_entries(entries)
+        self.layout = layout or Layout(entries, subjects)
+        self._columns: dict[tuple[str, float], np.ndarray] = {}
+        self.bad = self._bad()
         self.first_nonfinite = False
         self.unowned: set[str] = set()
         self.round_off: set[str] = set()
         self.no_gradient: set[str] = set()
         self.lr_cut: set[str] = set()
+
+    def column(self, statistic: str, missing: float = math.nan) -> np.ndarray:
+        """One statistic of every entry, in record order (float64; ``missing`` where an entry
+        lacks it), made once per step."""
+        column = self._columns.get((statistic, missing))
+        if column is None:
+            column = self._columns[(statistic, missing)] = np.fromiter(
+                (s.get(statistic, missing) for s in self.entries.values()), dtype=np.float64, count=len(self.entries))
+        return column
+
+    def _bad(self) -> dict[Key, str]:
+        """The non-finite entries and why (:func:`~lightning_gradhooks.health.origin.why_bad`, on
+        the entries that the step's columns cannot clear), in record order."""
+        with np.errstate(invalid="ignore"):
+            maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
+                     | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
+        keys, entries = self.layout.keys, self.entries
+        found = ((i, why_bad(keys[i].kind, entries[keys[i]])) for i in np.flatnonzero(maybe & self.layout.judged))
+        bad = {i: why for i, why in found if why is not None}
+        self._finite_mask = np.ones(len(keys), dtype=bool)
+        self._finite_mask[list(bad)] = False
+        return {keys[i]: why for i, why in bad.items()}
 
     @property
     def quiet(self) -> set[str]:
@@ -164,23 +215,26 @@ class Step:
     @cached_property
     def eps(self) -> float:
         """The relative precision of this step's gradients."""
-        return next((s.get("eps", FLOAT32_EPS) for key, s in self.entries.items() if key.kind == Kind.PRECISION),
-                    FLOAT32_EPS)
+        at = self.layout.precision
+        return FLOAT32_EPS if at is None else self.entries[self.layout.keys[at]].get("eps", FLOAT32_EPS)
 
     @cached_property
-    def _finite(self) -> tuple[list[Key], np.ndarray, np.ndarray]:
-        """The finite gradient entries' keys, their RMS (NaN: None) and their kinds (indices in
-        ``GRADIENT_KINDS``)."""
-        bad, entries = self.bad, self.entries
-        keys = [key for key in entries if key.kind in GRADIENT_KINDS and key not in bad]
-        kinds = np.array([GRADIENT_KINDS.index(key.kind) for key in keys], dtype=np.int64)
-        return keys, _rms([entries[key] for key in keys]), kinds
+    def _finite(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The finite gradient entries' indices, their RMS (NaN: None) and their kinds (indices
+        in ``GRADIENT_KINDS``)."""
+        layout = self.layout
+        indices = np.flatnonzero(layout.gradient & self._finite_mask)
+        mean, std = self.column("mean")[indices], self.column("std", -1.0)[indices]
+        norm, zero = self.column("norm")[indices], self.column("zero_fraction", -1.0)[indices]
+        stats = [self.entries[layout.keys[i]] for i in indices[~np.isfinite(norm)]]
+        return indices, _rms(mean, std, norm, zero, stats), layout.gradient_kinds[indices]
 
     @cached_property
     def values(self) -> dict[Key, float | None]:
         """The RMS of each gradient entry that is finite (None where it cannot be told)."""
-        keys, values, _ = self._finite
-        return {key: None if math.isnan(v) else v for key, v in zip(keys, values.tolist())}
+        indices, values, _ = self._finite
+        keys = self.layout.keys
+        return {keys[i]: None if math.isnan(v) else v for i, v in zip(indices.tolist(), values.tolist())}
 
     @cached_property
     def medians(self) -> dict[str, float | None]:
@@ -191,11 +245,11 @@ class Step:
     @cached_property
     def gradients(self) -> Gradients:
         """The finite gradient entries as columns: ``values`` and ``medians`` side by side."""
-        keys, values, kinds = self._finite
-        subjects = [self.subjects[key] for key in keys]
+        indices, values, kinds = self._finite
+        layout = self.layout
         by_kind = np.array([math.nan if m is None else m for m in self.medians.values()], dtype=np.float64)
-        return Gradients(keys, subjects, [s.label for s in subjects], kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD),
-                         values, by_kind[kinds])
+        return Gradients(*([every[i] for i in indices.tolist()] for every in (layout.keys, layout.subjects, layout.labels)),
+                         kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD), values, by_kind[kinds])
 
     @cached_property
     def updates(self) -> Updates:

@@ -29,7 +29,10 @@ class Tracker:
 
     def __init__(self) -> None:
         self.runs: dict[tuple[str, str], Run] = {}
-        self.flags: dict[tuple[str, str], Flag] = {}
+        self._flags: dict[tuple[str, str], Flag] = {}
+        # Flags raised again since they were last read: their latest (value, subject, worst score,
+        # reason), made into a Flag when read (a flag stays raised for many steps; a Flag is dear to make).
+        self._raised: dict[tuple[str, str], tuple[float, Subject, float, str]] = {}
         self.notes: dict[str, Flag] = {}  # parameter -> its note, while it holds
         self.nonfinite: Row | None = None
         self._judged: dict[str, set[str]] = {}  # flag -> the labels with a run of it
@@ -50,20 +53,43 @@ class Tracker:
                 run.start, run.length = None, 0
                 self._open[flag].discard(label)
             return
-        if run is None:
-            run = self._made(flag, label)
+        previous = self._grow(flag, label, subject, step, needed, value, score, reason)
+        if began is not None and previous is not None and previous.since > began:
+            self._flags[(flag, label)] = replace(self._flag((flag, label)), since=int(began))
+
+    def _grow(self, flag: str, label: str, subject: Subject, step: int, needed: int, value: float, score: float,
+              reason: str) -> Flag | None:
+        """A bad step of ``subject``'s run of ``flag``; its flag (None: not raised)."""
+        key = (flag, label)
+        run = self.runs.get(key) or self._made(flag, label)
         if run.start is None:
             run.start = step
             self._open.setdefault(flag, set()).add(label)
         run.length += 1
         run.last, run.score, run.subject = value, score, subject
-        previous = self.flags.get((flag, label))
+        previous = self._flags.get(key)
         if run.length >= needed:
-            since = previous.since if previous else run.start
-            worst = max(score, previous.score) if previous else score
-            previous = self.flags[(flag, label)] = Flag(flag, *subject[:2], since, value, subject.module, worst, reason)
-        if began is not None and previous is not None and previous.since > began:
-            self.flags[(flag, label)] = replace(previous, since=int(began))
+            if previous is None:
+                previous = self._flags[key] = Flag(flag, *subject[:2], run.start, value, subject.module, score, reason)
+            else:  # its since stays; the rest is its latest
+                raised = self._raised.get(key)
+                self._raised[key] = (value, subject, max(score, previous.score if raised is None else raised[2]), reason)
+        return previous
+
+    @property
+    def flags(self) -> dict[tuple[str, str], Flag]:
+        """The flags raised, by ``(flag, subject label)``, in the order first raised."""
+        for key in list(self._raised):
+            self._flag(key)
+        return self._flags
+
+    def _flag(self, key: tuple[str, str]) -> Flag:
+        """The flag of ``key`` as of now (made from its latest raise)."""
+        raised, flag = self._raised.pop(key, None), self._flags[key]
+        if raised is not None:
+            value, subject, worst, reason = raised
+            flag = self._flags[key] = Flag(flag.flag, *subject[:2], flag.since, value, subject.module, worst, reason)
+        return flag
 
     def run_many(self, flag: str, subjects: Sequence[Subject], labels: Sequence[str], step: int,
                  bad: Iterable[tuple[int, int, float, float]]) -> None:
@@ -84,7 +110,7 @@ class Tracker:
             run.start, run.length = None, 0
             self._open[flag].discard(label)
         for i, needed, value, score in bad:
-            self.run(flag, subjects[i], step, True, needed, value, score)
+            self._grow(flag, labels[i], subjects[i], step, needed, value, score, "")
 
     def _made(self, flag: str, label: str) -> Run:
         run = self.runs[(flag, label)] = Run()
@@ -98,10 +124,10 @@ class Tracker:
     def promote(self, flag: str) -> None:
         """Raise ``flag`` on every subject in a run of it now, however short."""
         for key, run in self.runs.items():
-            if key[0] != flag or run.start is None or key in self.flags:
+            if key[0] != flag or run.start is None or key in self._flags:
                 continue
             subject = run.subject
-            self.flags[key] = Flag(flag, *subject[:2], run.start, run.last, subject.module, run.score)
+            self._flags[key] = Flag(flag, *subject[:2], run.start, run.last, subject.module, run.score)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -120,7 +146,8 @@ class Tracker:
             self._judged.setdefault(flag, set()).add(label)
             if run.start is not None:
                 self._open.setdefault(flag, set()).add(label)
-        self.flags = {(flag.flag, flag.name): flag for flag in (Flag(**f) for f in state["flags"])}
+        self._flags = {(flag.flag, flag.name): flag for flag in (Flag(**f) for f in state["flags"])}
+        self._raised = {}
         self.notes = {f["entry"]: Flag(**f) for f in state["notes"]}
         row = state["nonfinite"]
         self.nonfinite = None if row is None else Row(**{**row, "consequences": [Flag(**f) for f in row["consequences"]]})
