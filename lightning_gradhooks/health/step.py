@@ -77,6 +77,22 @@ class Layout:
         self.gradient_kinds = np.array([GRADIENT_KINDS.index(key.kind) if key.kind in GRADIENT_KINDS else -1
                                         for key in self.keys], dtype=np.int64)
         self.params = np.flatnonzero(self.param)
+        self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
+        self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Where each statistic is among a step's values laid end to end, entry after entry
+        (``names``: their names; ``lengths``: how many each entry has): its entries' indices and
+        its values' positions. Made once for the layout's usual statistics (again when a step's
+        differ)."""
+        if (names, lengths) != self._laid:
+            entry = np.repeat(np.arange(len(self.keys)), lengths)
+            positions: dict[str, list[int]] = {}
+            for at, name in enumerate(names):
+                positions.setdefault(name, []).append(at)
+            self._laid = names, lengths
+            self._where = {name: (entry[at], np.array(at)) for name, at in positions.items()}
+        return self._where
 
 
 class Gradients(NamedTuple):
@@ -178,9 +194,20 @@ class Step:
         lacks it), made once per step."""
         column = self._columns.get((statistic, missing))
         if column is None:
-            column = self._columns[(statistic, missing)] = np.fromiter(
-                (s.get(statistic, missing) for s in self.entries.values()), dtype=np.float64, count=len(self.entries))
+            values, where = self._laid
+            column = self._columns[(statistic, missing)] = np.full(len(self.entries), missing)
+            if statistic in where:
+                entries, at = where[statistic]
+                column[entries] = values[at]
         return column
+
+    @cached_property
+    def _laid(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """The step's values laid end to end, and where each statistic is among them."""
+        stats = self.entries.values()
+        names = [name for s in stats for name in s]
+        values = np.array([value for s in stats for value in s.values()], dtype=np.float64)
+        return values, self.layout.where(names, list(map(len, stats)))
 
     def _bad(self) -> dict[Key, str]:
         """The non-finite entries and why (:func:`~lightning_gradhooks.health.origin.why_bad`, on
