@@ -115,8 +115,8 @@ class Judge:
                     subjects[key] = Subject.of(key)
             layout = self._layouts[keys] = Layout(keys, subjects)
         previous = next((s for s in reversed(self._seen) if s < number), None)
-        self.shape.learn(entries, subjects)
         step = Step(number, entries, previous, subjects, self.shape, self.thresholds, layout)
+        self.shape.learn(step)
         for check in self.checks:
             check(step, self.tracker)
 

@@ -77,6 +77,9 @@ class Layout:
         self.gradient_kinds = np.array([GRADIENT_KINDS.index(key.kind) if key.kind in GRADIENT_KINDS else -1
                                         for key in self.keys], dtype=np.int64)
         self.params = np.flatnonzero(self.param)
+        self.param_grads = np.flatnonzero(self.kinds == Kind.PARAM_GRAD)
+        # The modules of the gradient entries, in record order, once each.
+        self.gradient_modules = dict.fromkeys(self.modules[i] for i in np.flatnonzero(self.gradient).tolist()).keys()
         self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
         self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -218,8 +221,8 @@ class Step:
         keys, entries = self.layout.keys, self.entries
         found = ((i, why_bad(keys[i].kind, entries[keys[i]])) for i in np.flatnonzero(maybe & self.layout.judged))
         bad = {i: why for i, why in found if why is not None}
-        self._finite_mask = np.ones(len(keys), dtype=bool)
-        self._finite_mask[list(bad)] = False
+        self.finite = np.ones(len(keys), dtype=bool)
+        self.finite[list(bad)] = False
         return {keys[i]: why for i, why in bad.items()}
 
     @property
@@ -250,7 +253,7 @@ class Step:
         """The finite gradient entries' indices, their RMS (NaN: None) and their kinds (indices
         in ``GRADIENT_KINDS``)."""
         layout = self.layout
-        indices = np.flatnonzero(layout.gradient & self._finite_mask)
+        indices = np.flatnonzero(layout.gradient & self.finite)
         mean, std = self.column("mean")[indices], self.column("std", -1.0)[indices]
         norm, zero = self.column("norm")[indices], self.column("zero_fraction", -1.0)[indices]
         stats = [self.entries[layout.keys[i]] for i in indices[~np.isfinite(norm)]]
