@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
@@ -9,7 +11,7 @@ from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.records import Kind
 
 
-_KINDS = (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
+_KINDS = [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)]
 
 
 class Dead(Check):
@@ -19,11 +21,12 @@ class Dead(Check):
     name = "dead"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t, bad, subjects = self.thresholds, step.bad, step.subjects
+        t, layout = self.thresholds, step.layout
+        zero = step.column("zero_fraction", -1.0)  # (a fraction: never -1)
+        chosen = np.flatnonzero(step.finite & (zero != -1.0) & np.isin(layout.kinds, _KINDS))
         zeros: dict[str, list[float]] = {}
-        for key, s in step.entries.items():
-            if key.kind in _KINDS and (zero := s.get("zero_fraction")) is not None and key not in bad:
-                zeros.setdefault(subjects[key].module, []).append(zero)
+        for i, fraction in zip(chosen.tolist(), zero[chosen].tolist()):
+            zeros.setdefault(layout.modules[i], []).append(fraction)
         modules = list(zeros)
         tracker.run_many("dead", [Subject("", module, module) for module in modules], modules, step.number,
                          [(i, t.dead_steps, min(values), 0.0) for i, values in enumerate(zeros.values())

@@ -287,16 +287,18 @@ class Step:
         ``unowned`` and ``round_off`` have run), and the model's typical update: the median over
         parameters at their own scale (near-zero ones move by more than their size in healthy
         training, and would inflate it)."""
-        quiet, sizes_of = self.quiet, self.shape.sizes
-        params = [(key, s) for key, s in self.entries.items() if key.kind == Kind.PARAM and key.label not in quiet]
-        ratios = {key.label: s["update_ratio"] for key, s in params if math.isfinite(s.get("update_ratio", math.nan))}
-        sizes = {key.label: s["param_norm"] / math.sqrt(sizes_of[key.label]) for key, s in params
-                 if key.label in sizes_of and math.isfinite(s.get("param_norm", math.nan))}
+        quiet, sizes_of, layout = self.quiet, self.shape.sizes, self.layout
+        params = [i for i in layout.params.tolist() if layout.names[i] not in quiet] if quiet else layout.params.tolist()
+        names = [layout.names[i] for i in params]
+        ratios = {name: ratio for name, ratio in zip(names, self.column("update_ratio")[params].tolist())
+                  if math.isfinite(ratio)}
+        sizes = {name: norm / math.sqrt(sizes_of[name]) for name, norm in zip(names, self.column("param_norm")[params].tolist())
+                 if name in sizes_of and math.isfinite(norm)}
         median_size = median(list(sizes.values()))
         floor = self.thresholds.floor_ratio
         readable = {n for n, size in sizes.items() if median_size is not None and size >= floor * median_size}
         median_ratio = median([r for n, r in ratios.items() if n in readable]) or median(list(ratios.values()))
-        keys = {key.label: key for key, _ in params}
+        keys = {name: layout.keys[i] for name, i in zip(names, params)}
         subjects = [self.subjects[keys[name]] for name in ratios]
         return Updates(keys, ratios, sizes, median_size, readable, median_ratio, subjects, [s.label for s in subjects])
 
@@ -305,9 +307,9 @@ class Step:
         """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
         least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
         with the gradient). False where no update ratio was measured."""
-        ratios = {key: s["update_ratio"] for key, s in self.entries.items()
-                  if key.kind == Kind.PARAM and math.isfinite(s.get("update_ratio", math.nan))
-                  and s.get("in_optimizer", 1.0) != 0.0}
+        params, keys = self.layout.params, self.layout.keys
+        chosen = params[np.isfinite(self.column("update_ratio")[params]) & (self.column("in_optimizer", 1.0)[params] != 0.0)]
+        ratios = dict(zip((keys[i] for i in chosen.tolist()), self.column("update_ratio")[chosen].tolist()))
         middle = median(list(ratios.values()))
         if not middle:
             return lambda key: False
