@@ -4,7 +4,6 @@ Pure Python."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 

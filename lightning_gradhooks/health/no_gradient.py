@@ -12,7 +12,6 @@ from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Kind
 
 
 @functools.lru_cache(maxsize=1 << 16)
