@@ -1,4 +1,4 @@
-"""``dead``: a module whose output and parameter gradients are all zero. Pure Python."""
+"""``dead``: a module whose output and parameter gradients are all zero. Python and numpy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``exploding``: a gradient many times its own recent median. Pure Python."""
+"""``exploding``: a gradient many times its own recent median. Python and numpy."""
 
 from __future__ import annotations
 

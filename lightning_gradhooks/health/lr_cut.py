@@ -1,5 +1,5 @@
 """``stalled``: param groups whose learning rate is cut (0, or tiny next to its highest so far).
-Pure Python."""
+Python and numpy."""
 
 from __future__ import annotations
 

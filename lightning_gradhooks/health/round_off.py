@@ -1,5 +1,5 @@
 """Notes: parameters whose gradient is float round-off next to the gradient their module
-receives, zero by construction (a bias followed by a normalisation layer). Pure Python."""
+receives, zero by construction (a bias followed by a normalisation layer). Python and numpy."""
 
 from __future__ import annotations
 

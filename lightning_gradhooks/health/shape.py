@@ -1,5 +1,5 @@
 """What the judge learns of the model from its logged steps: the backward order of its modules,
-the element count of each parameter and which parameters' gradients are all zero. Pure Python."""
+the element count of each parameter and which parameters' gradients are all zero. Python and numpy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""One logged step as every check reads it: :class:`Step`, made once per step by the judge; and
-:func:`merge_summary`, the one way a step's summaries (one per optimizer, the update ratios after
-the gradients) become one. Pure Python."""
+"""One logged step as every check reads it: :class:`Step`, made once per step by the judge, with
+its :class:`Layout`, made once per set of keys; and :func:`merge_summary`, the one way a step's
+summaries (one per optimizer, the update ratios after the gradients) become one. Python and
+numpy arrays."""
 
 from __future__ import annotations
 
@@ -165,6 +166,11 @@ class Step:
     and why), ``shape`` (the model as seen so far: backward order, parameter sizes, all-zero
     gradients), and the values computed on first use: ``values`` (each finite gradient entry's
     RMS), ``medians`` (per gradient kind), ``moving``, ``eps``, ``skipped``.
+
+    The same step as arrays, for checks that judge its entries together: ``layout`` (its
+    :class:`Layout`: keys, subjects, labels, names, modules, kinds in record order),
+    :meth:`column` (a statistic of every entry), ``finite`` (bool: the entries not in ``bad``),
+    ``gradients`` (:class:`Gradients`: ``values`` and ``medians`` as columns).
 
     Written by the checks, for the checks after them (the only fields a check writes):
 

@@ -1,4 +1,4 @@
-"""``vanishing``: a gradient far below the model's own scale, while learning stops with it. Pure Python."""
+"""``vanishing``: a gradient far below the model's own scale, while learning stops with it. Python and numpy."""
 
 from __future__ import annotations
 
