@@ -28,6 +28,12 @@ FLOAT32_EPS = 2.0 ** -23
 
 def merge_summary(into: Summary, summary: Iterable[tuple[Key, dict[str, float]]]) -> None:
     """Merge ``(key, statistics)`` pairs of one step into ``into`` (a later value of a statistic wins)."""
+    summary = list(summary)
+    if not into:  # the step's first summary
+        into.update(summary)
+        if len(into) == len(summary):
+            return
+        into.clear()  # a key given twice: merged below
     for key, stats in summary:
         if key in into:
             into[key].update(stats)
