@@ -45,36 +45,10 @@ class Tracker:
         ends it. ``began``: where the trouble began when that is before the run (the flag's
         ``since`` goes back to it)."""
         label = subject.label
-        run = self.runs.get((flag, label))
-        if not bad:  # most calls: nothing to do but end a run
-            if run is None:
-                self._made(flag, label)  # (made now: the runs are kept in the order first judged)
-            elif run.start is not None:
-                run.start, run.length = None, 0
-                self._open[flag].discard(label)
-            return
-        previous = self._grow(flag, label, subject, step, needed, value, score, reason)
-        if began is not None and previous is not None and previous.since > began:
+        self.run_many(flag, (subject,), (label,), step, ((0, needed, value, score),) if bad else (), reason)
+        previous = self._flags.get((flag, label))
+        if bad and began is not None and previous is not None and previous.since > began:
             self._flags[(flag, label)] = replace(self._flag((flag, label)), since=int(began))
-
-    def _grow(self, flag: str, label: str, subject: Subject, step: int, needed: int, value: float, score: float,
-              reason: str) -> Flag | None:
-        """A bad step of ``subject``'s run of ``flag``; its flag (None: not raised)."""
-        key = (flag, label)
-        run = self.runs.get(key) or self._made(flag, label)
-        if run.start is None:
-            run.start = step
-            self._open.setdefault(flag, set()).add(label)
-        run.length += 1
-        run.last, run.score, run.subject = value, score, subject
-        previous = self._flags.get(key)
-        if run.length >= needed:
-            if previous is None:
-                previous = self._flags[key] = Flag(flag, *subject[:2], run.start, value, subject.module, score, reason)
-            else:  # its since stays; the rest is its latest
-                raised = self._raised.get(key)
-                self._raised[key] = (value, subject, max(score, previous.score if raised is None else raised[2]), reason)
-        return previous
 
     @property
     def flags(self) -> dict[tuple[str, str], Flag]:
@@ -92,30 +66,39 @@ class Tracker:
         return flag
 
     def run_many(self, flag: str, subjects: Sequence[Subject], labels: Sequence[str], step: int,
-                 bad: Iterable[tuple[int, int, float, float]]) -> None:
-        """:meth:`run` on each of ``subjects`` (whose labels are ``labels``), in order: ``bad``
-        lists the bad ones as ``(index, needed, value, score)``, in order; the others are good.
-        The same as one :meth:`run` each, at the cost of the bad ones and the runs that end."""
+                 bad: Iterable[tuple[int, int, float, float]], reason: str = "") -> None:
+        """:meth:`run` on each of ``subjects`` (whose labels are ``labels``, each once), in order:
+        ``bad`` lists the bad ones as ``(index, needed, value, score)``, in order; the others are
+        good. The same as one :meth:`run` each, at the cost of the bad ones and the runs that end."""
+        judged, runs = self._judged.setdefault(flag, set()), self.runs
+        if not judged.issuperset(labels):  # the runs are kept in the order first judged
+            for label in labels:
+                if label not in judged:
+                    runs[(flag, label)] = Run()
+                    judged.add(label)
         bad = list(bad)
-        judged = self._judged.get(flag, set())
-        if len(judged) < len(labels) or not judged.issuperset(labels):  # new subjects: their runs made in order
-            flagged = {i: rest for i, *rest in bad}
-            for i, subject in enumerate(subjects):
-                needed, value, score = flagged.get(i, (0, 0.0, 0.0))
-                self.run(flag, subject, step, i in flagged, needed, value, score)
-            return
-        ending = self._open.get(flag, set()).intersection(labels).difference([labels[i] for i, *_ in bad])
-        for label in ending:
-            run = self.runs[(flag, label)]
+        running = self._open.setdefault(flag, set())
+        for label in running.intersection(labels).difference([labels[i] for i, *_ in bad]):  # runs that end
+            run = runs[(flag, label)]
             run.start, run.length = None, 0
-            self._open[flag].discard(label)
+            running.discard(label)
+        flags, raised = self._flags, self._raised
         for i, needed, value, score in bad:
-            self._grow(flag, labels[i], subjects[i], step, needed, value, score, "")
-
-    def _made(self, flag: str, label: str) -> Run:
-        run = self.runs[(flag, label)] = Run()
-        self._judged.setdefault(flag, set()).add(label)
-        return run
+            label, subject = labels[i], subjects[i]
+            key = (flag, label)
+            run = runs[key]
+            if run.start is None:
+                run.start = step
+                running.add(label)
+            run.length += 1
+            run.last, run.score, run.subject = value, score, subject
+            if run.length >= needed:
+                previous = flags.get(key)
+                if previous is None:
+                    flags[key] = Flag(flag, *subject[:2], run.start, value, subject.module, score, reason)
+                else:  # its since stays; the rest is its latest (made into a Flag when read)
+                    latest = raised.get(key)
+                    raised[key] = (value, subject, max(score, previous.score if latest is None else latest[2]), reason)
 
     def running(self, flag: str) -> bool:
         """Whether any subject is in a run of ``flag`` now."""
