@@ -13,19 +13,11 @@ if TYPE_CHECKING:
     from lightning_gradhooks.health.step import Step
 
 
-def size(stats: Mapping[str, float]) -> float | None:
-    """The element count of a gradient, from its norm, mean and std (None if not told)."""
-    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
-    if None in (mean, std, norm) or not all(map(math.isfinite, (mean, norm))):
-        return None
-    std = std if math.isfinite(std) else 0.0
-    if mean * mean + std * std == 0:
-        return None
-    return (norm * norm + std * std) / (mean * mean + std * std)
-
-
 def size_of(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, std_told: np.ndarray) -> np.ndarray:
-    """:func:`size` of many gradients at once (``std_told``: where a std was logged), NaN where None."""
+    """The element count of many gradients at once, from their norm, mean and std (``std_told``:
+    where a std was logged; a std that is not finite is a single element's, 0): ``(norm² + std²)
+    / (mean² + std²)``; NaN where it cannot be told (no std, a mean or norm not finite or not
+    logged, all zero)."""
     with np.errstate(all="ignore"):
         std = np.where(np.isfinite(std), std, 0.0)
         spread = mean * mean + std * std

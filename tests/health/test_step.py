@@ -6,7 +6,6 @@ import random
 from health_steps import step
 
 from lightning_gradhooks.health.flags import Subject
-from lightning_gradhooks.health.shape import size
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.records import Kind, rms
 
@@ -25,6 +24,17 @@ ODD = [
     {"mean": -0.1, "std": math.inf, "norm": 1.0},
     {},
 ]
+
+
+def size(stats):
+    """The element count of a gradient, one entry at a time (the reference for the arrays)."""
+    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
+    if None in (mean, std, norm) or not all(map(math.isfinite, (mean, norm))):
+        return None
+    std = std if math.isfinite(std) else 0.0
+    if mean * mean + std * std == 0:
+        return None
+    return (norm * norm + std * std) / (mean * mean + std * std)
 
 
 def _entries(stats):
