@@ -1,4 +1,4 @@
-"""The gradient-health report: what looks wrong, where, since when, and why. Pure Python.
+"""The gradient-health report: what looks wrong, where, since when, and why. Python, with numpy arrays.
 
 The :class:`~lightning_gradhooks.health.judge.Judge` takes in the summary of each logged step
 (:func:`~lightning_gradhooks.records.step_summary`: from the callback, a plain loop or Fabric, or
@@ -44,10 +44,20 @@ and one line in :data:`~lightning_gradhooks.health.judge.CHECKS`:
   what "moving" means; the model's backward order and parameter sizes) and the
   :class:`~lightning_gradhooks.health.tracker.Tracker`. What a check needs of a whole step (a
   median, a vectorised pass) is a cached property of ``Step``, computed once for every check.
+- **Judging a step at once.** A step is judged in arrays, not entry by entry (the report
+  command judges hundreds of thousands of entries): ``step.layout``
+  (:class:`~lightning_gradhooks.health.step.Layout`, made once per set of keys: the keys, their
+  subjects, labels, modules and kinds side by side), ``step.column(statistic, missing)`` (one
+  statistic of every entry, a float64 array in record order), ``step.finite`` (the entries not
+  in ``bad``), ``step.gradients`` (the finite gradient entries with their RMS and their kind's
+  median). A check that judges many subjects steps their runs with one
+  ``tracker.run_many(flag, subjects, labels, step, bad)``, naming the bad ones; reading
+  ``step.entries`` (the dicts) stays right, for what concerns a few entries.
 - **What it may write.** Flags only through ``tracker.run(flag, subject, step, bad, needed,
   value, ...)`` (a run of ``needed`` bad steps raises the flag; ``reason`` for a cause of its
-  own) or ``tracker.promote``; notes in ``tracker.notes`` (a parameter's), or one line of the
-  check's own from its ``note()``; the first non-finite row in ``tracker.nonfinite``. What it tells the checks after it: a field of ``Step``, declared and
+  own), ``tracker.run_many`` or ``tracker.promote``; notes in ``tracker.notes`` (a parameter's), or
+  one line of the check's own from its ``note()``; the first non-finite row in
+  ``tracker.nonfinite``. What it tells the checks after it: a field of ``Step``, declared and
   documented there (``scaler_skipped``, ``unowned``, ``round_off``, ``no_gradient``, ``lr_cut``,
   ``first_nonfinite``): add a field there rather than reading another check's state.
 - **How it is ordered.** ``CHECKS`` is the order: a check comes after every check whose

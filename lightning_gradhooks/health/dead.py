@@ -1,12 +1,17 @@
-"""``dead``: a module whose output and parameter gradients are all zero. Pure Python."""
+"""``dead``: a module whose output and parameter gradients are all zero. Python and numpy."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.records import Kind
+
+
+_KINDS = [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)]
 
 
 class Dead(Check):
@@ -16,12 +21,13 @@ class Dead(Check):
     name = "dead"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t = self.thresholds
+        t, layout = self.thresholds, step.layout
+        zero = step.column("zero_fraction", -1.0)  # (a fraction: never -1)
+        chosen = np.flatnonzero(step.finite & (zero != -1.0) & np.isin(layout.kinds, _KINDS))
         zeros: dict[str, list[float]] = {}
-        for key, s in step.entries.items():
-            if key.kind in (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD) and s.get("zero_fraction") is not None \
-                    and key not in step.bad:
-                zeros.setdefault(step.subjects[key].module, []).append(s["zero_fraction"])
-        for module, values in zeros.items():
-            dead = all(z >= t.dead_zero_fraction for z in values)
-            tracker.run("dead", Subject("", module, module), step.number, dead, t.dead_steps, min(values))
+        for i, fraction in zip(chosen.tolist(), zero[chosen].tolist()):
+            zeros.setdefault(layout.modules[i], []).append(fraction)
+        modules = list(zeros)
+        tracker.run_many("dead", [Subject("", module, module) for module in modules], modules, step.number,
+                         [(i, t.dead_steps, min(values), 0.0) for i, values in enumerate(zeros.values())
+                          if all(z >= t.dead_zero_fraction for z in values)])

@@ -1,14 +1,15 @@
-"""``exploding``: a gradient many times its own recent median. Pure Python."""
+"""``exploding``: a gradient many times its own recent median. Python and numpy."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Kind
 
 
 def _middle(values: list[float]) -> float:
@@ -34,20 +35,20 @@ class Exploding(Check):
         self.history: dict[str, list[float]] = {}  # subject label -> its last values at the model's scale
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t, quiet, medians = self.thresholds, step.quiet, step.medians
-        for key, value in step.values.items():
-            if value is None or (key.kind == Kind.PARAM_GRAD and key.label in quiet):
-                continue
-            subject, median = step.subjects[key], medians[key.kind]
-            history = self.history.setdefault(subject.label, [])
-            baseline = _middle(history) if history else None
-            floor = median is not None and value < t.floor_ratio * median
-            grown = baseline is not None and not floor and value > t.exploding_factor * baseline
-            tracker.run("exploding", subject, step.number, grown, t.exploding_steps, value,
-                        score=value / baseline if grown else 0)
-            if not floor:
-                history.append(value)
-                del history[: -t.exploding_window]
+        t, gradients = self.thresholds, step.gradients
+        indices, subjects, labels = gradients.judged(step.quiet, ~np.isnan(gradients.rms))
+        histories, grown = self.history, []
+        floor_ratio, factor, window = t.floor_ratio, t.exploding_factor, t.exploding_window
+        for i, (label, value, median) in enumerate(zip(labels, gradients.rms[indices].tolist(),
+                                                       gradients.medians[indices].tolist())):
+            history = histories.setdefault(label, [])
+            if value < floor_ratio * median:  # (False where the median is NaN: None)
+                continue  # not read, not in the baseline
+            if history and value > factor * (baseline := _middle(history)):
+                grown.append((i, t.exploding_steps, value, value / baseline))
+            history.append(value)
+            del history[:-window]
+        tracker.run_many("exploding", subjects, labels, step.number, grown)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {label: list(values) for label, values in self.history.items()}}

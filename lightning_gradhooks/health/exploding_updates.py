@@ -20,8 +20,8 @@ class ExplodingUpdates(Check):
         if step.skipped:
             return
         t, updates = self.thresholds, step.updates
-        for name, ratio in updates.ratios.items():
-            big = name in updates.readable and ratio > t.exploding_update_ratio
-            far = big and updates.sizes[name] >= updates.median_size / max(t.floor_ratio, 1e-12)
-            tracker.run("exploding", step.subjects[updates.keys[name]], step.number, big,
-                        1 if far else t.exploding_steps, ratio, score=ratio)
+        far = updates.median_size / max(t.floor_ratio, 1e-12) if updates.median_size is not None else None
+        big = [(i, 1 if far is not None and updates.sizes[name] >= far else t.exploding_steps, ratio, ratio)
+               for i, (name, ratio) in enumerate(updates.ratios.items())
+               if ratio > t.exploding_update_ratio and name in updates.readable]
+        tracker.run_many("exploding", updates.subjects, updates.labels, step.number, big)

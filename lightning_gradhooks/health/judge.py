@@ -28,7 +28,7 @@ from lightning_gradhooks.health.round_off import RoundOff
 from lightning_gradhooks.health.scaler import ScalerSkips
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.stalled import Stalled
-from lightning_gradhooks.health.step import Step, merge_summary, rounded
+from lightning_gradhooks.health.step import Layout, Step, merge_summary, rounded
 from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
@@ -53,6 +53,8 @@ CHECKS: tuple[type[Check], ...] = (
 )
 #: The most keys whose subject a judge keeps (a model's entries; beyond it, the cache starts over).
 _SUBJECTS_MAX = 1 << 16
+#: The most layouts (sets of keys) a judge keeps: a model has one or a few.
+_LAYOUTS_MAX = 64
 
 
 class Judge:
@@ -76,6 +78,7 @@ class Judge:
         self._seen: list[int] = []
         self._pending: dict[int, Summary] = {}  # steps not judged yet
         self._subjects: dict[Key, Subject] = {}  # a cache: the subject of each key seen
+        self._layouts: dict[tuple[Key, ...], Layout] = {}  # a cache: each set of keys seen, in order
 
     @property
     def steps(self) -> int:
@@ -103,15 +106,19 @@ class Judge:
             self._judge(number, self._pending.pop(number))
 
     def _judge(self, number: int, entries: Summary) -> None:
-        subjects = self._subjects
-        if len(subjects) > _SUBJECTS_MAX:  # names that keep changing: start over
-            subjects.clear()
-        for key in entries:
-            if key not in subjects:
-                subjects[key] = Subject.of(key)
+        subjects, keys = self._subjects, tuple(entries)
+        layout = self._layouts.get(keys)
+        if layout is None:
+            if len(subjects) > _SUBJECTS_MAX or len(self._layouts) >= _LAYOUTS_MAX:  # names that keep changing: start over
+                subjects.clear()
+                self._layouts.clear()
+            for key in keys:
+                if key not in subjects:
+                    subjects[key] = Subject.of(key)
+            layout = self._layouts[keys] = Layout(keys, subjects)
         previous = next((s for s in reversed(self._seen) if s < number), None)
-        self.shape.learn(entries, subjects)
-        step = Step(number, entries, previous, subjects, self.shape, self.thresholds)
+        step = Step(number, entries, previous, subjects, self.shape, self.thresholds, layout)
+        self.shape.learn(step)
         for check in self.checks:
             check(step, self.tracker)
 

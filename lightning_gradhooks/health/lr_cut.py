@@ -1,19 +1,20 @@
 """``stalled``: param groups whose learning rate is cut (0, or tiny next to its highest so far).
-Pure Python."""
+Python and numpy."""
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from lightning_gradhooks._text import counted
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import PARAM_GROUP, Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Key, Kind
+from lightning_gradhooks.records import Key
 
 #: A learning rate at most this share of its group's highest so far is cut (0, or tiny).
 LR_CUT = 1e-6
@@ -47,9 +48,11 @@ class LrCut(Check):
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
         groups: dict[tuple[int | None, int], list[tuple[Key, float]]] = {}
-        for key, s in step.entries.items():
-            if key.kind == Kind.PARAM and "group" in s and math.isfinite(s.get("lr", math.nan)):
-                groups.setdefault((key.optimizer, int(s["group"])), []).append((key, s["lr"]))
+        params, keys = step.layout.params, step.layout.keys
+        group, lr = step.column("group", -1.0)[params], step.column("lr")[params]  # (a group is an index: never -1)
+        chosen = (group != -1.0) & np.isfinite(lr)
+        for i, index, rate in zip(params[chosen].tolist(), group[chosen].tolist(), lr[chosen].tolist()):
+            groups.setdefault((keys[i].optimizer, int(index)), []).append((keys[i], rate))
         for (optimizer, index), members in groups.items():
             lr = members[0][1]
             of = "" if optimizer is None else f" of optimizer {optimizer}"

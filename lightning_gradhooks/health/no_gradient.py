@@ -12,7 +12,6 @@ from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Kind
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -41,12 +40,16 @@ class NoGradient(Check):
         self.since: dict[str, list[float]] = {}  # parameter -> [first step without .grad, its norm then]
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        measured = [(key, s) for key, s in step.entries.items() if key.kind == Kind.PARAM and "group" in s]
+        params = step.layout.params
+        measured_at = params[step.column("group", -1.0)[params] != -1.0]  # (a group is an index: never -1)
         none = step.no_gradient
-        none.update(key.label for key, s in measured if s.get("no_gradient") == 1.0)
+        none.update(step.layout.names[i] for i in measured_at[step.column("no_gradient")[measured_at] == 1.0].tolist())
         for name in list(self.since):
             if name not in none:
                 del self.since[name]
+        if not none:  # (most steps)
+            return
+        measured = [(step.layout.keys[i], step.entries[step.layout.keys[i]]) for i in measured_at.tolist()]
         subjects = step.subjects
         # Every module: are all the measured parameters under it without a gradient?
         whole: dict[str, bool] = {}

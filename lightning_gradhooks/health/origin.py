@@ -11,7 +11,7 @@ from lightning_gradhooks.health.flags import OVERFLOW_NORM
 from lightning_gradhooks.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind
 
 
-def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
+def why_bad(kind: str, stats: Mapping[str, float]) -> str | None:
     """Why an entry is non-finite (None: it is not)."""
     if kind in ACTIVATION_KINDS:  # the forward statistics: not judged yet
         return None
@@ -32,7 +32,7 @@ def _bad(kind: str, stats: Mapping[str, float]) -> str | None:
 
 def bad_entries(stats: Mapping[Key, Mapping[str, float]]) -> dict[Key, str]:
     """The non-finite entries of a step, in record order, with why."""
-    return {key: why for key, s in stats.items() if (why := _bad(key.kind, s)) is not None}
+    return {key: why for key, s in stats.items() if (why := why_bad(key.kind, s)) is not None}
 
 
 def nonfinite_origin(stats: Mapping[Key, Mapping[str, float]]) -> tuple[str, str, float] | None:

@@ -1,5 +1,5 @@
 """Notes: parameters whose gradient is float round-off next to the gradient their module
-receives, zero by construction (a bias followed by a normalisation layer). Pure Python."""
+receives, zero by construction (a bias followed by a normalisation layer). Python and numpy."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Flag
-from lightning_gradhooks.health.shape import size
+from lightning_gradhooks.health.shape import size_of
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.records import Key, Kind
@@ -40,10 +42,11 @@ class RoundOff(Check):
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
         found = self._found(step)
-        for name, (key, ratio, elements, none) in found.items():
-            module = step.subjects[key].module
-            if none and any(not other[3] and 0 < other[2] < elements for other in found.values()
-                            if step.subjects[other[0]].module == module):
+        siblings: dict[str, list[tuple[float, bool]]] = {}  # module -> its parameters' element counts, round-off
+        for _, module, _, elements, none in found.values():
+            siblings.setdefault(module, []).append((elements, none))
+        for name, (key, module, ratio, elements, none) in found.items():
+            if none and any(not other_none and 0 < other < elements for other, other_none in siblings[module]):
                 none = False  # a weight whose input is small, beside a bias that gets its gradient
             none = none or (name in tracker.notes and ratio < NOTE_HOLD_RATIO)
             if not none:
@@ -56,25 +59,28 @@ class RoundOff(Check):
                 tracker.notes[name] = Flag("note", str(key.kind), name, run[0], ratio, module)
             step.round_off.add(name)
 
-    def _found(self, step: Step) -> dict[str, tuple[Key, float, float, bool]]:
-        """Parameter -> its key, its gradient's norm over its module's, its element count, and
-        whether that is at round-off."""
+    def _found(self, step: Step) -> dict[str, tuple[Key, str, float, float, bool]]:
+        """Parameter -> its key, its module, its gradient's norm over its module's, its element
+        count, and whether that is at round-off."""
+        layout, norms = step.layout, step.column("norm")
+        told = step.finite & ~np.isnan(norms)  # (a norm is NaN only where not told: NaN is non-finite)
         outputs: dict[str, list[float]] = {}  # module -> [norm, elements] of its output gradients
-        for key, s in step.entries.items():
-            if key.kind == Kind.GRAD_OUTPUT and key not in step.bad and s.get("norm") is not None:
-                module = step.subjects[key].module
-                norm, elements = outputs.setdefault(module, [0.0, 0.0])
-                outputs[module] = [math.hypot(norm, s["norm"]), elements + (size(s) or 0.0)]
+        arriving = np.flatnonzero(told & (layout.kinds == Kind.GRAD_OUTPUT))
+        sizes = size_of(step.column("mean", math.nan)[arriving], step.column("std", math.nan)[arriving], norms[arriving],
+                        step.column("std", -1.0)[arriving] != -1.0)
+        for i, norm, elements in zip(arriving.tolist(), norms[arriving].tolist(), sizes.tolist()):
+            module = layout.modules[i]
+            before, before_elements = outputs.setdefault(module, [0.0, 0.0])
+            outputs[module] = [math.hypot(before, norm), before_elements + (0.0 if math.isnan(elements) else elements)]
         found = {}
-        factor, eps = self.thresholds.round_off_factor, step.eps
-        for key, s in step.entries.items():
-            if key.kind != Kind.PARAM_GRAD or key in step.bad or s.get("norm") is None:
-                continue
-            arriving, outputs_size = outputs.get(step.subjects[key].module, [0.0, 0.0])
-            elements = step.shape.sizes.get(key.label, 0.0)
-            ratio = s["norm"] / arriving if arriving > 0 else math.nan
+        factor, eps, sizes_of = self.thresholds.round_off_factor, step.eps, step.shape.sizes
+        for i in np.flatnonzero(told & (layout.kinds == Kind.PARAM_GRAD)).tolist():
+            key, module, norm = layout.keys[i], layout.modules[i], float(norms[i])
+            arriving_norm, outputs_size = outputs.get(module, [0.0, 0.0])
+            elements = sizes_of.get(layout.names[i], 0.0)
+            ratio = norm / arriving_norm if arriving_norm > 0 else math.nan
             limit = factor * eps * math.sqrt(outputs_size / elements) if outputs_size and elements else 0.0
-            found[key.label] = (key, ratio, elements, ratio == 0 or ratio < limit)
+            found[layout.names[i]] = (key, module, ratio, elements, ratio == 0 or ratio < limit)
         return found
 
     def state_dict(self) -> dict[str, Any]:

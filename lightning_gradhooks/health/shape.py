@@ -1,24 +1,29 @@
 """What the judge learns of the model from its logged steps: the backward order of its modules,
-the element count of each parameter and which parameters' gradients are all zero. Pure Python."""
+the element count of each parameter and which parameters' gradients are all zero. Python and numpy."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_gradhooks.records import GRADIENT_KINDS, Kind, Summary
+import numpy as np
+
+if TYPE_CHECKING:
+    from lightning_gradhooks.health.step import Step
 
 
-def size(stats: Mapping[str, float]) -> float | None:
-    """The element count of a gradient, from its norm, mean and std (None if not told)."""
-    mean, std, norm = stats.get("mean"), stats.get("std"), stats.get("norm")
-    if None in (mean, std, norm) or not all(map(math.isfinite, (mean, norm))):
-        return None
-    std = std if math.isfinite(std) else 0.0
-    if mean * mean + std * std == 0:
-        return None
-    return (norm * norm + std * std) / (mean * mean + std * std)
+def size_of(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, std_told: np.ndarray) -> np.ndarray:
+    """The element count of many gradients at once, from their norm, mean and std (``std_told``:
+    where a std was logged; a std that is not finite is a single element's, 0): ``(norm² + std²)
+    / (mean² + std²)``; NaN where it cannot be told (no std, a mean or norm not finite or not
+    logged, all zero)."""
+    with np.errstate(all="ignore"):
+        std = np.where(np.isfinite(std), std, 0.0)
+        spread = mean * mean + std * std
+        elements = (norm * norm + std * std) / spread
+    elements[~std_told | ~np.isfinite(mean) | ~np.isfinite(norm) | (spread == 0)] = math.nan
+    return elements
 
 
 class Shape:
@@ -36,21 +41,22 @@ class Shape:
         self.sizes: dict[str, float] = {}
         self.zero_grads: set[str] = set()
 
-    def learn(self, entries: Summary, modules: Mapping[Any, Any]) -> None:
-        """Take in a step's entries (``modules``: each key's subject)."""
-        order = self.order
-        for key, s in entries.items():
-            if key.kind not in GRADIENT_KINDS:
-                continue
-            module = modules[key].module
-            if module not in order:
-                order[module] = len(order)
-            if key.kind == Kind.PARAM_GRAD:
-                if (elements := size(s)) is not None:
-                    self.sizes[key.label] = elements
-                if s.get("zero_fraction") is not None:
-                    zero = s["zero_fraction"] >= self._dead
-                    (self.zero_grads.add if zero else self.zero_grads.discard)(key.label)
+    def learn(self, step: Step) -> None:
+        """Take in a step (before its checks read it)."""
+        layout, order = step.layout, self.order
+        if not order.keys() >= layout.gradient_modules:
+            for module in layout.gradient_modules:
+                if module not in order:
+                    order[module] = len(order)
+        grads = layout.param_grads
+        mean, std, norm = (step.column(name)[grads] for name in ("mean", "std", "norm"))
+        elements = size_of(mean, std, norm, step.column("std", -1.0)[grads] != -1.0)
+        names = [layout.names[i] for i in grads.tolist()]
+        self.sizes.update((name, value) for name, value in zip(names, elements.tolist()) if not math.isnan(value))
+        zeros = step.column("zero_fraction", -1.0)[grads]
+        for name, zero in zip(names, zeros.tolist()):
+            if zero != -1.0:
+                (self.zero_grads.add if zero >= self._dead else self.zero_grads.discard)(name)
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": dict(self.order), "sizes": dict(self.sizes), "zero_grads": sorted(self.zero_grads)}

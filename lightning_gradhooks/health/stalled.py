@@ -19,8 +19,12 @@ class Stalled(Check):
         if step.skipped:
             return
         t, updates, explained = self.thresholds, step.updates, step.explained
-        for name, ratio in updates.ratios.items():
-            if name in explained:
-                continue
-            still = ratio == 0 or (updates.median_ratio is not None and ratio < t.stalled_update_ratio * updates.median_ratio)
-            tracker.run("stalled", step.subjects[updates.keys[name]], step.number, still, t.stalled_steps, ratio)
+        cut = t.stalled_update_ratio * updates.median_ratio if updates.median_ratio is not None else None
+        indices = [i for i, name in enumerate(updates.ratios) if name not in explained] if explained else None
+        ratios = list(updates.ratios.values())
+        subjects, labels = updates.subjects, updates.labels
+        if indices is not None:
+            ratios, subjects, labels = ([values[i] for i in indices] for values in (ratios, subjects, labels))
+        tracker.run_many("stalled", subjects, labels, step.number,
+                         [(i, t.stalled_steps, ratio, 0.0) for i, ratio in enumerate(ratios)
+                          if ratio == 0 or (cut is not None and ratio < cut)])

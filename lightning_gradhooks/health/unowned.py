@@ -19,10 +19,12 @@ class Unowned(Check):
     name = "unowned"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
+        params = step.layout.params
+        unowned = params[step.column("in_optimizer", 1.0)[params] == 0.0].tolist()
+        if not unowned:
+            return
         grads = {key.label: s for key, s in step.entries.items() if key.kind == Kind.PARAM_GRAD}
-        for key, s in step.entries.items():
-            if key.kind != Kind.PARAM or s.get("in_optimizer", 1.0) != 0.0:
-                continue
+        for key in (step.layout.keys[i] for i in unowned):
             step.unowned.add(key.label)
             gradient = grads.get(key.label, {})
             gets = gradient.get("norm", 0.0) > 0 or gradient.get("nonfinite", 0.0) > 0

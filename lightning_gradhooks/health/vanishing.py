@@ -1,11 +1,12 @@
-"""``vanishing``: a gradient far below the model's own scale, while learning stops with it. Pure Python."""
+"""``vanishing``: a gradient far below the model's own scale, while learning stops with it. Python and numpy."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Kind
 
 
 class Vanishing(Check):
@@ -17,11 +18,14 @@ class Vanishing(Check):
     name = "vanishing"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t, quiet, medians, moving = self.thresholds, step.quiet, step.medians, step.moving
-        for key, value in step.values.items():
-            if key.kind == Kind.PARAM_GRAD and key.label in quiet:
-                continue
-            median = medians[key.kind]
-            low = value is not None and median is not None and value < t.vanishing_ratio * median and not moving(key)
-            tracker.run("vanishing", step.subjects[key], step.number, low, t.vanishing_steps, value or 0.0,
-                        score=median / value if low else 0)
+        t, gradients = self.thresholds, step.gradients
+        indices, subjects, labels = gradients.judged(step.quiet)
+        values, medians = gradients.rms[indices], gradients.medians[indices]
+        with np.errstate(invalid="ignore"):  # NaN: no value, or no median: never low
+            low = np.flatnonzero(values < t.vanishing_ratio * medians)
+        moving, keys, low_ones = step.moving, gradients.keys, []
+        for i in low.tolist():
+            if not moving(keys[indices[i]]):
+                value, median = float(values[i]), float(medians[i])
+                low_ones.append((i, t.vanishing_steps, value, median / value))
+        tracker.run_many("vanishing", subjects, labels, step.number, low_ones)

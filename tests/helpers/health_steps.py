@@ -21,8 +21,9 @@ def step(number: int, entries: Mapping[tuple, Mapping[str, float]], shape: Shape
     summary = {Key(Kind(key[0]), *key[1:]): dict(stats) for key, stats in entries.items()}
     subjects = {key: Subject.of(key) for key in summary}
     shape = shape or Shape(thresholds.dead_zero_fraction)
-    shape.learn(summary, subjects)
-    return Step(number, summary, previous, subjects, shape, thresholds)
+    made = Step(number, summary, previous, subjects, shape, thresholds)
+    shape.learn(made)
+    return made
 
 
 def drive(check: Check, steps: Mapping[int, Mapping[tuple, Mapping[str, float]]], tracker: Tracker | None = None,
