@@ -40,6 +40,15 @@ class Thresholds:
         stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
             update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
         stalled_steps: ... for this many logged steps in a row.
+        attention_logit_level: a maximum attention logit above this (no healthy run reaches it:
+            6-7 with a small learning rate, 43-45 with QK-norm at a large one; Megatron's QK-clip
+            threshold), higher than at the logged step before ...
+        attention_steps: ... for this many logged steps in a row.
+        activation_factor: an output RMS this many times its early level (the median of its
+            first ``activation_early_steps`` logged values at the model's scale, see
+            ``floor_ratio``) ...
+        activation_early_steps: (the early level's length) ...
+        activation_steps: ... for this many logged steps in a row.
 
     Raises:
         ValueError: a field out of its range (``Thresholds.<field> expected ..., got ...``).
@@ -58,6 +67,11 @@ class Thresholds:
     dead_steps: int = 3
     stalled_update_ratio: float = 1e-4
     stalled_steps: int = 3
+    attention_logit_level: float = 100.0
+    attention_steps: int = 2
+    activation_factor: float = 100.0
+    activation_early_steps: int = 3
+    activation_steps: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -80,4 +94,6 @@ _RANGES = {
     "floor_ratio": (0.0, 1.0, (True, False)),
     "dead_zero_fraction": (0.0, 1.0, (False, True)),
     "stalled_update_ratio": (0.0, 1.0, (True, False)),
+    "attention_logit_level": (0.0, None, (False, True)),
+    "activation_factor": (1.0, None, (False, True)),
 }
