@@ -55,7 +55,7 @@ def test_the_state_survives_a_resume():
 def test_the_row_names_the_step_and_the_remedies_and_an_explosion_after_it_says_so():
     report = HealthReport()
     for n, value in enumerate([10.0, 129.0, 1e3, 1e4, 1e5, 1e6]):
-        grads = {("grad_output", f"blocks.{i}"): {"mean": 0.0, "std": 1.0} for i in range(3)}
+        grads = {("grad_output", f"blocks.{i}"): {"mean": 0.0, "std": 1.0} for i in (2, 1, 0)}  # backward order
         if n >= 4:
             grads[("grad_output", "blocks.2")] = {"mean": 0.0, "std": 1e4}
         report.add_stats(10 * n, {**grads, ("attention_logit", "blocks.0.attn"): {"max": value}})
