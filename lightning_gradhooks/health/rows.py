@@ -55,6 +55,7 @@ def rows(tracker: Tracker, shape: Shape) -> list[Row]:
     dead = sorted((r for r in grouped.values() if r.flag == "dead"), key=lambda r: r.since)
     _fold_stalled_under_dead(grouped, groups, dead, shape)
     _fold_upstream(grouped, groups, "stalled", order)
+    _fold_downstream(grouped, groups, "activation_growth", order)
     # A weight whose gradient is exactly zero because its input is (downstream of a dead
     # layer) is no redundant parameter: it is stalled, under the dead layer.
     if dead:
@@ -152,6 +153,23 @@ def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str
     causes: list[Row] = []
     for row in flagged:
         cause = next((c for c in causes if c.since <= row.since), None)
+        if cause is None:
+            causes.append(row)
+            continue
+        cause.consequences += groups[(flag, row.module)]
+        del rows[(flag, row.module)]
+
+
+def _fold_downstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]], flag: str,
+                     order: dict[str, int]) -> None:
+    """Fold the rows of ``flag`` under the first flagged module in forward order (the furthest from
+    the loss) among those flagged first: activations that compound block after block grow
+    downstream of where they began."""
+    flagged = sorted((r for (fl, _), r in rows.items() if fl == flag),
+                     key=lambda r: (r.since, -(_position(r.module, order) or 0)))
+    causes: list[Row] = []
+    for row in flagged:
+        cause = next((c for c in causes if c.since <= row.since and upstream_or_same(c.module, row.module, order)), None)
         if cause is None:
             causes.append(row)
             continue

@@ -68,3 +68,15 @@ def test_a_gradient_flag_downstream_of_it_says_it_came_after():
     assert growth.detail.startswith("the output RMS grew past 100x its early level (worst x")
     assert "QK-norm" not in growth.detail  # no remedy the literature does not name
     assert rows["exploding"].detail.endswith("; after the output RMS of `blocks.0` grew past 100x its early level at step 3")
+
+
+def test_growth_that_compounds_block_after_block_is_one_row_where_it_began():
+    report = HealthReport()
+    for n in range(6):
+        stats = {("grad_output", f"blocks.{i}"): {"mean": 0.0, "std": 1.0} for i in (3, 2, 1, 0)}  # backward order
+        stats |= {("output", f"blocks.{i}"): {"rms": 1.0 if n < 3 else 1e3 * 2.0 ** i} for i in range(4)}
+        report.add_stats(n, stats)
+    (row,) = report.rows()
+    assert (row.flag, row.module, row.since) == ("activation_growth", "blocks.0", 3)
+    assert [f.module for f in row.consequences] == ["blocks.1", "blocks.2", "blocks.3"]
+    assert "follows from it (downstream): activation_growth: blocks.1, blocks.2, blocks.3" in report.table()
