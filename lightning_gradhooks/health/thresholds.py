@@ -40,9 +40,10 @@ class Thresholds:
         stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
             update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
         stalled_steps: ... for this many logged steps in a row.
-        attention_logit_level: a maximum attention logit above this (no healthy run reaches it:
-            6-7 with a small learning rate, 43-45 with QK-norm at a large one; Megatron's QK-clip
-            threshold), higher than at the logged step before ...
+        attention_logit_level: a maximum attention logit above this, higher than at the logged
+            step before ... (healthy runs of the validation stay below 130, and a healthy causal
+            LM's creeps past Megatron's QK-clip threshold of 100 after a few hundred steps; the
+            unstable ones pass 1,000 within ten steps and reach 1e4-1e5)
         attention_steps: ... for this many logged steps in a row.
         activation_factor: an output RMS this many times its early level (the median of its
             first ``activation_early_steps`` logged values at the model's scale, see
@@ -67,7 +68,7 @@ class Thresholds:
     dead_steps: int = 3
     stalled_update_ratio: float = 1e-4
     stalled_steps: int = 3
-    attention_logit_level: float = 100.0
+    attention_logit_level: float = 1000.0
     attention_steps: int = 2
     activation_factor: float = 100.0
     activation_early_steps: int = 3
