@@ -208,6 +208,12 @@ _THRESHOLD_HELP = {
     "stalled_update_ratio": "Flag stalled when a parameter's update ratio is 0 or below this share of the model's "
     "median.",
     "stalled_steps": "Flag stalled only after this many logged steps in a row.",
+    "attention_logit_level": "Flag attention_logits when a module's maximum attention logit is above this and still "
+    "rising.",
+    "attention_steps": "Flag attention_logits only after this many rising logged steps in a row.",
+    "activation_factor": "Flag activation_growth when an output's RMS is this many times its early level.",
+    "activation_early_steps": "Take the early level as the median of this many first logged values of the output.",
+    "activation_steps": "Flag activation_growth only after this many logged steps in a row.",
 }
 
 
