@@ -72,3 +72,15 @@ def test_the_row_names_the_step_and_the_remedies_and_an_explosion_after_it_says_
     # blocks.0 ran before blocks.2 (later in backward order): upstream of it.
     assert exploding.detail.endswith("; after the attention logits of `blocks.0.attn` passed 1000 at step 10")
     assert "attention_logits on 1 module" in report.table()
+
+
+def test_the_forward_thresholds_are_range_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="Thresholds.attention_logit_level expected"):
+        Thresholds(attention_logit_level=0.0)
+    with pytest.raises(ValueError, match="Thresholds.activation_factor expected"):
+        Thresholds(activation_factor=1.0)
+    with pytest.raises(ValueError, match="Thresholds.attention_steps expected"):
+        Thresholds(attention_steps=0)
+    assert Thresholds(activation_early_steps=2.0).activation_early_steps == 2
