@@ -77,10 +77,10 @@ def test_the_row_names_the_step_and_the_remedies_and_an_explosion_after_it_says_
 def test_the_forward_thresholds_are_range_checked():
     import pytest
 
-    with pytest.raises(ValueError, match="Thresholds.attention_logit_level expected"):
+    with pytest.raises(ValueError, match="Thresholds.attention_logit_level` expected a number > 0, got 0.0"):
         Thresholds(attention_logit_level=0.0)
-    with pytest.raises(ValueError, match="Thresholds.activation_factor expected"):
+    with pytest.raises(ValueError, match="Thresholds.activation_factor` expected"):
         Thresholds(activation_factor=1.0)
-    with pytest.raises(ValueError, match="Thresholds.attention_steps expected"):
+    with pytest.raises(ValueError, match="Thresholds.attention_steps` expected"):
         Thresholds(attention_steps=0)
     assert Thresholds(activation_early_steps=2.0).activation_early_steps == 2
