@@ -211,6 +211,12 @@ _THRESHOLD_HELP = {
     "scaler_skip_steps": ("A gradient scaler that skips every step for this many steps in a row, after it had "
                           "found a working scale, is nonfinite; fewer is a note."),
     "scaler_min_scale": "A gradient scaler whose scale falls below this while it skips steps is nonfinite.",
+    "attention_logit_level": "Flag attention_logits when a module's maximum attention logit is above this and still "
+    "rising.",
+    "attention_steps": "Flag attention_logits only after this many rising logged steps in a row.",
+    "activation_factor": "Flag activation_growth when an output's RMS is this many times its early level.",
+    "activation_early_steps": "Take the early level as the median of this many first logged values of the output.",
+    "activation_steps": "Flag activation_growth only after this many logged steps in a row.",
 }
 
 

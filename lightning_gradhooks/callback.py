@@ -81,7 +81,8 @@ class GradHooksLogic:
             charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
         attention_logits: on logged steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
-            (one more ``q·kᵀ`` per call; :mod:`lightning_gradhooks.attention`).
+            (one more ``q·kᵀ`` per call, on logged steps only; :mod:`lightning_gradhooks.attention`);
+            judged by the report's ``attention_logits`` flag. On by default.
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -112,7 +113,7 @@ class GradHooksLogic:
         compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
         activations: bool = False,
-        attention_logits: bool = False,
+        attention_logits: bool = True,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)

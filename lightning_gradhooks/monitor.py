@@ -160,7 +160,8 @@ class GradientMonitor:
         attention_logits: on armed steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, for the
             innermost module running the call (kind ``"attention_logit"``; one more ``q·kᵀ`` per
-            call, in chunks of queries; see :mod:`lightning_gradhooks.attention`; keyword only).
+            call, in chunks of queries; see :mod:`lightning_gradhooks.attention`; keyword only; on
+            by default).
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
             there; False: the same torch ops, run eagerly (slower; no compile at the first logged
@@ -194,7 +195,7 @@ class GradientMonitor:
         noise_scale: bool = True,
         compile_statistics: bool = True,
         activations: bool = False,
-        attention_logits: bool = False,
+        attention_logits: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")

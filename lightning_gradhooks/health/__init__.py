@@ -14,6 +14,12 @@ judge and renders what it decided. The flags, worst first:
   and ``nonfinite`` only once the skipping persists.
 - ``exploding`` (:mod:`.exploding`, :mod:`.exploding_updates`, :mod:`.exploding_at_nonfinite`):
   a gradient many times its own recent median, or an update many times the weights it moves.
+- ``attention_logits`` (:mod:`.attention_logits`): a maximum attention logit past a level no
+  healthy run reaches, still rising (``attention_logit`` entries).
+- ``activation_growth`` (:mod:`.activation_growth`): a module output's RMS many times its early
+  level (``output`` entries: ``activations=True``); rows downstream of where it began fold under it.
+  A gradient row (non-finite, exploding, stalled) that follows one of these two flags on its
+  module or upstream of it says so (:func:`~lightning_gradhooks.health.rows.upstream_or_same`).
 - ``vanishing`` (:mod:`.vanishing`): a gradient far below the model's median of its kind, while
   its parameters stop moving too.
 - ``dead`` (:mod:`.dead`): a module whose output and parameter gradients are all zero.

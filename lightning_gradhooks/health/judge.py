@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_gradhooks.health import rows as grouping
+from lightning_gradhooks.health.activation_growth import ActivationGrowth
+from lightning_gradhooks.health.attention_logits import AttentionLogits
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.dead import Dead
 from lightning_gradhooks.health.exploding import Exploding
@@ -33,7 +35,7 @@ from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
 from lightning_gradhooks.health.vanishing import Vanishing
-from lightning_gradhooks.records import ACTIVATION_KINDS, Key, Kind, Summary
+from lightning_gradhooks.records import Key, Kind, Summary
 
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
@@ -50,6 +52,8 @@ CHECKS: tuple[type[Check], ...] = (
     ExplodingUpdates,  # reads updates (quiet)
     Stalled,  # reads updates, explained (no_gradient, lr_cut)
     ExplodingAtNonfinite,  # reads first_nonfinite; after every check that runs "exploding"
+    AttentionLogits,  # the forward pass: reads no field
+    ActivationGrowth,
 )
 #: The most keys whose subject a judge keeps (a model's entries; beyond it, the cache starts over).
 _SUBJECTS_MAX = 1 << 16
@@ -97,9 +101,7 @@ class Judge:
             self._judge_pending()
             self._pending[step] = {}
             self._seen.append(step)
-        merge_summary(self._pending[step],  # the forward statistics are not judged yet
-                      ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)
-                       if key[0] not in ACTIVATION_KINDS))
+        merge_summary(self._pending[step], ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)))
 
     def _judge_pending(self) -> None:
         for number in sorted(self._pending):

@@ -5,7 +5,9 @@
 - version 2: one flat dictionary (the judge was one class): runs of every check in ``tracks``
   (the exploding baseline as ``history`` tracks, round-off runs as ``no_gradient`` tracks);
 - version 3 (:data:`VERSION`): the judge's own (``seen``, ``pending``), the ``tracker``'s, the
-  ``shape``'s, and each check's under its name in ``checks`` (a check absent there starts fresh).
+  ``shape``'s, and each check's under its name in ``checks`` (a check absent there starts fresh:
+  the forward checks ``attention_logits`` and ``activation_growth`` came after version 3, and
+  start at the resume from a state without them).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from lightning_gradhooks.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, K
 
 def why_bad(kind: str, stats: Mapping[str, float]) -> str | None:
     """Why an entry is non-finite (None: it is not)."""
-    if kind in ACTIVATION_KINDS:  # the forward statistics: not judged yet
+    if kind in ACTIVATION_KINDS:  # the forward statistics: their NaN/Inf are the forward checks' to place
         return None
     count = stats.get("nonfinite", 0)
     if count and count > 0:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_gradhooks._text import counted, listed
-from lightning_gradhooks.health.flags import FLAGS, Flag, Row
+from lightning_gradhooks.health.flags import FLAGS, FORWARD_FLAGS, Flag, Row
 from lightning_gradhooks.health.judge import Judge
 from lightning_gradhooks.health.thresholds import Thresholds
 
@@ -186,11 +186,12 @@ def render_markdown(judge: Judge) -> str:
 
 def _consequences(row: Row) -> str:
     then = [f"then nonfinite at logged step {f.since}: {f.reason}" for f in row.consequences if f.flag == "nonfinite"]
-    upstream = [f for f in row.consequences if f.flag != "nonfinite"]
-    return "; ".join(([_upstream(upstream)] if upstream else []) + then)
+    others = [f for f in row.consequences if f.flag != "nonfinite"]
+    where = "downstream" if row.flag in FORWARD_FLAGS else "upstream"  # activations compound forward
+    return "; ".join(([_elsewhere(others, where)] if others else []) + then)
 
 
-def _upstream(consequences: list[Flag]) -> str:
+def _elsewhere(consequences: list[Flag], where: str) -> str:
     kinds: dict[str, list[str]] = {}
     for f in consequences:
         kinds.setdefault(f.flag, []).append(f.module if f.flag != "stalled" else f.entry)
@@ -198,4 +199,4 @@ def _upstream(consequences: list[Flag]) -> str:
     for flag, names in kinds.items():
         names = list(dict.fromkeys(names))
         parts.append(f"{flag}: {listed(names, 6)}")
-    return "follows from it (upstream): " + "; ".join(parts)
+    return f"follows from it ({where}): " + "; ".join(parts)

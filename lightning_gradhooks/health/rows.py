@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from lightning_gradhooks._text import counted, listed
-from lightning_gradhooks.health.flags import FLAGS, PARAM_GROUP, Flag, Row
+from lightning_gradhooks.health.flags import FLAGS, FORWARD_FLAGS, PARAM_GROUP, Flag, Row
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.records import Kind
@@ -55,12 +55,57 @@ def rows(tracker: Tracker, shape: Shape) -> list[Row]:
     dead = sorted((r for r in grouped.values() if r.flag == "dead"), key=lambda r: r.since)
     _fold_stalled_under_dead(grouped, groups, dead, shape)
     _fold_upstream(grouped, groups, "stalled", order)
+    _fold_downstream(grouped, groups, "activation_growth", order)
     # A weight whose gradient is exactly zero because its input is (downstream of a dead
     # layer) is no redundant parameter: it is stalled, under the dead layer.
     if dead:
         dead[0].consequences += stalled_behind_dead(tracker, shape)
     ranked = sorted(grouped.values(), key=lambda r: (FLAGS.index(r.flag), -r.score, r.since, order.get(r.module, 0)))
-    return _with_nonfinite(ranked, tracker.nonfinite)
+    ranked = _with_nonfinite(ranked, tracker.nonfinite)
+    _after_forward(ranked, groups, order)
+    return ranked
+
+
+#: What a forward flag is about.
+_WHAT = {"attention_logits": "the attention logits", "activation_growth": "the output RMS"}
+#: The gradient flags whose row says which forward flag came before it.
+_AFTER_FORWARD = ("nonfinite", "exploding", "stalled")
+#: Remedies the literature names for attention logits that grow (Dehghani et al. 2023, ViT-22B;
+#: Wortsman et al. 2023, small-scale proxies for large-scale Transformer training instabilities).
+ATTENTION_REMEDIES = "known remedies: QK-norm, a lower learning rate or a longer warmup"
+
+
+def upstream_or_same(forward: str, module: str, order: dict[str, int]) -> bool:
+    """Whether ``forward`` is ``module``, holds it or is held by it, or runs before it in the
+    forward pass (later in backward order; a module without gradient entries takes the place of
+    its nearest parent with some)."""
+    if forward == module or forward.startswith(module + ".") or module.startswith(forward + "."):
+        return True
+    at, of = _position(forward, order), _position(module, order)
+    return at is not None and of is not None and at > of
+
+
+def _position(module: str, order: dict[str, int]) -> int | None:
+    """``module``'s place in backward order, or its nearest parent's."""
+    while module not in order and "." in module:
+        module = module.rpartition(".")[0]
+    return order.get(module)
+
+
+def _after_forward(ranked: list[Row], groups: dict[tuple[str, str], list[Flag]], order: dict[str, int]) -> None:
+    """A gradient row (non-finite, exploding, stalled without a cause of its own) that follows a
+    forward flag on its module or upstream of it says so: the earliest such flag, at or before
+    the row's step."""
+    forward = sorted((f for (flag, _), flags in groups.items() if flag in FORWARD_FLAGS for f in flags),
+                     key=lambda f: (f.since, -f.score))
+    if not forward:
+        return
+    for row in ranked:
+        if row.flag not in _AFTER_FORWARD or (row.flag == "stalled" and any(f.reason for f in groups[(row.flag, row.module)])):
+            continue
+        cause = next((f for f in forward if f.since <= row.since and upstream_or_same(f.module, row.module, order)), None)
+        if cause is not None:
+            row.detail += f"; after {_WHAT[cause.flag]} of `{cause.module}` {cause.reason} at step {cause.since}"
 
 
 def _fold_stalled_under_dead(grouped: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]],
@@ -115,6 +160,23 @@ def _fold_upstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str
         del rows[(flag, row.module)]
 
 
+def _fold_downstream(rows: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]], flag: str,
+                     order: dict[str, int]) -> None:
+    """Fold the rows of ``flag`` under the first flagged module in forward order (the furthest from
+    the loss) among those flagged first: activations that compound block after block grow
+    downstream of where they began."""
+    flagged = sorted((r for (fl, _), r in rows.items() if fl == flag),
+                     key=lambda r: (r.since, -(_position(r.module, order) or 0)))
+    causes: list[Row] = []
+    for row in flagged:
+        cause = next((c for c in causes if c.since <= row.since and upstream_or_same(c.module, row.module, order)), None)
+        if cause is None:
+            causes.append(row)
+            continue
+        cause.consequences += groups[(flag, row.module)]
+        del rows[(flag, row.module)]
+
+
 def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
     flag, module = key
     flags = sorted(flags, key=lambda f: (f.since, -f.score))
@@ -133,4 +195,8 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
         detail = listed(entries, 4)
         if flag == "exploding":
             detail = f"worst x{worst.score:.3g}: " + detail
+        elif flag == "attention_logits":
+            detail = f"{_WHAT[flag]} {worst.reason} at step {flags[0].since} and kept rising: {detail}; {ATTENTION_REMEDIES}"
+        elif flag == "activation_growth":
+            detail = f"{_WHAT[flag]} {worst.reason} (worst x{worst.score:.3g}): {detail}"
     return Row(flag, module, flags[0].since, worst.last, detail, entries, score=worst.score)

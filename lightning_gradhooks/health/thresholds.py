@@ -45,6 +45,16 @@ class Thresholds:
             (fewer: a note; a run from the start of training is a scale coming down from too high) ...
         scaler_min_scale: ... as has one whose scale falls below this while it skips (below 1 it
             shrinks gradients that fp16 could hold).
+        attention_logit_level: a maximum attention logit above this, higher than at the logged
+            step before ... (healthy runs of the validation stay below 130, and a healthy causal
+            LM's creeps past Megatron's QK-clip threshold of 100 after a few hundred steps; the
+            unstable ones pass 1,000 within ten steps and reach 1e4-1e5)
+        attention_steps: ... for this many logged steps in a row.
+        activation_factor: an output RMS this many times its early level (the median of its
+            first ``activation_early_steps`` logged values at the model's scale, see
+            ``floor_ratio``) ...
+        activation_early_steps: (the early level's length) ...
+        activation_steps: ... for this many logged steps in a row.
 
     Raises:
         ValueError: a field out of its range (``Thresholds.<field> expected ..., got ...``).
@@ -65,6 +75,11 @@ class Thresholds:
     stalled_steps: int = 3
     scaler_skip_steps: int = 8
     scaler_min_scale: float = 1.0
+    attention_logit_level: float = 1000.0
+    attention_steps: int = 2
+    activation_factor: float = 100.0
+    activation_early_steps: int = 3
+    activation_steps: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,4 +103,6 @@ _RANGES = {
     "dead_zero_fraction": (0.0, 1.0, (False, True)),
     "stalled_update_ratio": (0.0, 1.0, (True, False)),
     "scaler_min_scale": (0.0, None, (False, True)),
+    "attention_logit_level": (0.0, None, (False, True)),
+    "activation_factor": (1.0, None, (False, True)),
 }

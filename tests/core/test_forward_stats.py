@@ -221,14 +221,18 @@ def test_output_statistics_are_those_of_each_output_as_its_module_returned_it():
     assert outputs["fc"].stats.zero_fraction == 0.0  # read before the relu_ that zeroed half of it
 
 
-def test_off_by_default_and_checked():
+def test_attention_logits_on_and_output_statistics_off_by_default_and_checked():
     torch.manual_seed(0)
     block, x = Block(SelfAttention()), torch.randn(2, T, 32)
     monitor = GradientMonitor(block)
     with monitor.attach(), monitor.arm():
         block(x).sum().backward()
         record = monitor.collect()
-    assert record.entries and not _entries(record, Kind.OUTPUT) and not _entries(record, Kind.ATTENTION_LOGIT)
+    assert record.entries and not _entries(record, Kind.OUTPUT) and list(_entries(record, Kind.ATTENTION_LOGIT)) == ["attn"]
+    monitor = GradientMonitor(block, attention_logits=False)
+    with monitor.attach(), monitor.arm():
+        block(x).sum().backward()
+        assert not _entries(monitor.collect(), Kind.ATTENTION_LOGIT)
     with pytest.raises(ValueError, match="activations"):
         GradientMonitor(nn.Linear(2, 2), activations=1)
     with pytest.raises(ValueError, match="attention_logits"):

@@ -162,7 +162,7 @@ def test_every_planned_module_reads_grad_input_through_a_view_as_a_full_backward
     torch.manual_seed(4)
     net, x = Mixed(), torch.randn(5, 6, requires_grad=True)
     names = ["flat", "seq", "sub", "late"]
-    monitor = GradientMonitor(net, parameters=False)
+    monitor = GradientMonitor(net, parameters=False, attention_logits=False)  # (its hooks: test_forward_stats)
     assert {p.read for p in monitor.plan.values()} == {Read.PROBE}
     with monitor.attach():
         for step, wide in enumerate((False, False, True)):  # the probe step, then the planned hooks
@@ -247,7 +247,7 @@ def test_handle_restores_every_hook_and_flag():
     net = model()
     net[2].register_forward_hook(lambda *a: None)
     before = hook_snapshot(net)
-    monitor = GradientMonitor(net, noise_scale=False)  # the noise probe's hooks: test_noise
+    monitor = GradientMonitor(net, noise_scale=False, attention_logits=False)  # the probe's hooks: test_noise; attention's: test_forward_stats
     handle = monitor.attach()
     assert hook_snapshot(net) == before  # nothing is registered until the monitor is armed
     for _ in range(2):  # the probe step, then a step with the planned hooks

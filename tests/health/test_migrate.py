@@ -55,3 +55,39 @@ def test_todays_state_round_trips_through_json():
         report.add_stats(step, summary(entries))
         again.add_stats(step, summary(entries))
     assert again.table(full=True) == report.table(full=True)
+
+
+def _forward_steps() -> list:
+    """A run whose attention logits pass 1000 at step 40 and whose block 0 output grows from step 40."""
+    steps = []
+    for n in range(8):
+        stats = {Key("grad_output", f"blocks.{i}"): {"mean": 0.0, "std": 1.0} for i in (1, 0)}
+        stats[Key("attention_logit", "blocks.0.attn")] = {"max": 10.0 * 4.0 ** n}  # 2560 at step 40
+        stats[Key("output", "blocks.0")] = {"rms": 1.0 if n < 4 else 1e3 * n}
+        stats[Key("output", "blocks.1")] = {"rms": 1.0}
+        steps.append((10 * n, stats))
+    return steps
+
+
+def test_the_forward_checks_state_resumes_mid_run_and_a_state_without_it_starts_them_fresh():
+    steps = _forward_steps()
+    whole, resumed = HealthReport(), HealthReport()
+    for step, stats in steps[:3]:
+        whole.add_stats(step, stats)
+    state = json.loads(json.dumps(whole.state_dict()))
+    assert state["version"] == VERSION and {"attention_logits", "activation_growth"} <= set(state["checks"])
+    resumed.load_state_dict(state)
+    for step, stats in steps:
+        whole.add_stats(step, stats)
+        resumed.add_stats(step, stats)
+    assert resumed.table(full=True) == whole.table(full=True)
+    assert {(r.flag, r.since) for r in whole.rows()} == {("attention_logits", 40), ("activation_growth", 40)}
+    # A version 3 state of the release before the forward checks: they start fresh at the resume
+    # (from step 20, not judged yet when saved): the output's early level is that of steps 20-40.
+    older = {**state, "checks": {k: v for k, v in state["checks"].items() if k not in ("attention_logits",
+                                                                                          "activation_growth")}}
+    fresh = HealthReport()
+    fresh.load_state_dict(older)
+    for step, stats in steps:
+        fresh.add_stats(step, stats)
+    assert {(r.flag, r.since) for r in fresh.rows()} == {("attention_logits", 40), ("activation_growth", 50)}

@@ -273,3 +273,44 @@ def test_the_causes_runs_are_what_they_claim():
     lit.total_steps = 200
     scheduler = lit.configure_optimizers()["lr_scheduler"]["scheduler"]
     assert scheduler.lr_lambdas[0](119) > 0 and scheduler.lr_lambdas[0](120) == 0.0
+
+
+# -- the forward flags (tests/helpers/forward_panel.py: both halves, longer, by its runner) --
+
+def test_attention_logits_that_blow_up_without_qk_norm_are_named_with_their_remedies(tmp_path):
+    import forward_panel
+
+    report, text, log_dir, model = panel.fit(tmp_path, lambda seed: forward_panel.causal_lm(seed, 1e-1), steps=30,
+                                             every=5)
+    rows = [r for r in report.rows() if r.flag == "attention_logits"]
+    assert {r.module for r in rows} <= {"net.blocks.0.attn", "net.blocks.1.attn"} and rows, text
+    assert min(r.since for r in rows) <= 10 and all(r.value > 1000 for r in rows)
+    assert "known remedies: QK-norm, a lower learning rate or a longer warmup" in text
+    agree(text, log_dir)
+    # The same model and learning rate with QK-norm: clean (its logits stay near 30).
+    report, text, log_dir, _ = panel.fit(tmp_path / "qk", lambda seed: forward_panel.causal_lm(seed, 1e-1, qk_norm=True),
+                                         steps=30, every=5)
+    assert report.rows() == [], text
+
+
+def test_activations_that_compound_block_after_block_are_one_row_and_the_explosion_after_it_says_so(tmp_path):
+    import forward_panel
+
+    report, text, log_dir, _ = panel.fit(tmp_path, lambda seed: forward_panel.residual_mlp(seed, 1e-1, warmup=100),
+                                         steps=120, every=10)
+    rows = [r for r in report.rows() if r.flag == "activation_growth"]
+    growth = min(rows, key=lambda r: r.since)  # (a block upstream of it may follow later: a row of its own)
+    assert all(r.module.startswith("net.blocks.") for r in rows) and 60 <= growth.since <= 100, text
+    assert "follows from it (downstream): activation_growth:" in text
+    after = [r for r in report.rows() if r.flag == "exploding" and "after the output RMS of `net." in r.detail]
+    assert after and all(r.since >= growth.since for r in after), text
+    agree(text, log_dir)
+
+
+def test_without_output_statistics_the_activation_check_says_nothing(tmp_path):
+    import forward_panel
+
+    report, text, _, _ = panel.fit(tmp_path, lambda seed: forward_panel.residual_mlp(seed, 1e-1, warmup=100),
+                                   steps=120, every=10, activations=False)
+    assert "activation_growth" not in report.names() and "exploding" in report.names(), text
+    assert "after the output RMS" not in text

@@ -47,8 +47,9 @@ class Task(pl.LightningModule):
 
 
 def run(root, model, data, steps=30, every=3, version=None, ckpt=None, callbacks=(), **hooks):  # noqa: ANN001, ANN201
-    """One fit with GradHooks; returns (callback, log folder)."""
+    """One fit with GradHooks (the forward statistics on, unless ``hooks`` says); returns (callback, log folder)."""
     pl.seed_everything(0, verbose=False)
+    hooks = {"activations": True, "attention_logits": True, **hooks}
     callback = GradHooks(every_n_steps=every, histograms=False, **hooks)
     trainer = pl.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=TensorBoardLogger(str(root), name="logs", version=version),

@@ -1459,7 +1459,8 @@ def fp16_transformer(seed: int, optimizer: str = "adamw", lr: float = 1e-3, even
 
 def fit(root: Path, make, seed: int = 0, steps: int = 30, every: int = 3, batch: int = 16,  # noqa: ANN001
         *, trainer: dict | None = None, resume_at: int | None = None, **hooks_kwargs) -> tuple[object, str, str, Lit]:
-    """Fit ``make(seed)`` for ``steps`` steps with ``GradHooks(every_n_steps=every)``.
+    """Fit ``make(seed)`` for ``steps`` steps with ``GradHooks(every_n_steps=every)``, the forward
+    statistics on (``activations=True``, ``attention_logits=True``) unless ``hooks_kwargs`` says.
 
     Args:
         trainer: more ``pl.Trainer`` arguments (``gradient_clip_val``, ``accumulate_grad_batches``, ...);
@@ -1473,6 +1474,7 @@ def fit(root: Path, make, seed: int = 0, steps: int = 30, every: int = 3, batch:
     Returns:
         the report the callback printed, its text, the run's log folder and the model.
     """
+    hooks_kwargs = {"activations": True, "attention_logits": True, **hooks_kwargs}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops on a shared 2-core machine: threads cost 10-100x
     try:

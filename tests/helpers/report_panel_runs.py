@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Callable
 
 import report_panel as panel
+from lightning_gradhooks.health import FLAGS
 
 #: The flags a healthy run must not get (a ``note`` is not a flag).
-PROBLEMS = ("nonfinite", "exploding", "vanishing", "dead", "stalled")
+PROBLEMS = FLAGS
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,8 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], halves: dict | None = None, extra: Callable | None = None) -> int:
+    """The runner; ``halves`` (default :data:`HALVES`) by name; ``extra(log_dir)``: more to print per run."""
     import argparse
     import logging
     import warnings
@@ -328,11 +330,12 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    every = halves or HALVES
     halves = ["tune", "heldout"] if args.half == "all" else [args.half]
     failed, totals = 0, {}
     for half in halves:
         started = time.perf_counter()
-        for run in HALVES[half].values():
+        for run in every[half].values():
             if args.runs and run.name not in args.runs:
                 continue
             for seed in args.seeds:
@@ -340,14 +343,14 @@ def main(argv: list[str]) -> int:
                     print(f"{run.name:27s} {half:7s} s{seed} skipped: its ground truth depends on the seed; checked on "
                           f"seeds {', '.join(map(str, run.seeds))}", flush=True)
                     continue
-                failed += not _one(run, half, seed)
+                failed += not _one(run, half, seed, extra)
         totals[half] = time.perf_counter() - started
     for half, seconds in totals.items():
         print(f"== {half}: {seconds:.0f} s")
     return 1 if failed else 0
 
 
-def _one(run: Run, half: str, seed: int) -> bool:
+def _one(run: Run, half: str, seed: int, extra: Callable | None = None) -> bool:
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         import contextlib
@@ -375,6 +378,8 @@ def _one(run: Run, half: str, seed: int) -> bool:
         first = losses[0] if losses else math.nan
         print(f"{run.name:27s} {half:7s} s{seed} {seconds:5.1f}s loss {first:9.3g} -> {last:9.3g} | "
               f"{text.splitlines()[0][:110]} | cli same: {same} | {'PASS' if ok else 'FAIL'}: {why}", flush=True)
+        if extra is not None:
+            print(f"    {extra(log_dir)}", flush=True)
         notes = [line for line in text.splitlines() if line.startswith("note:")]
         if ok and notes:  # not a flag: shown, so that a wrong one would be seen
             print("\n".join("    " + line for line in notes), flush=True)

@@ -121,7 +121,7 @@ def test_hooks_removed_after_fit_and_fit_twice_does_not_double_them(tmp_path):
     model = MLP()
     before = hook_snapshot(model)
     counter = HookCounter()
-    callback = GradHooks(noise_scale=False)  # the noise probe's hooks: test_noise
+    callback = GradHooks(noise_scale=False, attention_logits=False)  # the probe's and attention's hooks: test_noise, test_forward_stats
     for max_steps in (2, 4):  # the second fit resumes training for two more steps
         trainer = make_trainer(tmp_path, [callback, counter], max_steps=max_steps)
         trainer.fit(model, loader())
@@ -153,7 +153,7 @@ def test_steps_that_are_not_logged_carry_no_hook_and_no_hook_node(tmp_path):
     snapshots = []
     checker = pl.Callback()
     checker.on_train_batch_start = lambda *a: snapshots.append(hook_snapshot(model) == before)
-    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=3, noise_scale=False), counter, checker], max_steps=7)
+    trainer = make_trainer(tmp_path, [GradHooks(every_n_steps=3, noise_scale=False, attention_logits=False), counter, checker], max_steps=7)
     trainer.fit(model, loader())
     # Logged steps (0, 3, 6) carry the in-place probe's forward pre-hook and forward hook in step
     # 0, then a forward pre-hook and a forward hook per module; steps that are not logged, none.

@@ -1,0 +1,59 @@
+"""``attention_logits``: attention logits past a level no healthy run reaches, still rising. Pure Python."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_gradhooks.health.check import Check
+from lightning_gradhooks.health.step import Step
+from lightning_gradhooks.health.tracker import Tracker
+from lightning_gradhooks.records import Kind
+
+
+class AttentionLogits(Check):
+    """A module's maximum attention logit (``attention_logit`` entries: the largest scaled
+    ``q·kᵀ`` the softmax saw) above ``attention_logit_level`` and higher than at the logged step
+    before, ``attention_steps`` logged steps in a row. The flag's ``since`` is the logged step
+    where the logit went above the level (and stayed there). Healthy runs stay below it (the
+    validation's: 30-45 with QK-norm at a learning rate of 0.1, a causal LM without QK-norm at
+    0.01 creeping from 10 to 125 over 400 steps, past Megatron's QK-clip threshold of 100); the
+    unstable runs pass it within ten steps and go on to 1e4-1e5. A logit that is not a number
+    (the forward is NaN) is the ``nonfinite`` check's, not read.
+
+    State: each entry's last value and the logged step it went above the level.
+    """
+
+    name = "attention_logits"
+
+    def __init__(self, thresholds: Any) -> None:
+        super().__init__(thresholds)
+        self.last: dict[str, float] = {}  # subject label -> its latest maximum
+        self.above: dict[str, int] = {}  # subject label -> the logged step it went above the level
+
+    def __call__(self, step: Step, tracker: Tracker) -> None:
+        t = self.thresholds
+        for key, s in step.entries.items():
+            value = s.get("max")
+            if key.kind != Kind.ATTENTION_LOGIT or value is None or math.isnan(value):
+                continue
+            subject = step.subjects[key]
+            label = subject.label
+            previous = self.last.get(label)
+            self.last[label] = value
+            if value <= t.attention_logit_level:
+                self.above.pop(label, None)
+            else:
+                self.above.setdefault(label, step.number)
+            rising = label in self.above and previous is not None and value > previous
+            tracker.run("attention_logits", subject, step.number, rising, t.attention_steps, value,
+                        score=value / t.attention_logit_level, reason=f"passed {t.attention_logit_level:g}",
+                        began=self.above.get(label))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last": dict(self.last), "above": dict(self.above)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last = {label: float(v) for label, v in state["last"].items()}
+        self.above = {label: int(v) for label, v in state["above"].items()}
