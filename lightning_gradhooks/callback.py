@@ -110,7 +110,7 @@ class GradHooksLogic:
         noise_scale: bool = True,
         compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
-        activations: bool = False,
+        activations: bool = True,
         attention_logits: bool = False,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)

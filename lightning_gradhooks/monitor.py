@@ -193,7 +193,7 @@ class GradientMonitor:
         *,
         noise_scale: bool = True,
         compile_statistics: bool = True,
-        activations: bool = False,
+        activations: bool = True,
         attention_logits: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -238,6 +238,7 @@ class GradientMonitor:
         self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
             if forward_checks else None
         self._outputs = OutputStatistics(self._hooked, self._reduce_output, lambda: self._armed) if activations else None
+        self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
         labels = {_label(name): module for name, module in _named_modules(model).items()}
         self._attention = AttentionLogits(
             {label: m for label, m in labels.items() if id(m) not in compiled},
@@ -342,6 +343,7 @@ class GradientMonitor:
         hooks of the new plans are made when next put in."""
         self._handle.park()  # the probe's hooks, the only ones in
         in_place = self._planner.finish()
+        self._copied.update(in_place)  # their outputs are batched as copies (_reduce_output)
         self._hooks = None
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
@@ -490,13 +492,18 @@ class GradientMonitor:
         if self._checks is not None and module.training:
             self._checks.check(name, args, output)
 
-    def _reduce_output(self, label: str, t: Tensor) -> None:
-        """A module's output, reduced now (outside the attention mode: with the compiled kernels)."""
+    def _reduce_output(self, module: str, label: str, t: Tensor) -> None:
+        """A module's output, batched with the gradients and read as it was returned: a later
+        in-place op (``relu_``, ``out += identity``) could change it before its batch runs, so
+        where that was seen (the probe's first logged step, or a batch that found its version
+        counter moved: :meth:`_finish`), and while the probe has not seen it yet, a copy is
+        batched instead; elsewhere the output itself, its version counter checked when read.
+        (Outside the attention mode: a batch that fills up runs the compiled kernels.)"""
         with self._attention.outside() if self._attention is not None else contextlib.nullcontext():
-            self._reduce(Kind.OUTPUT, label, t, False)
-            reducer = self._reducers.get(t.device)
-            if reducer is not None:
-                reducer.flush()
+            if module in self._copied or self._planner.probing:
+                self._reduce(Kind.OUTPUT, label, t.detach().clone(), False)
+            else:
+                self._reduce(Kind.OUTPUT, label, t, False, watch=True)
 
     def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool,
               noise: Callable[[Tensor], None] | None = None) -> None:
@@ -523,9 +530,10 @@ class GradientMonitor:
         self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
     def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool,
-                into: tuple[list, dict] | None = None) -> None:
+                into: tuple[list, dict] | None = None, watch: bool = False) -> None:
         """Reduce ``grad`` into the armed step's pending rows and reducers, or into the
-        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`)."""
+        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`); ``watch``: see
+        :meth:`Reducer.add`."""
         if grad is None or not grad.is_floating_point():
             return
         if type(grad) is not Tensor and _shards.is_dtensor(grad):  # tensor parallel: this rank's piece
@@ -537,7 +545,7 @@ class GradientMonitor:
         reducer = reducers.get(device)
         if reducer is None:
             reducer = reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
-        reducer.add(grad, histogram)
+        reducer.add(grad, histogram, watch)
         pending.append((kind, name, device))
 
     # -- host side -------------------------------------------------------------------------
@@ -622,6 +630,20 @@ class GradientMonitor:
         record.sharded = tuple(self.sharded)
         return record
 
+    def _changed(self, labels: list[str]) -> None:
+        """Outputs that an in-place op changed before their batch read them (a module that did
+        not show it in the probe's step) give no row this step, said once, and their module's
+        outputs are batched as copies from now on."""
+        modules = sorted({label.split("/")[0] for label in labels} - self._copied)
+        self._copied.update(modules)
+        if modules:
+            warnings.warn(
+                "an in-place operation changed the outputs of these modules before their statistics were "
+                f"read: no output statistics for them on this logged step, read from a copy from the next "
+                f"one: {listed(modules)}",
+                stacklevel=3,
+            )
+
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
         if len(reducers) == 1:
@@ -629,6 +651,10 @@ class GradientMonitor:
         else:
             by_device = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
             results = [next(by_device[device]) for _, _, device in pending]
+        if None in results:  # outputs changed in place before their batch ran (Reducer.add's watch)
+            kept = [(p, r) for p, r in zip(pending, results) if r is not None]
+            self._changed([label for (_, label, _), r in zip(pending, results) if r is None])
+            pending, results = [p for p, _ in kept], [r for _, r in kept]
         keys = [(kind, label) for kind, label, _ in pending]
         if len(set(keys)) == len(keys):  # no module called twice: nothing to pool
             return GradientRecord([single_entry(kind, label, *result) for (kind, label), result in zip(keys, results)])
