@@ -31,7 +31,7 @@ import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.attention import AttentionLogits
-from lightning_gradhooks.forward_checks import ForwardChecks, Hook, OutputStatistics
+from lightning_gradhooks.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.planning import (
     Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
@@ -237,7 +237,7 @@ class GradientMonitor:
                        if _label(name) not in self._hooked and id(module) not in compiled}
         self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
             if forward_checks else None
-        self._outputs = OutputStatistics(self._hooked, self._reduce_output, lambda: self._armed) if activations else None
+        self.activations = activations  # the watched modules' outputs, read by their forward hook (_watch_outputs)
         self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
         labels = {_label(name): module for name, module in _named_modules(model).items()}
         self._attention = AttentionLogits(
@@ -284,7 +284,7 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks of each module's plan in the modules."""
-        for part in (self._checks, self._outputs, self._attention):
+        for part in (self._checks, self._attention):
             if part is not None:
                 self._handle.put(part.hooks)
         self._planner.start()
@@ -337,6 +337,8 @@ class GradientMonitor:
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
             self._watch_forward(name, module, args, output)
+        elif self.activations and self._armed:
+            self._watch_outputs(name, output)
 
     def _finish_probe(self) -> None:
         """Plan each probed module lastingly, once the first armed backward has started; the
@@ -480,7 +482,11 @@ class GradientMonitor:
         return None if watched is None else tuple(watched)
 
     def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if not (self._armed and torch.is_grad_enabled()):
+        if not self._armed:
+            return
+        if self.activations:
+            self._watch_outputs(name, output)
+        if not torch.is_grad_enabled():
             return
         if isinstance(output, Tensor):
             if output.requires_grad:
@@ -491,6 +497,19 @@ class GradientMonitor:
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
         if self._checks is not None and module.training:
             self._checks.check(name, args, output)
+
+    def _watch_outputs(self, name: str, output: Any) -> None:
+        """The floating outputs of a watched module (``activations``): a row per tensor
+        (``"lstm/0"``, ``"gpt/logits"``), as for the gradients; not in a recomputation in backward."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if isinstance(output, Tensor):  # the common case, without the walk
+            if output.is_floating_point():
+                self._reduce_output(name, name, output)
+            return
+        for path, t in tensor_leaves(output):
+            if t.is_floating_point():
+                self._reduce_output(name, "/".join((name, *path)), t)
 
     def _reduce_output(self, module: str, label: str, t: Tensor) -> None:
         """A module's output, batched with the gradients and read as it was returned: a later
