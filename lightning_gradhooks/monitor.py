@@ -154,9 +154,11 @@ class GradientMonitor:
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.health.nonfinite_origin`).
         noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
-        activations: on armed steps, also reduce each watched module's floating outputs when its
+        activations: on armed steps, also reduce each watched module's floating outputs as its
             forward returns them, into entries of kind ``"output"`` (RMS, absmax, mean, the share
-            of zeros, absmax over RMS; one read of each output, on the device; keyword only).
+            of zeros, absmax over RMS; on the device, batched with the gradients: two aten ops
+            per output; an output that a later in-place op changes is read from a copy; keyword
+            only; default on).
         attention_logits: on armed steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, for the
             innermost module running the call (kind ``"attention_logit"``; one more ``q·kᵀ`` per
@@ -484,9 +486,12 @@ class GradientMonitor:
     def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._armed:
             return
+        grad = torch.is_grad_enabled()
+        if self._checks is not None and grad and module.training:
+            self._checks.check(name, args, output)
         if self.activations:
             self._watch_outputs(name, output)
-        if not torch.is_grad_enabled():
+        if not grad:
             return
         if isinstance(output, Tensor):
             if output.requires_grad:
@@ -495,8 +500,6 @@ class GradientMonitor:
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
-        if self._checks is not None and module.training:
-            self._checks.check(name, args, output)
 
     def _watch_outputs(self, name: str, output: Any) -> None:
         """The floating outputs of a watched module (``activations``): a row per tensor

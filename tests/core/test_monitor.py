@@ -614,7 +614,7 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert forward == ["0", "1", "2", "3", "4"]
             assert [e.name for e in record.entries if e.kind == "forward_input"] in (["0"], ["0", "2"])
             assert [e.kind for e in record.entries if e.kind != "output"][:3] == ["weights", "forward_input", "forward"]
-            assert (first.kind, first.name) == ("output", "2")  # its output's statistics, read first
+            assert (first.kind, first.name) == ("forward", "2")
             assert nonfinite_origin(step_summary(record))[:2] == (
                 "2", "born in the forward of `2`"
             )
