@@ -82,6 +82,9 @@ DEVICE_SIZES = Sizes(batch=1 << 24, block=1 << 24)
 ROW = 1024
 
 
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _flat(tensor: Tensor) -> Tensor:
     """Detached, flat, in a float dtype (others become float32): a view where the elements are dense (contiguous,
     or channels-last: statistics and histograms do not depend on the order of the elements).
@@ -90,6 +93,8 @@ def _flat(tensor: Tensor) -> Tensor:
     the whole tensor, implicit zeros included, at the cost of a dense copy while it is reduced.
     """
     x = tensor.detach() if tensor.requires_grad else tensor
+    if x.dtype in _FLOATS and x.layout is torch.strided and x.is_contiguous():  # the common case
+        return x.view(-1)
     if x.layout != torch.strided:
         x = x.to_dense()
     if not x.dtype.is_floating_point or x.dtype.itemsize == 1:  # float8 too
@@ -180,6 +185,7 @@ class Reducer:
         self._open: dict[bool, _Batch] = {}
         self._numels: list[int] = []
         self._changed: set[int] = set()  # watched tensors changed before their batch ran
+        self._limit = 0  # elements per batch on this reducer's device, known from the first tensor
         self._scratch = Scratch() if scratch is None else scratch
 
     def add(self, tensor: Tensor, histogram: bool, watch: bool = False) -> None:
@@ -188,21 +194,22 @@ class Reducer:
         class); a watched tensor of a batch's size is reduced at once (not held longer)."""
         x = _flat(tensor)
         position = len(self._numels)
-        self._numels.append(x.numel())
-        n = _rows(x.numel()) * ROW  # counted as laid out in rows
-        limit = SIZES.get(x.device.type, DEVICE_SIZES).batch
+        numel = x.numel()
+        self._numels.append(numel)
+        n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
         batch = self._open.get(histogram)
-        if batch is None:
-            batch = self._open[histogram] = _Batch()
-        elif batch.elements + n > limit:
-            self._flush(histogram)
+        if batch is None or batch.elements + n > self._limit:
+            if not self._limit:  # the first tensor: the batch size of this reducer's device
+                self._limit = SIZES.get(x.device.type, DEVICE_SIZES).batch
+            if batch is not None:
+                self._flush(histogram)
             batch = self._open[histogram] = _Batch()
         batch.tensors.append(x)
         batch.positions.append(position)
         batch.elements += n
         if watch:
             batch.watched.append((position, tensor, tensor._version))
-            if n >= limit:
+            if n >= self._limit:
                 self._flush(histogram)
 
     def _flush(self, histogram: bool) -> None:
