@@ -76,8 +76,8 @@ class GradHooksLogic:
         histogram_every_n_steps: histograms on the first logged step of each window of this many
             optimizer steps (scalars and the report's summary on every logged step).
         activations: on logged steps, also reduce each monitored module's outputs (RMS, absmax,
-            mean, the share of zeros, absmax over RMS: one read of each output, on the device),
-            charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
+            mean, the share of zeros, absmax over RMS: on the device, batched with the
+            gradients), charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
         attention_logits: on logged steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
             (one more ``q·kᵀ`` per call; :mod:`lightning_gradhooks.attention`).
