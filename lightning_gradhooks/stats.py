@@ -94,7 +94,7 @@ def _flat(tensor: Tensor) -> Tensor:
     """
     x = tensor.detach() if tensor.requires_grad else tensor
     if x.dtype in _FLOATS and x.layout is torch.strided and x.is_contiguous():  # the common case
-        return x.view(-1)
+        return x if x.dim() == 1 else x.view(-1)
     if x.layout != torch.strided:
         x = x.to_dense()
     if not x.dtype.is_floating_point or x.dtype.itemsize == 1:  # float8 too

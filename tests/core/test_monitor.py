@@ -698,7 +698,8 @@ def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remo
 def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(monkeypatch, blocks):
     """On accelerators a logged step is bound by kernel launches: the hooks, the reductions and
     collect together add at most 5 aten ops per reduced tensor to a bare step (a 100-module MLP,
-    its grad_output, grad_input and parameter gradients), with an accelerator's block sizes and
+    its grad_output, grad_input, parameter gradients and outputs: an output costs two, batched
+    with the gradients), with an accelerator's block sizes and
     with the CPU's; a step that is not armed adds none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
