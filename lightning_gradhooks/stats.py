@@ -208,7 +208,7 @@ class Reducer:
         batch.positions.append(position)
         batch.elements += n
         if watch:
-            batch.watched.append((position, tensor, tensor._version))
+            batch.watched.append((position, x, x._version))  # x shares the counter, not the graph
             if n >= self._limit:
                 self._flush(histogram)
 
