@@ -47,7 +47,7 @@ def count_ops() -> None:
 
     model, x = nn.Sequential(*[nn.Linear(64, 64) for _ in range(20)]), torch.randn(32, 64)
     counts = {}
-    for name, options in (("grads", {}), ("outputs", {"activations": True})):
+    for name, options in (("grads", {"activations": False}), ("outputs", {"activations": True})):
         monitor = GradientMonitor(model, compile_statistics=False, noise_scale=False, **options)
         with monitor.attach():
             for _ in range(2):  # the second step: read plans settled

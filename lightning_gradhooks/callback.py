@@ -77,8 +77,8 @@ class GradHooksLogic:
         histogram_every_n_steps: histograms on the first logged step of each window of this many
             optimizer steps (scalars and the report's summary on every logged step).
         activations: on logged steps, also reduce each monitored module's outputs (RMS, absmax,
-            mean, the share of zeros, absmax over RMS: one read of each output, on the device),
-            charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
+            mean, the share of zeros, absmax over RMS: on the device, batched with the
+            gradients), charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
         attention_logits: on logged steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
             (one more ``q·kᵀ`` per call, on logged steps only; :mod:`lightning_gradhooks.attention`);
@@ -112,7 +112,7 @@ class GradHooksLogic:
         noise_scale: bool = True,
         compile_statistics: bool = True,
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
-        activations: bool = False,
+        activations: bool = True,
         attention_logits: bool = True,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)

@@ -123,30 +123,3 @@ class ForwardChecks:
             for params in by_device.values():
                 norms = torch._foreach_norm(params)
                 self._reduce(Kind.WEIGHTS, self._weights_label, torch.stack([n.float() for n in norms]), False)
-
-
-class OutputStatistics:
-    """The forward statistics of one monitor: each watched module's floating outputs on armed
-    steps, one row per tensor (``"lstm/0"``, ``"gpt/logits"``), reduced on the device when the
-    module returns them (a later in-place op cannot change what is read).
-
-    Args:
-        modules: the watched modules, by label: each gets a forward hook (:attr:`hooks`), which
-            the monitor puts in and parks with its own.
-        reduce: reduces ``(label, tensor)`` now.
-        armed: whether the monitor is armed.
-    """
-
-    def __init__(self, modules: Mapping[str, nn.Module], reduce: Callable[[str, Tensor], None],
-                 armed: Callable[[], bool]) -> None:
-        self._reduce = reduce
-        self._armed = armed
-        #: The forward hooks of the watched modules.
-        self.hooks: list[Hook] = [(m, False, functools.partial(self._output, label)) for label, m in modules.items()]
-
-    def _output(self, label: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._armed() or torch._C._current_graph_task_id() != -1:  # a recomputation in backward
-            return
-        for path, t in tensor_leaves(output):
-            if t.is_floating_point():
-                self._reduce("/".join((label, *path)), t)

@@ -63,7 +63,7 @@ LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
 #: Every statistic a log can chart, in the order of the docs.
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
 #: What is charted by default: the per-module norms and the update ratios (with the overview and
-#: the histograms, six sections). Every statistic of every entry is written all the same, in one
+#: the histograms and the forward pass, seven sections). Every statistic of every entry is written all the same, in one
 #: compact summary per logged step that the health report and the report command read.
 DEFAULT_STATISTICS: tuple[str, ...] = ("norm", "update_ratio")
 #: Histograms are written on the first logged step of every window of this many steps. Logged

@@ -16,7 +16,6 @@ Which modules are watched and how each is read is planned in :mod:`lightning_gra
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import warnings
@@ -31,7 +30,7 @@ import lightning_gradhooks._shards as _shards
 from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int
 from lightning_gradhooks._text import listed
 from lightning_gradhooks.attention import AttentionLogits
-from lightning_gradhooks.forward_checks import ForwardChecks, Hook, OutputStatistics
+from lightning_gradhooks.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.noise import NoiseProbe
 from lightning_gradhooks.planning import (
     Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
@@ -154,9 +153,11 @@ class GradientMonitor:
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.health.nonfinite_origin`).
         noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
-        activations: on armed steps, also reduce each watched module's floating outputs when its
+        activations: on armed steps, also reduce each watched module's floating outputs as its
             forward returns them, into entries of kind ``"output"`` (RMS, absmax, mean, the share
-            of zeros, absmax over RMS; one read of each output, on the device; keyword only).
+            of zeros, absmax over RMS; on the device, batched with the gradients: two aten ops
+            per output; an output that a later in-place op changes is read from a copy; keyword
+            only; default on).
         attention_logits: on armed steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, for the
             innermost module running the call (kind ``"attention_logit"``; one more ``q·kᵀ`` per
@@ -194,7 +195,7 @@ class GradientMonitor:
         *,
         noise_scale: bool = True,
         compile_statistics: bool = True,
-        activations: bool = False,
+        activations: bool = True,
         attention_logits: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -238,7 +239,8 @@ class GradientMonitor:
                        if _label(name) not in self._hooked and id(module) not in compiled}
         self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
             if forward_checks else None
-        self._outputs = OutputStatistics(self._hooked, self._reduce_output, lambda: self._armed) if activations else None
+        self.activations = activations  # the watched modules' outputs, read by their forward hook (_watch_outputs)
+        self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
         labels = {_label(name): module for name, module in _named_modules(model).items()}
         self._attention = AttentionLogits(
             {label: m for label, m in labels.items() if id(m) not in compiled},
@@ -284,7 +286,7 @@ class GradientMonitor:
 
     def _register(self) -> None:
         """Put the hooks of each module's plan in the modules."""
-        for part in (self._checks, self._outputs, self._attention):
+        for part in (self._checks, self._attention):
             if part is not None:
                 self._handle.put(part.hooks)
         self._planner.start()
@@ -337,12 +339,15 @@ class GradientMonitor:
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
             self._watch_forward(name, module, args, output)
+        elif self.activations and self._armed:
+            self._watch_outputs(name, output)
 
     def _finish_probe(self) -> None:
         """Plan each probed module lastingly, once the first armed backward has started; the
         hooks of the new plans are made when next put in."""
         self._handle.park()  # the probe's hooks, the only ones in
         in_place = self._planner.finish()
+        self._copied.update(in_place)  # their outputs are batched as copies (_reduce_output)
         self._hooks = None
         if self._armed:
             self._register()  # later forwards of this logged step (micro-batches) are hooked
@@ -431,9 +436,17 @@ class GradientMonitor:
             self.disarm()
         self._armed = True
         if self._handle is not None and self._handle.active:
-            self._register()
-            if self.noise is not None and noise:
-                self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
+            # Registering makes a few objects per module: without the pause, a full collection
+            # of the process's objects can fall inside it (measured: 6 -> 58 µs per module).
+            was_paused = self._collector.paused
+            self._collector.pause()
+            try:
+                self._register()
+                if self.noise is not None and noise:
+                    self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
+            finally:
+                if not was_paused:
+                    self._collector.resume()  # paused again by `with`, or in collect()
         return _Armed(self, self._collector)
 
     def arm_noise(self, batch_size: int | None = None, accumulation: int = 1) -> None:
@@ -479,7 +492,14 @@ class GradientMonitor:
         return None if watched is None else tuple(watched)
 
     def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if not (self._armed and torch.is_grad_enabled()):
+        if not self._armed:
+            return
+        grad = torch.is_grad_enabled()
+        if self._checks is not None and grad and module.training:
+            self._checks.check(name, args, output)
+        if self.activations:
+            self._watch_outputs(name, output)
+        if not grad:
             return
         if isinstance(output, Tensor):
             if output.requires_grad:
@@ -488,16 +508,33 @@ class GradientMonitor:
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
-        if self._checks is not None and module.training:
-            self._checks.check(name, args, output)
 
-    def _reduce_output(self, label: str, t: Tensor) -> None:
-        """A module's output, reduced now (outside the attention mode: with the compiled kernels)."""
-        with self._attention.outside() if self._attention is not None else contextlib.nullcontext():
-            self._reduce(Kind.OUTPUT, label, t, False)
-            reducer = self._reducers.get(t.device)
-            if reducer is not None:
-                reducer.flush()
+    def _watch_outputs(self, name: str, output: Any) -> None:
+        """The floating outputs of a watched module (``activations``): a row per tensor
+        (``"lstm/0"``, ``"gpt/logits"``), as for the gradients; not in a recomputation in backward."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if isinstance(output, Tensor):  # the common case, without the walk
+            if output.is_floating_point():
+                self._reduce_output(name, name, output)
+            return
+        for path, t in tensor_leaves(output):
+            if t.is_floating_point():
+                self._reduce_output(name, "/".join((name, *path)), t)
+
+    def _reduce_output(self, module: str, label: str, t: Tensor) -> None:
+        """A module's output, batched with the gradients and read as it was returned: a later
+        in-place op (``relu_``, ``out += identity``) could change it before its batch runs, so
+        where that was seen (the probe's first logged step, or a batch that found its version
+        counter moved: :meth:`_finish`), and while the probe has not seen it yet, a copy is
+        batched instead; elsewhere the output itself, its version counter checked when read.
+        (Outside the attention mode: a batch that fills up runs the compiled kernels.)"""
+        copy = module in self._copied or self._planner.probing
+        if self._attention is None:
+            self._reduce(Kind.OUTPUT, label, t.detach().clone() if copy else t, False, watch=not copy)
+            return
+        with self._attention.outside():
+            self._reduce(Kind.OUTPUT, label, t.detach().clone() if copy else t, False, watch=not copy)
 
     def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool,
               noise: Callable[[Tensor], None] | None = None) -> None:
@@ -524,9 +561,10 @@ class GradientMonitor:
         self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
     def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool,
-                into: tuple[list, dict] | None = None) -> None:
+                into: tuple[list, dict] | None = None, watch: bool = False) -> None:
         """Reduce ``grad`` into the armed step's pending rows and reducers, or into the
-        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`)."""
+        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`); ``watch``: see
+        :meth:`Reducer.add`."""
         if grad is None or not grad.is_floating_point():
             return
         if type(grad) is not Tensor and _shards.is_dtensor(grad):  # tensor parallel: this rank's piece
@@ -538,7 +576,7 @@ class GradientMonitor:
         reducer = reducers.get(device)
         if reducer is None:
             reducer = reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
-        reducer.add(grad, histogram)
+        reducer.add(grad, histogram, watch)
         pending.append((kind, name, device))
 
     # -- host side -------------------------------------------------------------------------
@@ -599,8 +637,11 @@ class GradientMonitor:
         """Names of the parameters whose gradient each rank holds a piece of (``DTensor``
         parameters, FSDP1 ``use_orig_params`` views): their statistics need every rank's piece
         (:class:`~lightning_gradhooks.distributed.RankReducer`)."""
+        return self._sharded(self.parameters)
+
+    def _sharded(self, parameters: dict[str, nn.Parameter]) -> list[str]:
         views, _ = _shards.fsdp1_sharded(self._model)
-        return [n for n, p in self.parameters.items() if id(p) in views or _shards.is_dtensor(p)]
+        return [n for n, p in parameters.items() if id(p) in views or _shards.is_dtensor(p)]
 
     def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
                            into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:
@@ -620,8 +661,22 @@ class GradientMonitor:
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:
         """The record with what the log needs to know of this monitor (see :class:`GradientRecord`)."""
         record.parameters, record.skipped, record.bins = parameters, dict(self.skipped), self.bins
-        record.sharded = tuple(self.sharded)
+        record.sharded = tuple(self._sharded(parameters))  # the parameters just looked up, not again
         return record
+
+    def _changed(self, labels: list[str]) -> None:
+        """Outputs that an in-place op changed before their batch read them (a module that did
+        not show it in the probe's step) give no row this step, said once, and their module's
+        outputs are batched as copies from now on."""
+        modules = sorted({label.split("/")[0] for label in labels} - self._copied)
+        self._copied.update(modules)
+        if modules:
+            warnings.warn(
+                "an in-place operation changed the outputs of these modules before their statistics were "
+                f"read: no output statistics for them on this logged step, read from a copy from the next "
+                f"one: {listed(modules)}",
+                stacklevel=3,
+            )
 
     def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
@@ -630,6 +685,10 @@ class GradientMonitor:
         else:
             by_device = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
             results = [next(by_device[device]) for _, _, device in pending]
+        if None in results:  # outputs changed in place before their batch ran (Reducer.add's watch)
+            kept = [(p, r) for p, r in zip(pending, results) if r is not None]
+            self._changed([label for (_, label, _), r in zip(pending, results) if r is None])
+            pending, results = [p for p, _ in kept], [r for _, r in kept]
         keys = [(kind, label) for kind, label, _ in pending]
         if len(set(keys)) == len(keys):  # no module called twice: nothing to pool
             return GradientRecord([single_entry(kind, label, *result) for (kind, label), result in zip(keys, results)])

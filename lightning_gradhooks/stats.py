@@ -82,6 +82,9 @@ DEVICE_SIZES = Sizes(batch=1 << 24, block=1 << 24)
 ROW = 1024
 
 
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _flat(tensor: Tensor) -> Tensor:
     """Detached, flat, in a float dtype (others become float32): a view where the elements are dense (contiguous,
     or channels-last: statistics and histograms do not depend on the order of the elements).
@@ -90,6 +93,8 @@ def _flat(tensor: Tensor) -> Tensor:
     the whole tensor, implicit zeros included, at the cost of a dense copy while it is reduced.
     """
     x = tensor.detach() if tensor.requires_grad else tensor
+    if x.dtype in _FLOATS and x.layout is torch.strided and x.is_contiguous():  # the common case
+        return x if x.dim() == 1 else x.view(-1)
     if x.layout != torch.strided:
         x = x.to_dense()
     if not x.dtype.is_floating_point or x.dtype.itemsize == 1:  # float8 too
@@ -137,11 +142,13 @@ class Scratch:
 
 @dataclass(slots=True)
 class _Batch:
-    """Tensors waiting to be reduced together, their positions in the order added, their size."""
+    """Tensors waiting to be reduced together, their positions in the order added, their size,
+    and those added with ``watch`` (:meth:`Reducer.add`): ``(position, tensor, version)``."""
 
     tensors: list[Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     elements: int = 0
+    watched: list[tuple[int, Tensor, int]] = field(default_factory=list)
 
 
 class Reducer:
@@ -155,7 +162,10 @@ class Reducer:
             (:mod:`lightning_gradhooks._kernels`); False: the same torch ops, eagerly.
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
-    host in one transfer.
+    host in one transfer. A tensor that may still change after it is added (a module's output,
+    which a later in-place op may overwrite) is added with ``watch=True``: it is read with its
+    batch, and if its version counter moved before the batch ran, :meth:`finish` gives None in
+    its place instead of statistics of what it became.
 
     Example:
         >>> reducer = Reducer(bins=4)
@@ -174,41 +184,47 @@ class Reducer:
         self._blocks: list[tuple[Tensor, Tensor | None, list[int]]] = []
         self._open: dict[bool, _Batch] = {}
         self._numels: list[int] = []
+        self._changed: set[int] = set()  # watched tensors changed before their batch ran
+        self._limit = 0  # elements per batch on this reducer's device, known from the first tensor
         self._scratch = Scratch() if scratch is None else scratch
 
-    def add(self, tensor: Tensor, histogram: bool) -> None:
-        """Reduce ``tensor`` (of this reducer's device) now if it is big, else join a batch."""
+    def add(self, tensor: Tensor, histogram: bool, watch: bool = False) -> None:
+        """Let ``tensor`` (of this reducer's device) join a batch, reduced when the batch is full
+        or at :meth:`finish`. ``watch``: the tensor may change in place before then (see the
+        class); a watched tensor of a batch's size is reduced at once (not held longer)."""
         x = _flat(tensor)
         position = len(self._numels)
-        self._numels.append(x.numel())
-        n = _rows(x.numel()) * ROW  # counted as laid out in rows
+        numel = x.numel()
+        self._numels.append(numel)
+        n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
         batch = self._open.get(histogram)
-        if batch is None:
-            batch = self._open[histogram] = _Batch()
-        elif batch.elements + n > SIZES.get(x.device.type, DEVICE_SIZES).batch:
-            self._flush(histogram)
+        if batch is None or batch.elements + n > self._limit:
+            if not self._limit:  # the first tensor: the batch size of this reducer's device
+                self._limit = SIZES.get(x.device.type, DEVICE_SIZES).batch
+            if batch is not None:
+                self._flush(histogram)
             batch = self._open[histogram] = _Batch()
         batch.tensors.append(x)
         batch.positions.append(position)
         batch.elements += n
-
-    def flush(self) -> None:
-        """Reduce what waits now: a tensor that may change after it was added (a module's output,
-        which a later in-place op may overwrite) is read as it was."""
-        for key in list(self._open):
-            self._flush(key)
+        if watch:
+            batch.watched.append((position, x, x._version))  # x shares the counter, not the graph
+            if n >= self._limit:
+                self._flush(histogram)
 
     def _flush(self, histogram: bool) -> None:
         batch = self._open.pop(histogram)
+        self._changed.update(p for p, t, version in batch.watched if t._version != version)
         moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled)
         self._blocks.append((moments, counts, batch.positions))
 
-    def finish(self) -> list[tuple[StatsRow, list[float] | None]]:
-        """The statistics row and histogram counts (or None) of each tensor, in the order added."""
+    def finish(self) -> list[tuple[StatsRow, list[float] | None] | None]:
+        """The statistics row and histogram counts (or None) of each tensor, in the order added;
+        None instead for a watched tensor changed in place before its batch ran."""
         for key in list(self._open):
             self._flush(key)
-        blocks, numels = self._blocks, self._numels
-        self._blocks, self._open, self._numels = [], {}, []
+        blocks, numels, changed = self._blocks, self._numels, self._changed
+        self._blocks, self._open, self._numels, self._changed = [], {}, [], set()
         self._scratch.trim()
         if not blocks:
             return []
@@ -221,10 +237,12 @@ class Reducer:
         # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
         # inside its storage: hence the clone).
         counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
-        results: list[tuple[StatsRow, list[float] | None]] = [(StatsRow(*[0.0] * STATS_WIDTH), None)] * len(numels)
+        results: list[tuple[StatsRow, list[float] | None] | None] = [(StatsRow(*[0.0] * STATS_WIDTH), None)] * len(numels)
         for _, block_counts, block in blocks:
             for p in block:
                 results[p] = (next(rows), None if block_counts is None else next(counts))
+        for p in changed:
+            results[p] = None
         return results
 
 

@@ -221,18 +221,52 @@ def test_output_statistics_are_those_of_each_output_as_its_module_returned_it():
     assert outputs["fc"].stats.zero_fraction == 0.0  # read before the relu_ that zeroed half of it
 
 
-def test_attention_logits_on_and_output_statistics_off_by_default_and_checked():
+def test_an_output_changed_in_place_later_than_the_probe_is_said_once_and_then_copied():
+    """Outputs are batched with the gradients and read later: one that an in-place op changes
+    before its batch runs, where the probe's step did not show it, gives no row (never the
+    statistics of what it became), said once; from the next step it is read from a copy."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 1)
+            self.in_place = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            self.seen = h.detach().clone()
+            return self.out(h.relu_() if self.in_place else h.relu())
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(16, 8)
+    monitor = GradientMonitor(net)
+    records = []
+    with monitor.attach(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            net.in_place = step >= 2
+            with monitor.arm():
+                net(x).sum().backward()
+                records.append(_entries(monitor.collect(), Kind.OUTPUT))
+            assert records[-1].keys() == ({"out"} if step == 2 else {"fc", "out"})
+            if step != 2:
+                assert records[-1]["fc"].stats.absmax == pytest.approx(net.seen.abs().max().item())
+    said = [str(w.message) for w in caught if "before their statistics were read" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(": fc")
+
+
+def test_output_statistics_and_attention_logits_on_by_default_and_checked():
     torch.manual_seed(0)
     block, x = Block(SelfAttention()), torch.randn(2, T, 32)
     monitor = GradientMonitor(block)
     with monitor.attach(), monitor.arm():
         block(x).sum().backward()
         record = monitor.collect()
-    assert record.entries and not _entries(record, Kind.OUTPUT) and list(_entries(record, Kind.ATTENTION_LOGIT)) == ["attn"]
-    monitor = GradientMonitor(block, attention_logits=False)
+    assert record.entries and _entries(record, Kind.OUTPUT) and list(_entries(record, Kind.ATTENTION_LOGIT)) == ["attn"]
+    monitor = GradientMonitor(block, activations=False, attention_logits=False)
     with monitor.attach(), monitor.arm():
         block(x).sum().backward()
-        assert not _entries(monitor.collect(), Kind.ATTENTION_LOGIT)
+        record = monitor.collect()
+        assert not _entries(record, Kind.ATTENTION_LOGIT) and not _entries(record, Kind.OUTPUT)
     with pytest.raises(ValueError, match="activations"):
         GradientMonitor(nn.Linear(2, 2), activations=1)
     with pytest.raises(ValueError, match="attention_logits"):

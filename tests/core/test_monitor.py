@@ -66,7 +66,9 @@ def test_statistics_equal_autograd_reference():
         assert_stats(got[("grad_output", n)], ref_stats(grads[2 * i + 1]))
     for (pname, _), grad in zip(net.named_parameters(), grads[len(tensors) :]):
         assert_stats(got[("param_grad", pname)], ref_stats(grad))
-    assert len(record.entries) == 2 * len(names) + len(list(net.parameters()))
+    for n in names:  # the outputs (activations=True, the default), batched with the gradients
+        assert_stats(got[("output", n)], ref_stats(captured[n][1].detach()))
+    assert len(record.entries) == 3 * len(names) + len(list(net.parameters()))
 
 
 class Residual(nn.Module):
@@ -85,7 +87,7 @@ class Residual(nn.Module):
 def test_grad_input_and_grad_output_equal_what_full_backward_hooks_receive():
     torch.manual_seed(3)
     net, x = Residual(), torch.randn(5, 6, requires_grad=True)
-    monitor = GradientMonitor(net, parameters=False)
+    monitor = GradientMonitor(net, parameters=False, activations=False)
     with monitor.attach():
         for _ in range(2):  # the probe step, then the planned hooks
             monitor.arm()
@@ -162,7 +164,7 @@ def test_every_planned_module_reads_grad_input_through_a_view_as_a_full_backward
     torch.manual_seed(4)
     net, x = Mixed(), torch.randn(5, 6, requires_grad=True)
     names = ["flat", "seq", "sub", "late"]
-    monitor = GradientMonitor(net, parameters=False, attention_logits=False)  # (its hooks: test_forward_stats)
+    monitor = GradientMonitor(net, parameters=False, activations=False, attention_logits=False)  # (their hooks: test_forward_stats)
     assert {p.read for p in monitor.plan.values()} == {Read.PROBE}
     with monitor.attach():
         for step, wide in enumerate((False, False, True)):  # the probe step, then the planned hooks
@@ -210,7 +212,7 @@ def test_backward_order_and_histograms():
     outputs = [e.name for e in record.entries if e.kind == "grad_output"]
     assert outputs == ["4", "3", "2", "0"]  # backward order; Tanh owns no parameter
     for e in record.entries:
-        if e.kind == "grad_input":
+        if e.kind in ("grad_input", "output"):
             assert e.histogram is None
         else:
             assert len(e.histogram.counts) == 16
@@ -363,9 +365,10 @@ def test_modules_called_several_times_give_one_pooled_entry_with_the_call_count(
             net(x).square().sum().backward()
             record = monitor.collect()
     entries = {(e.kind, e.name): e for e in record.entries}
-    assert set(entries) == {("grad_output", "cell"), ("grad_input", "cell"), ("param_grad", "cell.weight"), ("param_grad", "cell.bias")}
+    assert set(entries) == {("grad_output", "cell"), ("grad_input", "cell"), ("param_grad", "cell.weight"),
+                            ("param_grad", "cell.bias"), ("output", "cell")}
     out = entries["grad_output", "cell"]
-    assert out.calls == 3 and entries["param_grad", "cell.weight"].calls == 1
+    assert out.calls == 3 and entries["param_grad", "cell.weight"].calls == 1 and entries["output", "cell"].calls == 3
     assert entries["grad_input", "cell"].calls == 2  # the first call's input needs no grad
     # Reference: the gradients of the three outputs, concatenated.
     loss = net(x).square().sum()
@@ -610,7 +613,7 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             # again (a view made to read grad_input is a tensor of its own: "2").
             assert forward == ["0", "1", "2", "3", "4"]
             assert [e.name for e in record.entries if e.kind == "forward_input"] in (["0"], ["0", "2"])
-            assert [e.kind for e in record.entries[:3]] == ["weights", "forward_input", "forward"]
+            assert [e.kind for e in record.entries if e.kind != "output"][:3] == ["weights", "forward_input", "forward"]
             assert (first.kind, first.name) == ("forward", "2")
             assert nonfinite_origin(step_summary(record))[:2] == (
                 "2", "born in the forward of `2`"
@@ -695,7 +698,8 @@ def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remo
 def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(monkeypatch, blocks):
     """On accelerators a logged step is bound by kernel launches: the hooks, the reductions and
     collect together add at most 5 aten ops per reduced tensor to a bare step (a 100-module MLP,
-    its grad_output, grad_input and parameter gradients), with an accelerator's block sizes and
+    its grad_output, grad_input, parameter gradients and outputs: an output costs two, batched
+    with the gradients), with an accelerator's block sizes and
     with the CPU's; a step that is not armed adds none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -729,6 +733,7 @@ def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(mo
         step(True)  # layouts are cached
         assert step(False)[0] == bare
         ops, reduced = step(True)
-    assert reduced == 50 * 4 - 1  # grad_output, grad_input (not of the first: x needs no grad), weight, bias
+    # grad_output, grad_input (not of the first: x needs no grad), weight, bias, output
+    assert reduced == 50 * 5 - 1
     print(f"{blocks}: {(ops - bare) / reduced:.2f} extra ops per reduced tensor")
     assert (ops - bare) / reduced <= 5, (ops - bare) / reduced

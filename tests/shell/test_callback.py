@@ -28,13 +28,13 @@ def sections(tags) -> set[str]:  # noqa: ANN001
     return {t.partition("/")[0] for t in tags}
 
 
-def test_default_charts_are_six_sections_a_third_of_every_statistic(tmp_path):
+def test_default_charts_are_seven_sections_a_third_of_every_statistic(tmp_path):
     trainer, _ = fit(tmp_path / "default", GradHooks(every_n_steps=2))
     events = read_events(trainer.logger.log_dir)
     tags = events.Tags()
     ours = [t for t in tags["scalars"] + tags["histograms"] + tags["images"] if t.startswith("∇")]
     assert sections(ours) == {"∇1 overview", "∇2 grad_output_norm", "∇3 grad_input_norm", "∇4 param_grad_norm",
-                              "∇5 param_update_ratio", "∇6 histograms"}
+                              "∇5 param_update_ratio", "∇6 histograms", "∇8 forward"}  # the outputs' RMS
     assert {"∇1 overview/total_norm", "∇1 overview/nonfinite_total", "∇1 overview/gradient_flow"} <= set(ours)
     trainer, _ = fit(tmp_path / "all", GradHooks(every_n_steps=2, statistics=list(LOGGED_STATISTICS)))
     every = [t for t in read_events(trainer.logger.log_dir).Tags()["scalars"] if t.startswith("∇")]

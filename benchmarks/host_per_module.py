@@ -1,0 +1,98 @@
+"""Host time per watched module of a logged step, with and without the output statistics.
+
+    python benchmarks/host_per_module.py [--layers 500] [--rounds 9] [--steps 4] [--threads 1] [--clock cpu|wall]
+    python benchmarks/host_per_module.py --profile "outputs"    # cProfile of one variant's steps
+
+The model, 500 x (Linear(64, 64) + Tanh) on a batch of 32, is so small that a step is bound by
+the host: what an armed step costs beyond a bare one, divided by the watched modules (the Linear
+layers), is the host time of our hooks, bookkeeping, reductions and ``collect`` per module. A step
+is forward, backward, ``collect`` (armed variants) and ``zero_grad``; no optimizer, no writing.
+Variants, interleaved round by round in one process, each window one untimed step and the mean
+of ``--steps`` steps: ``bare`` (no monitor), ``grads`` (``GradientMonitor(histograms=False,
+noise_scale=False, activations=False)``), ``outputs`` (the same with ``activations=True``),
+``outputs + noise`` (the noise probe too), ``outputs + histograms`` (64-bin histograms too).
+Prints per variant the median window, the median per-round ratio to ``bare`` and the median
+per-round (variant - bare) / layers in microseconds. ``--clock cpu`` (default) times the process's
+CPU time (``time.process_time``; with one thread, the host's own work, steadier on a shared
+machine than wall time), ``--clock wall`` wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lightning_gradhooks import GradientMonitor
+
+VARIANTS = {
+    "bare": None,
+    "grads": {"histograms": False, "noise_scale": False, "activations": False},
+    "outputs": {"histograms": False, "noise_scale": False, "activations": True},
+    "outputs + noise": {"histograms": False, "activations": True},
+    "outputs + histograms": {"noise_scale": False, "activations": True},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
+    parser.add_argument("--profile", default=None, help="profile this variant's steps instead")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(args.layers) for m in (nn.Linear(64, 64), nn.Tanh())))
+    x = torch.randn(32, 64)
+    monitors = {name: None if options is None else GradientMonitor(model, **options) for name, options in VARIANTS.items()}
+
+    def step(monitor: GradientMonitor | None) -> None:
+        if monitor is None:
+            model(x).square().mean().backward()
+        else:
+            with monitor.attach(), monitor.arm():
+                model(x).square().mean().backward()
+                monitor.collect()
+        model.zero_grad(set_to_none=True)
+
+    for monitor in monitors.values():  # compile, probe the read plans
+        for _ in range(2):
+            step(monitor)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps * 5):
+            step(monitors[args.profile])
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        return
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in monitors}
+    names = list(monitors)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            step(monitors[name])
+            start = clock()
+            for _ in range(args.steps):
+                step(monitors[name])
+            times[name].append((clock() - start) / args.steps)
+    print(f"command: python benchmarks/host_per_module.py --layers {args.layers} --rounds {args.rounds} "
+          f"--steps {args.steps} --threads {args.threads} --clock {args.clock}; torch {torch.__version__}")
+    print(f"| variant | step (ms) | armed / bare | µs per watched module over bare |\n|---|---|---|---|")
+    bare = times["bare"]
+    for name, ts in times.items():
+        ratio = statistics.median(t / b for t, b in zip(ts, bare))
+        extra = statistics.median((t - b) / args.layers * 1e6 for t, b in zip(ts, bare))
+        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {ratio:.2f}x | {extra:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
