@@ -111,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     logged = variant.startswith("logged")
     monitor = GradientMonitor(model, **FORWARD_OPTIONS.get(variant, {})) if logged else None
     if variant == "logged_tb":
-        from lightning_gradhooks import _tensorboard
+        from lightning_gradhooks.log import _tensorboard
 
         def through_summary_writer(writer, metrics, record, step, stats=None):  # noqa: ANN001, ANN202
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
@@ -159,8 +159,8 @@ def worker(args: argparse.Namespace) -> None:
         monitor.arm()
         loss_fn(model, batch).backward()
         record = monitor.collect()
-        from lightning_gradhooks._tensorboard import scalar_metrics
-        from lightning_gradhooks.records import step_summary
+        from lightning_gradhooks.log._tensorboard import scalar_metrics
+        from lightning_gradhooks.core.records import step_summary
 
         metrics = scalar_metrics(record, log.statistics, set())
         stats = step_summary(record)

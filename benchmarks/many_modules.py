@@ -74,7 +74,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradhooks import GradHooks, GradientMonitor  # noqa: E402
 
-from lightning_gradhooks import stats  # noqa: E402
+from lightning_gradhooks.core import stats  # noqa: E402
 from lightning_gradhooks.log import LOGGED_STATISTICS  # noqa: E402
 
 
@@ -515,7 +515,7 @@ def part_c(names: list[str], args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def no_grad_input() -> Iterator[None]:
     """While active, the monitors' plans read no grad_input."""
-    from lightning_gradhooks import planning as core
+    from lightning_gradhooks.core import planning as core
 
     decide = core._decide
 
@@ -532,7 +532,7 @@ def no_grad_input() -> Iterator[None]:
 def part_d(names: list[str], args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from lightning_gradhooks import stats
+    from lightning_gradhooks.core import stats
 
     for case in (cases(args.device)[n] for n in names):
         torch.manual_seed(0)

@@ -9,13 +9,13 @@ the health report) and ``save_on_disk`` (disk offload of saved activations).
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_gradhooks.monitor import GradientMonitor
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Kind
+from lightning_gradhooks.core.monitor import GradientMonitor
+from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Kind
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
-from lightning_gradhooks.stats import STATISTICS, StatsRow
+from lightning_gradhooks.core.stats import STATISTICS, StatsRow
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.callback import GradHooks
+    from lightning_gradhooks.shell.callback import GradHooks
     from lightning_gradhooks.health import HealthReport, Thresholds
     from lightning_gradhooks.log import GradientLog
 
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 
 
 _LAZY = {
-    "GradHooks": "lightning_gradhooks.callback",
+    "GradHooks": "lightning_gradhooks.shell.callback",
     "GradientLog": "lightning_gradhooks.log",
     "HealthReport": "lightning_gradhooks.health",
     "Thresholds": "lightning_gradhooks.health",

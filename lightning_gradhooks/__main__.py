@@ -23,10 +23,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lightning_gradhooks._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
-from lightning_gradhooks._text import counted
-from lightning_gradhooks.noise import sentence_of
-from lightning_gradhooks.records import Key, Kind, Summary
+from lightning_gradhooks.log._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
+from lightning_gradhooks.core._text import counted
+from lightning_gradhooks.core.noise import sentence_of
+from lightning_gradhooks.core.records import Key, Kind, Summary
 from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
 from lightning_gradhooks.health.step import merge_summary
 

@@ -2,7 +2,7 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` are separate class hierarchies: each Trainer
 rejects the other's callbacks. Both classes share all their logic in
-:class:`~lightning_gradhooks.callback.GradHooksLogic`::
+:class:`~lightning_gradhooks.shell.callback.GradHooksLogic`::
 
     from lightning.pytorch import Trainer
     from lightning_gradhooks.lightning import GradHooks
@@ -10,7 +10,7 @@ rejects the other's callbacks. Both classes share all their logic in
 
 import lightning.pytorch
 
-from lightning_gradhooks.callback import GradHooksLogic
+from lightning_gradhooks.shell.callback import GradHooksLogic
 
 __all__ = ["GradHooks"]
 

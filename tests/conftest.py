@@ -210,7 +210,7 @@ def calls_into_the_library(run: Callable[[], object]) -> tuple[list[str], object
 def tag(kind: str, stat: str, name: str) -> str:
     """The chart of a statistic (``∇2 grad_output_norm/net.0``; the scheme itself is asserted
     literally in test_callback and test_tensorboard_server)."""
-    from lightning_gradhooks._tensorboard import section
+    from lightning_gradhooks.log._tensorboard import section
 
     return f"{section(kind, stat)}/{name}"
 
@@ -220,7 +220,7 @@ def pooled_calls(log_dir: str, name: str, kind: str = "grad_output", optimizer: 
     step, read from the compact summary as the report command reads it (which names the count
     when it is more than one)."""
     from lightning_gradhooks.__main__ import read_folder
-    from lightning_gradhooks.records import Key
+    from lightning_gradhooks.core.records import Key
 
     steps, key = read_folder(Path(log_dir)).steps, Key(kind, name, optimizer)
     return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}

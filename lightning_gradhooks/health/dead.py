@@ -8,7 +8,7 @@ from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Kind
+from lightning_gradhooks.core.records import Kind
 
 
 _KINDS = [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)]

@@ -35,7 +35,7 @@ from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
 from lightning_gradhooks.health.vanishing import Vanishing
-from lightning_gradhooks.records import Key, Kind, Summary
+from lightning_gradhooks.core.records import Key, Kind, Summary
 
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
@@ -90,8 +90,8 @@ class Judge:
         return len(self._seen)
 
     def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
-        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.records.Summary`
-        (:func:`~lightning_gradhooks.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
+        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.core.records.Summary`
+        (:func:`~lightning_gradhooks.core.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
         in record order. Several calls for one step are merged (one step, counted once); a call
         for a later step judges the earlier ones. Statistics of a step already judged are
         ignored (a resume replays no step the report has seen)."""

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from lightning_gradhooks._text import counted
+from lightning_gradhooks.core._text import counted
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import PARAM_GROUP, Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.records import Key
+from lightning_gradhooks.core.records import Key
 
 #: A learning rate at most this share of its group's highest so far is cut (0, or tiny).
 LR_CUT = 1e-6

@@ -1,11 +1,11 @@
 """When the report raises a flag: :class:`Thresholds`, each field range-checked by
-:mod:`lightning_gradhooks._checks`. Pure Python."""
+:mod:`lightning_gradhooks.core._checks`. Pure Python."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from lightning_gradhooks._checks import check_int, check_number
+from lightning_gradhooks.core._checks import check_int, check_number
 
 
 @dataclass(frozen=True)

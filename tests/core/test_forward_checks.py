@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lightning_gradhooks.forward_checks import ForwardChecks, tensor_leaves
-from lightning_gradhooks.records import Kind
+from lightning_gradhooks.core.forward_checks import ForwardChecks, tensor_leaves
+from lightning_gradhooks.core.records import Kind
 
 
 class Pair(NamedTuple):

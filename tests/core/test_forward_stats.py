@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gradhooks import GradientMonitor
-from lightning_gradhooks.attention import CHUNK_ELEMENTS, max_logits
-from lightning_gradhooks.records import Kind, forward_values, step_summary
+from lightning_gradhooks.core.attention import CHUNK_ELEMENTS, max_logits
+from lightning_gradhooks.core.records import Kind, forward_values, step_summary
 
 
 def _logged(model: nn.Module, *inputs: torch.Tensor, steps: int = 2, **options):  # noqa: ANN202
@@ -114,7 +114,7 @@ def test_the_maximum_is_taken_in_query_chunks_and_is_the_same(monkeypatch):
     q, k = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 50, 8)
     mask = torch.rand(40, 50) > 0.3
     whole = max_logits(q, k, mask)
-    monkeypatch.setattr("lightning_gradhooks.attention.CHUNK_ELEMENTS", 2 * 3 * 50 * 7)  # 7 queries a chunk
+    monkeypatch.setattr("lightning_gradhooks.core.attention.CHUNK_ELEMENTS", 2 * 3 * 50 * 7)  # 7 queries a chunk
     assert torch.equal(max_logits(q, k, mask), whole)
     assert torch.allclose(whole, _by_hand(q, k, 8**-0.5, mask).float())
     assert CHUNK_ELEMENTS == 1 << 22

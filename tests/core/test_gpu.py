@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_gradhooks import GradientLog, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.stats import reduce
+from lightning_gradhooks.core.stats import reduce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

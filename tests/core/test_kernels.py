@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gradhooks import _kernels, stats
+from lightning_gradhooks.core import _kernels, stats
 
 
 def scaled(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import STATISTICS, GradientMonitor
-from lightning_gradhooks.monitor import Read, select_modules
+from lightning_gradhooks.core.monitor import Read, select_modules
 
 from conftest import calls_into_the_library, graph_nodes, hook_snapshot
 
@@ -456,7 +456,7 @@ def test_core_modules_never_import_lightning():
     assert done.returncode == 0, done.stdout + done.stderr
     from lightning_gradhooks import GradHooks  # the callback is still one import away
 
-    assert GradHooks.__module__ == "lightning_gradhooks.callback"
+    assert GradHooks.__module__ == "lightning_gradhooks.shell.callback"
 
 
 class LateBranch(nn.Module):
@@ -592,7 +592,7 @@ def test_hooks_stay_in_through_every_backward_until_collect():
 
 
 def test_forward_checks_name_the_module_where_nan_is_born():
-    from lightning_gradhooks.records import step_summary
+    from lightning_gradhooks.core.records import step_summary
     from lightning_gradhooks.health import nonfinite_origin
 
     net = model()
@@ -660,7 +660,7 @@ def test_a_with_arm_block_pauses_the_cyclic_garbage_collector_and_always_restore
 def test_scratch_memory_is_reused_between_logged_steps_bounded_and_freed_on_remove():
     """Buffers outlive a logged step only up to SCRATCH_KEPT elements each; reusing them changes
     no statistic; removing the hooks frees them."""
-    from lightning_gradhooks.stats import SCRATCH_KEPT, reduce
+    from lightning_gradhooks.core.stats import SCRATCH_KEPT, reduce
 
     class Big(nn.Module):  # a parameter reduced alone, into buffers too big to keep
         def __init__(self) -> None:
@@ -703,7 +703,7 @@ def test_an_armed_step_dispatches_at_most_5_extra_aten_ops_per_reduced_tensor(mo
     with the CPU's; a step that is not armed adds none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_gradhooks import stats
+    from lightning_gradhooks.core import stats
 
     class Count(TorchDispatchMode):
         ops = 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradhooks.planning import Planner, Read, select_modules
+from lightning_gradhooks.core.planning import Planner, Read, select_modules
 
 
 def net() -> nn.Sequential:

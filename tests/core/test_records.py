@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from lightning_gradhooks._tensorboard import SummaryReader, section, stats_value
-from lightning_gradhooks.records import (
+from lightning_gradhooks.log._tensorboard import SummaryReader, section, stats_value
+from lightning_gradhooks.core.records import (
     GRADIENT_KINDS, GradientEntry, GradientRecord, Histogram, Key, Kind, pool_entries, single_entry, step_summary,
 )
-from lightning_gradhooks.stats import STATISTICS, StatsRow, reduce
+from lightning_gradhooks.core.stats import STATISTICS, StatsRow, reduce
 
 
 def _entries(kind: Kind, name: str, tensors: list[torch.Tensor], bins: int = 8) -> GradientEntry:

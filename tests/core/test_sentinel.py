@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradhooks.sentinel import NonfiniteSentinel
+from lightning_gradhooks.core.sentinel import NonfiniteSentinel
 
 
 def chain() -> nn.Sequential:

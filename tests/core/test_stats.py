@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from lightning_gradhooks import stats
-from lightning_gradhooks.stats import (
+from lightning_gradhooks.core import stats
+from lightning_gradhooks.core.stats import (
     SIZES,
     STATISTICS,
     Reducer,

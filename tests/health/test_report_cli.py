@@ -137,7 +137,7 @@ def test_the_report_command_reads_the_compact_summary_whatever_is_charted(tmp_pa
     from pytorch_lightning.loggers import TensorBoardLogger
 
     from lightning_gradhooks import GradHooks
-    from lightning_gradhooks._tensorboard import STATS_TAG
+    from lightning_gradhooks.log._tensorboard import STATS_TAG
 
     import torch
     from conftest import MLP, loader

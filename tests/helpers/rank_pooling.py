@@ -16,7 +16,7 @@ from torch import nn
 
 from gloo_exit import finish
 from lightning_gradhooks import GradientMonitor
-from lightning_gradhooks.distributed import RankReducer
+from lightning_gradhooks.log.distributed import RankReducer
 
 
 class Net(nn.Module):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from gloo_exit import finish
 from lightning_gradhooks import GradientMonitor
-from lightning_gradhooks.distributed import RankReducer
+from lightning_gradhooks.log.distributed import RankReducer
 
 STEPS = 2
 

@@ -9,8 +9,8 @@ import pytest
 import torch.nn as nn
 
 from lightning_gradhooks.__main__ import _parser
-from lightning_gradhooks.monitor import select_modules
-from lightning_gradhooks._text import counted
+from lightning_gradhooks.core.monitor import select_modules
+from lightning_gradhooks.core._text import counted
 from lightning_gradhooks.health import HealthReport, Thresholds
 
 

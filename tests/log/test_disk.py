@@ -21,9 +21,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor
 from lightning_gradhooks.__main__ import main, read_folder
-from lightning_gradhooks._tensorboard import STATS_TAG, _record, histogram_values, write_step
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Key, Kind
-from lightning_gradhooks.stats import StatsRow, histogram_edges
+from lightning_gradhooks.log._tensorboard import STATS_TAG, _record, histogram_values, write_step
+from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Key, Kind
+from lightning_gradhooks.core.stats import StatsRow, histogram_edges
 
 from conftest import read_events
 from report_panel import without_noise

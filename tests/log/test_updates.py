@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradhooks.updates import UpdateTracker, unheld, unwrapped
+from lightning_gradhooks.log.updates import UpdateTracker, unheld, unwrapped
 
 
 def layer() -> nn.Linear:

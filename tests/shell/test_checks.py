@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import GradHooks, GradientMonitor, save_on_disk
-from lightning_gradhooks.monitor import select_modules
+from lightning_gradhooks.core.monitor import select_modules
 
 
 def model() -> nn.Sequential:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradhooks.stats import reduce
+from lightning_gradhooks.core.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
 from launch import run_script

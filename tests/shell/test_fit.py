@@ -6,7 +6,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks._fit import Fit
+from lightning_gradhooks.shell._fit import Fit
 
 from conftest import MLP, hook_snapshot, loader
 

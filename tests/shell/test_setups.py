@@ -5,7 +5,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.stats import STATISTICS, reduce
+from lightning_gradhooks.core.stats import STATISTICS, reduce
 
 from conftest import MLP, ManualGAN, hook_snapshot, loader, make_trainer, pooled_calls, read_events, tag
 

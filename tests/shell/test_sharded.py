@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradhooks.stats import reduce
+from lightning_gradhooks.core.stats import reduce
 
 from conftest import pooled_calls, read_events, tag
 from launch import run_script

@@ -9,7 +9,7 @@ gradient is read at most twice: once for the moments of its rows (:func:`row_mom
 for its histogram (:func:`row_histograms`). The two row functions are compiled by
 ``torch.compile`` into one kernel each (C++ on the CPU, Triton on GPUs) where a compiler is
 there, with a fixed set of shapes, and run as the same torch ops eagerly elsewhere
-(:mod:`lightning_gradhooks._kernels`). Only the sizes depend on the device (:data:`SIZES`).
+(:mod:`lightning_gradhooks.core._kernels`). Only the sizes depend on the device (:data:`SIZES`).
 
 The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
 finite minimum and maximum, zero count);
@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_gradhooks import _kernels
+from lightning_gradhooks.core import _kernels
 
 #: Names of the statistics, in the order of a statistics row.
 #: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
@@ -159,7 +159,7 @@ class Reducer:
         scratch: where batches are copied into; pass the same one every step to reuse its
             buffers (by default each reducer has its own).
         compiled: reduce with kernels compiled by ``torch.compile`` where a compiler is there
-            (:mod:`lightning_gradhooks._kernels`); False: the same torch ops, eagerly.
+            (:mod:`lightning_gradhooks.core._kernels`); False: the same torch ops, eagerly.
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer. A tensor that may still change after it is added (a module's output,
@@ -350,7 +350,7 @@ def row_moments(x: Tensor) -> Tensor:
     finite minimum and maximum, as one ``(rows, 7)`` tensor in float32 (float64 for float64).
 
     The first of the two reads of a gradient (:func:`reduce_batch`). Plain torch ops, fused
-    into one kernel by ``torch.compile`` (:mod:`lightning_gradhooks._kernels`).
+    into one kernel by ``torch.compile`` (:mod:`lightning_gradhooks.core._kernels`).
     """
     x = x.to(_compute_dtype(x.dtype))
     finite = x.isfinite()
@@ -389,7 +389,7 @@ def reduce_batch(
     read at most twice: once for the moments of each row (:func:`row_moments`), combined into
     those of each tensor with ``index_add`` (in float64; the variances of the rows by Chan's
     formula), and, for histograms, once more (:func:`row_histograms`). Both row functions are
-    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks._kernels`),
+    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks.core._kernels`),
     eager torch ops otherwise.
 
     Returns:

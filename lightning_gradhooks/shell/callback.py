@@ -1,7 +1,7 @@
 """``GradHooks``: the Lightning callback that logs per-module gradient statistics to TensorBoard.
 
 The shell decides *when* (logged steps, micro-batches, optimizers) and hands the *what* to the
-core and the log. Its state has two lifetimes: the fit's (:class:`~lightning_gradhooks._fit.Fit`;
+core and the log. Its state has two lifetimes: the fit's (:class:`~lightning_gradhooks.shell._fit.Fit`;
 the log is kept after fit) and the batch's (:class:`_BatchState`). One class per Lightning
 namespace: ``lightning_gradhooks.GradHooks``, ``lightning_gradhooks.lightning.GradHooks``.
 """
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning
 from typing_extensions import override
 
-from lightning_gradhooks import _trainer
-from lightning_gradhooks._checks import (
+from lightning_gradhooks.shell import _trainer
+from lightning_gradhooks.core._checks import (
     MAX_BINS, check_bool, check_choices, check_folder, check_int, check_needs, check_overrides, check_patterns,
 )
-from lightning_gradhooks._fit import Fit
+from lightning_gradhooks.shell._fit import Fit
 from lightning_gradhooks.log import (
     DEFAULT_HISTOGRAM_EVERY_N_STEPS, DEFAULT_STATISTICS, LOGGED_STATISTICS, GradientLog, LoggedStatistic,
 )
-from lightning_gradhooks.monitor import DEFAULT_BINS, GradientMonitor
+from lightning_gradhooks.core.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.records import GradientRecord
+from lightning_gradhooks.core.records import GradientRecord
 from lightning_gradhooks.health import Thresholds
 
 if TYPE_CHECKING:
@@ -67,11 +67,11 @@ class GradHooksLogic:
             logged step); default: rank 0's own. Sharded parameters are always pooled.
         report_thresholds: overrides of :class:`~lightning_gradhooks.health.Thresholds` fields.
         catch_nonfinite: check every step's gradients before the optimizer step and skip a step
-            with NaN/Inf (:class:`~lightning_gradhooks.sentinel.NonfiniteSentinel`), naming it.
+            with NaN/Inf (:class:`~lightning_gradhooks.core.sentinel.NonfiniteSentinel`), naming it.
         offload_fix_mmap_threshold: with CPU offload, fix glibc's mmap threshold so that offload
             lowers the peak (one INFO line says so).
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
-            (:mod:`lightning_gradhooks.noise`).
+            (:mod:`lightning_gradhooks.core.noise`).
         compile_statistics: reduce with kernels ``torch.compile`` builds once per process; False
             (or no compiler, said once at INFO): the same torch ops, eagerly.
         histogram_every_n_steps: histograms on the first logged step of each window of this many
@@ -81,7 +81,7 @@ class GradHooksLogic:
             gradients), charted in ``∇8 forward`` (:class:`~lightning_gradhooks.GradientMonitor`).
         attention_logits: on logged steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
-            (one more ``q·kᵀ`` per call, on logged steps only; :mod:`lightning_gradhooks.attention`);
+            (one more ``q·kᵀ`` per call, on logged steps only; :mod:`lightning_gradhooks.core.attention`);
             judged by the report's ``attention_logits`` flag. On by default.
 
     Raises:

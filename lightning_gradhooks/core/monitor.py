@@ -10,8 +10,8 @@ that a full backward hook wraps around every forward. Every hook is registered t
 public APIs (``register_forward_hook``, ``register_forward_pre_hook``, ``Node.register_prehook``,
 ``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
 :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
-in one transfer per device, as a :class:`~lightning_gradhooks.records.GradientRecord`.
-Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.planning`.
+in one transfer per device, as a :class:`~lightning_gradhooks.core.records.GradientRecord`.
+Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.core.planning`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-import lightning_gradhooks._shards as _shards
-from lightning_gradhooks._checks import MAX_BINS, check_bool, check_int
-from lightning_gradhooks._text import listed
-from lightning_gradhooks.attention import AttentionLogits
-from lightning_gradhooks.forward_checks import ForwardChecks, Hook, tensor_leaves
-from lightning_gradhooks.noise import NoiseProbe
-from lightning_gradhooks.planning import (
+import lightning_gradhooks.core._shards as _shards
+from lightning_gradhooks.core._checks import MAX_BINS, check_bool, check_int
+from lightning_gradhooks.core._text import listed
+from lightning_gradhooks.core.attention import AttentionLogits
+from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
+from lightning_gradhooks.core.noise import NoiseProbe
+from lightning_gradhooks.core.planning import (
     Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
 )
-from lightning_gradhooks.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
-from lightning_gradhooks.stats import Reducer, Scratch, StatsRow
+from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
+from lightning_gradhooks.core.stats import Reducer, Scratch, StatsRow
 
 __all__ = [
     "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",
@@ -161,7 +161,7 @@ class GradientMonitor:
         attention_logits: on armed steps, also measure the maximum attention logit of every
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, for the
             innermost module running the call (kind ``"attention_logit"``; one more ``q·kᵀ`` per
-            call, in chunks of queries; see :mod:`lightning_gradhooks.attention`; keyword only; on
+            call, in chunks of queries; see :mod:`lightning_gradhooks.core.attention`; keyword only; on
             by default).
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
@@ -259,7 +259,7 @@ class GradientMonitor:
         self._handle: MonitorHandle | None = None
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
         check_bool("noise_scale", noise_scale)
-        #: The :class:`~lightning_gradhooks.noise.NoiseProbe`, armed and collected with the
+        #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
         self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
 
@@ -379,7 +379,7 @@ class GradientMonitor:
     @property
     def scratch_bytes(self) -> int:
         """Memory the monitor keeps between logged steps to reduce the next one into, on the
-        gradients' devices: buffers of at most :data:`~lightning_gradhooks.stats.SCRATCH_KEPT`
+        gradients' devices: buffers of at most :data:`~lightning_gradhooks.core.stats.SCRATCH_KEPT`
         elements each (a fresh buffer of megabytes costs more in page faults than its
         reduction). Freed when the hooks are removed."""
         return self._scratch.nbytes
@@ -419,7 +419,7 @@ class GradientMonitor:
 
         ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
         passes accumulated into the step) tell the noise probe where its two batches come from
-        (see :mod:`lightning_gradhooks.noise`); ``noise=False`` leaves the noise probe out of this
+        (see :mod:`lightning_gradhooks.core.noise`); ``noise=False`` leaves the noise probe out of this
         step (one noise sample a step: that of its first optimizer).
         """
         if not check_bool("when", when):
@@ -636,7 +636,7 @@ class GradientMonitor:
     def sharded(self) -> list[str]:
         """Names of the parameters whose gradient each rank holds a piece of (``DTensor``
         parameters, FSDP1 ``use_orig_params`` views): their statistics need every rank's piece
-        (:class:`~lightning_gradhooks.distributed.RankReducer`)."""
+        (:class:`~lightning_gradhooks.log.distributed.RankReducer`)."""
         return self._sharded(self.parameters)
 
     def _sharded(self, parameters: dict[str, nn.Parameter]) -> list[str]:

@@ -58,15 +58,15 @@ from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-from lightning_gradhooks.records import (
+from lightning_gradhooks.core.records import (
     ACTIVATION_KINDS, FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Key, Kind, Summary, forward_values,
 )
-from lightning_gradhooks.stats import STATISTICS, histogram_edges
+from lightning_gradhooks.core.stats import STATISTICS, histogram_edges
 
 
 #: The first section of ours: the total gradient norm, the non-finite total, the flow picture.
 OVERVIEW = "∇1 overview"
-#: The image of :class:`~lightning_gradhooks.flow.GradientFlow`.
+#: The image of :class:`~lightning_gradhooks.log.flow.GradientFlow`.
 FLOW_TAG = f"{OVERVIEW}/gradient_flow"
 #: Every histogram, ``∇6 histograms/<kind>/<name>``.
 HISTOGRAMS = "∇6 histograms"
@@ -76,7 +76,7 @@ _NUMBERS = {(Kind.GRAD_OUTPUT, "norm"): 2, (Kind.GRAD_INPUT, "norm"): 3, (Kind.P
 
 #: The section of the forward statistics: what is charted of each ``output`` and ``attention_logit`` entry.
 FORWARD = "∇8 forward"
-#: The charted statistic of each forward kind (:func:`~lightning_gradhooks.records.forward_values`).
+#: The charted statistic of each forward kind (:func:`~lightning_gradhooks.core.records.forward_values`).
 FORWARD_CHARTS = {Kind.OUTPUT: "rms", Kind.ATTENTION_LOGIT: "max"}
 
 
@@ -163,7 +163,7 @@ _BIG_ENDIAN = sys.byteorder == "big"  # TensorProto's tensor_content is little-e
 
 
 def stats_value(stats: Summary, layouts: dict[Layout, int] | None = None) -> SummaryProto.Value:
-    """One step's :data:`~lightning_gradhooks.records.Summary` as one summary value under
+    """One step's :data:`~lightning_gradhooks.core.records.Summary` as one summary value under
     :data:`STATS_TAG`: its numbers as a float64 tensor, and in the plugin data the number of its
     layout (``{"v": 2, "id": n}``), with the layout itself (``"keys": [[kind, label,
     [statistic, ...]], ...]``) the first time.

@@ -1,7 +1,7 @@
 """What the monitor hands back: :class:`GradientRecord`, :class:`GradientEntry`, :class:`Histogram`,
 and the one shape a step's statistics take on their way to the writers, the report and the CLI.
 
-A record's entries hold their statistics as a :class:`~lightning_gradhooks.stats.StatsRow`.
+A record's entries hold their statistics as a :class:`~lightning_gradhooks.core.stats.StatsRow`.
 :func:`step_summary` turns a step into its *summary*, ``{Key: {statistic: value}}``: what every
 logged step writes to TensorBoard (``gradhooks/stats``), what the health report judges and what the
 ``report`` command reads back. A :class:`Key` names an entry by :class:`Kind`, name and, with
@@ -20,10 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_gradhooks.stats import STATISTICS, StatsRow, merge_histograms, pool_stats
+from lightning_gradhooks.core.stats import STATISTICS, StatsRow, merge_histograms, pool_stats
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.noise import NoiseSample
+    from lightning_gradhooks.core.noise import NoiseSample
 
 
 class Kind(enum.StrEnum):
@@ -142,7 +142,7 @@ class GradientEntry:
         name: the module's qualified name, or the parameter's. A module with several output
             (or input) tensors gives one entry per tensor, named by its position or key in the
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
-        stats: the statistics (:class:`~lightning_gradhooks.stats.StatsRow`: ``stats.norm``,
+        stats: the statistics (:class:`~lightning_gradhooks.core.stats.StatsRow`: ``stats.norm``,
             ``stats.count``, ...), over the finite elements.
         histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
         calls: how many gradients were pooled into this entry. A module called several times
@@ -186,7 +186,7 @@ class GradientRecord:
         skipped: chosen parameters that gave no entry, with the reason.
         bins: the monitor's histogram bin count.
         noise: what the step's gradient noise scale is estimated from
-            (:class:`~lightning_gradhooks.noise.NoiseSample`); None when not measured.
+            (:class:`~lightning_gradhooks.core.noise.NoiseSample`); None when not measured.
     """
 
     entries: list[GradientEntry] = field(default_factory=list)
@@ -257,7 +257,7 @@ def step_summary(
         optimizer: the optimizer index of the names below (``record``'s entries carry their own).
         unowned: parameters that get a gradient but that no optimizer holds (``in_optimizer`` 0).
         updates: the optimizer step's ``{parameter: (update_ratio, param_norm)}``, or
-            :class:`~lightning_gradhooks.updates.Update` with its param group, the group's
+            :class:`~lightning_gradhooks.log.updates.Update` with its param group, the group's
             learning rate and whether it had a gradient (``no_gradient`` 1 when not).
         caught: parameters whose non-finite gradient the sentinel caught, of ``checked``.
         noise: the noise scale's raw estimates (:meth:`NoiseSample.stats`).
@@ -304,7 +304,7 @@ def forward_values(kind: Kind, row: StatsRow) -> dict[str, float]:
 
     Example:
         >>> import torch
-        >>> from lightning_gradhooks.stats import reduce
+        >>> from lightning_gradhooks.core.stats import reduce
         >>> (row, _), = reduce([torch.tensor([3.0, -4.0])])
         >>> forward_values(Kind.OUTPUT, row)
         {'rms': 3.5355339059327378, 'outlier': 1.131370849898476}

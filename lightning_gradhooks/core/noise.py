@@ -79,9 +79,9 @@ from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
-import lightning_gradhooks._shards as _shards
-from lightning_gradhooks._checks import check_int
-from lightning_gradhooks.records import Key, Kind
+import lightning_gradhooks.core._shards as _shards
+from lightning_gradhooks.core._checks import check_int
+from lightning_gradhooks.core.records import Key, Kind
 
 #: Random vectors of the sketch of a per-example norm on a 3-D (sequence) input of a Linear.
 SKETCH_VECTORS = 4

@@ -1,6 +1,6 @@
 """The statistics' kernels compiled once per process with ``torch.compile``, or run eagerly.
 
-:func:`run` calls one of :mod:`~lightning_gradhooks.stats`' row functions (plain torch ops) on a
+:func:`run` calls one of :mod:`~lightning_gradhooks.core.stats`' row functions (plain torch ops) on a
 block of rows. Where Inductor can compile for the block's device (a C++ compiler on the CPU,
 Triton on CUDA) the function is compiled once per process, with the row count dynamic, so a
 process compiles one kernel per function and dtype whatever the model (and a second one when a

@@ -1,14 +1,14 @@
 """``GradientLog``: everything after :meth:`GradientMonitor.collect`, in any training loop.
 
-A :class:`GradientLog` takes one :class:`~lightning_gradhooks.records.GradientRecord` per logged
+A :class:`GradientLog` takes one :class:`~lightning_gradhooks.core.records.GradientRecord` per logged
 step and owns what follows from it: the histogram cadence (:meth:`GradientLog.arm`), the
 warning that names where NaN/Inf were born and the health report. The rest are units it calls:
-:class:`~lightning_gradhooks.distributed.RankPooling` pools a record over the ranks of a
-distributed job, :class:`~lightning_gradhooks.updates.UpdateRatios` measures the optimizer
-steps, :class:`~lightning_gradhooks.noise.NoiseScale` smooths the noise scale,
-:class:`~lightning_gradhooks.flow.GradientFlow` keeps the flow picture; and every step, a
+:class:`~lightning_gradhooks.log.distributed.RankPooling` pools a record over the ranks of a
+distributed job, :class:`~lightning_gradhooks.log.updates.UpdateRatios` measures the optimizer
+steps, :class:`~lightning_gradhooks.core.noise.NoiseScale` smooths the noise scale,
+:class:`~lightning_gradhooks.log.flow.GradientFlow` keeps the flow picture; and every step, a
 record's, its update ratios or a caught one, goes out one way, through
-:class:`~lightning_gradhooks.writers.Writers` to every writer and on to the report. It never
+:class:`~lightning_gradhooks.log.writers.Writers` to every writer and on to the report. It never
 imports Lightning: the ``GradHooks`` callback is a thin shell that decides *when* and hands the
 records to one of these.
 
@@ -42,20 +42,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_gradhooks._checks import check_choices, check_instance, check_int, check_number
-from lightning_gradhooks._tensorboard import FLOW_TAG, OVERVIEW, UPDATE_SECTIONS, scalar_metrics
-from lightning_gradhooks._text import listed
-from lightning_gradhooks.distributed import RankPooling, rank
-from lightning_gradhooks.flow import GradientFlow, have_matplotlib
+from lightning_gradhooks.core._checks import check_choices, check_instance, check_int, check_number
+from lightning_gradhooks.log._tensorboard import FLOW_TAG, OVERVIEW, UPDATE_SECTIONS, scalar_metrics
+from lightning_gradhooks.core._text import listed
+from lightning_gradhooks.log.distributed import RankPooling, rank
+from lightning_gradhooks.log.flow import GradientFlow, have_matplotlib
 from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
-from lightning_gradhooks.noise import NoiseScale
-from lightning_gradhooks.records import GradientRecord, Key, Kind, Summary, step_summary
-from lightning_gradhooks.stats import STATISTICS, Statistic
-from lightning_gradhooks.updates import UpdateRatios
-from lightning_gradhooks.writers import Writers
+from lightning_gradhooks.core.noise import NoiseScale
+from lightning_gradhooks.core.records import GradientRecord, Key, Kind, Summary, step_summary
+from lightning_gradhooks.core.stats import STATISTICS, Statistic
+from lightning_gradhooks.log.updates import UpdateRatios
+from lightning_gradhooks.log.writers import Writers
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.monitor import GradientMonitor, _Armed
+    from lightning_gradhooks.core.monitor import GradientMonitor, _Armed
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -84,7 +84,7 @@ class GradientLog:
 
     In a distributed job every rank calls :meth:`write` at the same steps: the records are
     pooled over the ranks there (the hook statistics with ``sync_dist``, the pieces of sharded
-    parameters always, see :class:`~lightning_gradhooks.distributed.RankReducer`), and only
+    parameters always, see :class:`~lightning_gradhooks.log.distributed.RankReducer`), and only
     rank 0 writes, warns and reports.
 
     Args:
@@ -233,7 +233,7 @@ class GradientLog:
             self._write_record(record, step, labelled, scalars or {}, histograms)
 
     def write_caught(self, step: int, names: Sequence[str], checked: int) -> None:
-        """Write that :class:`~lightning_gradhooks.sentinel.NonfiniteSentinel` caught non-finite
+        """Write that :class:`~lightning_gradhooks.core.sentinel.NonfiniteSentinel` caught non-finite
         gradients at ``step`` (a step that need not be logged), before the optimizer step:
         ``names`` as it returned them (the one nearest the loss last), of ``checked``
         parameters with a gradient. The report and the

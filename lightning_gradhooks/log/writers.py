@@ -1,13 +1,13 @@
 """``Writers``: the one way a logged step reaches every writer of a :class:`~lightning_gradhooks.log.GradientLog`.
 
 Every step the log writes, a record's, the update ratios measured after it, or a step that
-:class:`~lightning_gradhooks.sentinel.NonfiniteSentinel` caught, goes through :meth:`Writers.send`
+:class:`~lightning_gradhooks.core.sentinel.NonfiniteSentinel` caught, goes through :meth:`Writers.send`
 as the same three things: the scalars to chart, the step's compact summary and, when it has
 them, the record (for the histograms and the custom-scalars layout). What each kind of writer
 takes of them is decided here, once:
 
 - a ``torch.utils.tensorboard.SummaryWriter``: everything, in one event per step
-  (:func:`~lightning_gradhooks._tensorboard.write_step`), the layout at the first record;
+  (:func:`~lightning_gradhooks.log._tensorboard.write_step`), the layout at the first record;
 - a Lightning ``WandbLogger``: the scalars, under the TensorBoard tags, and the histograms as
   ``wandb.Histogram`` values;
 - any other object with ``log_metrics(metrics, step)`` (CSV, MLflow, ...): a table of columns,
@@ -22,10 +22,10 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gradhooks._tensorboard import FORWARD, NORM_SECTIONS, OVERVIEW, histogram_tag, write_step
-from lightning_gradhooks.flow import custom_scalars_layout
-from lightning_gradhooks.records import GradientRecord, Summary
-from lightning_gradhooks.stats import histogram_edges
+from lightning_gradhooks.log._tensorboard import FORWARD, NORM_SECTIONS, OVERVIEW, histogram_tag, write_step
+from lightning_gradhooks.log.flow import custom_scalars_layout
+from lightning_gradhooks.core.records import GradientRecord, Summary
+from lightning_gradhooks.core.stats import histogram_edges
 
 #: The tag of the health report in TensorBoard's Text tab and in W&B.
 REPORT_TAG = "gradhooks/health_report"

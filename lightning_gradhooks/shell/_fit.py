@@ -10,13 +10,13 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 
-from lightning_gradhooks import _trainer
-from lightning_gradhooks._text import listed
+from lightning_gradhooks.shell import _trainer
+from lightning_gradhooks.core._text import listed
 from lightning_gradhooks.log import GradientLog
-from lightning_gradhooks.monitor import GradientMonitor
+from lightning_gradhooks.core.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.sentinel import NonfiniteSentinel
-from lightning_gradhooks.updates import unwrapped
+from lightning_gradhooks.core.sentinel import NonfiniteSentinel
+from lightning_gradhooks.log.updates import unwrapped
 
 
 class Fit:

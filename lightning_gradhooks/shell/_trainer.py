@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from lightning_gradhooks.updates import unheld, unwrapped
+from lightning_gradhooks.log.updates import unheld, unwrapped
 
 
 def tensorboard_loggers(trainer: Any) -> list[Any]:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, redispatch_function
 
-from lightning_gradhooks.records import Kind
+from lightning_gradhooks.core.records import Kind
 
 #: Logits held at once per chunk of queries (16 MiB in float32).
 CHUNK_ELEMENTS = 1 << 22

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from lightning_gradhooks._checks import check_patterns
-from lightning_gradhooks.forward_checks import tensor_leaves
+from lightning_gradhooks.core._checks import check_patterns
+from lightning_gradhooks.core.forward_checks import tensor_leaves
 
 __all__ = ["Plan", "Planner", "Read", "select_modules"]
 

@@ -2,13 +2,13 @@
 
 Each rank's hooks see the gradients of its own shard of the batch. :class:`RankReducer` pools
 them into the statistics of the whole global batch, with the same rule that pools the calls of
-a module (:attr:`~lightning_gradhooks.records.GradientEntry.calls`): as if the gradients of all
+a module (:attr:`~lightning_gradhooks.core.records.GradientEntry.calls`): as if the gradients of all
 ranks were one concatenated tensor. It costs one ``all_gather`` per logged step, of one flat
 tensor holding every entry, called after backward and never from inside a hook.
 
 Sharded parameters (``DTensor`` parameters of FSDP2 and tensor parallelism, FSDP1
 ``use_orig_params`` views) are pooled in the same gather: each rank reduced its own piece of the
-gradient (one rank per group of replicas, see :mod:`lightning_gradhooks._shards`), and the
+gradient (one rank per group of replicas, see :mod:`lightning_gradhooks.core._shards`), and the
 pieces partition the whole, so the pooled entry is that of the full logical gradient.
 
 The ranks agree on the list of names (the layout of the flat tensor) at the first step with
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks.records import GradientRecord, Kind, pool_entries
-from lightning_gradhooks.stats import STATS_WIDTH, StatsRow
+from lightning_gradhooks.core.records import GradientRecord, Kind, pool_entries
+from lightning_gradhooks.core.stats import STATS_WIDTH, StatsRow
 
 # The flat tensor starts with how many names this rank has outside the layout and the layout's
 # checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag,
@@ -74,7 +74,7 @@ class RankReducer:
         Args:
             record: this rank's record.
             sharded: names of the parameters whose gradient each rank holds a piece of
-                (:attr:`~lightning_gradhooks.monitor.GradientMonitor.sharded`); the same list on
+                (:attr:`~lightning_gradhooks.core.monitor.GradientMonitor.sharded`); the same list on
                 every rank, whether or not this rank reduced a piece of them.
 
         Returns:
