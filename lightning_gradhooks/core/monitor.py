@@ -180,7 +180,7 @@ class GradientMonitor:
         ...             model(torch.randn(16, 4)).sum().backward()
         ...             record = monitor.collect()
         >>> [f"{e.kind} {e.name}" for e in record.entries][:4]
-        ['grad_output 2', 'grad_input 2', 'grad_output 0', 'param_grad 0.weight']
+        ['output 0', 'output 2', 'grad_output 2', 'grad_input 2']
     """
 
     def __init__(
