@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import gc
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -130,6 +130,17 @@ class _Armed:
 
 
 
+
+def _frozen(model: nn.Module, chosen: Mapping[str, nn.Module]) -> list[str]:
+    """Modules left out because they own parameters and none of them requires grad."""
+    return [
+        _label(name)
+        for name, module in _named_modules(model).items()
+        if name not in chosen
+        and list(module.parameters(recurse=False))
+        and not any(p.requires_grad for p in module.parameters(recurse=False))
+    ]
+
 class GradientMonitor:
     """Collects per-module gradient statistics: each module's ``grad_output`` and ``grad_input``
     (what a full backward hook receives) and its parameters' gradients.
@@ -207,13 +218,7 @@ class GradientMonitor:
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
-        self.frozen = [
-            _label(name)
-            for name, module in _named_modules(model).items()
-            if name not in self.modules
-            and list(module.parameters(recurse=False))
-            and not any(p.requires_grad for p in module.parameters(recurse=False))
-        ]
+        self.frozen = _frozen(model, self.modules)
         # Module hooks in compiled code make Dynamo break the graph around every hooked module
         # (and leave the degraded code in its cache): modules there get no hooks, and report
         # their parameter gradients only.
@@ -233,20 +238,7 @@ class GradientMonitor:
         self.compile_statistics = compile_statistics
         self._model = model
         self._with_parameters = parameters
-        # With forward checks, every other module (parameterless ones too) gets a forward hook
-        # on armed steps that checks its inputs and outputs only: a NaN is named where it is made.
-        unmonitored = {_label(name): module for name, module in _named_modules(model).items()
-                       if _label(name) not in self._hooked and id(module) not in compiled}
-        self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
-            if forward_checks else None
-        self.activations = activations  # the watched modules' outputs, read by their forward hook (_watch_outputs)
-        self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
-        labels = {_label(name): module for name, module in _named_modules(model).items()}
-        self._attention = AttentionLogits(
-            {label: m for label, m in labels.items() if id(m) not in compiled},
-            {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
-            [m for m in model.modules() if _is_compile_wrapper(m)],
-        ) if attention_logits else None
+        self._read_forward(model, compiled, forward_checks, activations, attention_logits)
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -264,6 +256,23 @@ class GradientMonitor:
         self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    def _read_forward(self, model: nn.Module, compiled: set[int], forward_checks: bool, activations: bool,
+                       attention_logits: bool) -> None:
+        """What the monitor reads of the forward pass on armed steps."""
+        # With forward checks, every other module (parameterless ones too) gets a forward hook
+        # on armed steps that checks its inputs and outputs only: a NaN is named where it is made.
+        labels = {_label(name): module for name, module in _named_modules(model).items()}
+        unmonitored = {label: m for label, m in labels.items() if label not in self._hooked and id(m) not in compiled}
+        self._checks = ForwardChecks(model, unmonitored, self._reduce, lambda: self._armed, ROOT_NAME) \
+            if forward_checks else None
+        self.activations = activations  # the watched modules' outputs, read by their forward hook (_watch_outputs)
+        self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
+        self._attention = AttentionLogits(
+            {label: m for label, m in labels.items() if id(m) not in compiled},
+            {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
+            [m for m in model.modules() if _is_compile_wrapper(m)],
+        ) if attention_logits else None
     def attach(self) -> MonitorHandle:
         """Prepare the hooks and return the handle that removes all of them (and disarms).
 
