@@ -234,6 +234,7 @@ class GradientMonitor:
                 stacklevel=2,
             )
         self.histograms = histograms
+        self._step_histograms = histograms  # this armed step's (arm(histograms=))
         self.bins = bins
         self.compile_statistics = compile_statistics
         self._model = model
@@ -399,7 +400,7 @@ class GradientMonitor:
         return bool(self._pending)
 
     def arm(self, when: bool = True, *, batch_size: int | None = None, accumulation: int = 1,
-            noise: bool = True) -> _Armed:
+            noise: bool = True, histograms: bool | None = None) -> _Armed:
         """Put the hooks in and make them collect until :meth:`collect` or :meth:`disarm`.
 
         Arm before the forward of the step to log; for gradient accumulation, once before the
@@ -429,8 +430,12 @@ class GradientMonitor:
         ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
         passes accumulated into the step) tell the noise probe where its two batches come from
         (see :mod:`lightning_gradhooks.core.noise`); ``noise=False`` leaves the noise probe out of this
-        step (one noise sample a step: that of its first optimizer).
+        step (one noise sample a step: that of its first optimizer). ``histograms=False`` leaves
+        histograms out of this step (a log's cadence: :meth:`GradientLog.arm`); None (the
+        default) follows the monitor's ``histograms``.
         """
+        if histograms is not None and not isinstance(histograms, bool):
+            raise ValueError(f"`histograms` expected True, False or None, got {histograms!r}")
         if not check_bool("when", when):
             return _Armed(self, None)
         if self._armed:
@@ -444,6 +449,7 @@ class GradientMonitor:
             )
             self.disarm()
         self._armed = True
+        self._step_histograms = self.histograms and histograms is not False
         if self._handle is not None and self._handle.active:
             # Registering makes a few objects per module: without the pause, a full collection
             # of the process's objects can fall inside it (measured: 6 -> 58 µs per module).
@@ -513,10 +519,10 @@ class GradientMonitor:
         if isinstance(output, Tensor):
             if output.requires_grad:
                 noise = None if self.noise is None else self.noise.saw(module, args, output)
-                self._hook(output, Kind.GRAD_OUTPUT, name, self.histograms, noise)
+                self._hook(output, Kind.GRAD_OUTPUT, name, self._step_histograms, noise)
         else:
             for path, t in _grad_tensors(output):
-                self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self.histograms)
+                self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self._step_histograms)
 
     def _watch_outputs(self, name: str, output: Any) -> None:
         """The floating outputs of a watched module (``activations``): a row per tensor
@@ -664,7 +670,7 @@ class GradientMonitor:
             if reason is not None:
                 self.skipped[name] = reason
             elif piece is not None:
-                self._reduce(Kind.PARAM_GRAD, name, piece, self.histograms, into)
+                self._reduce(Kind.PARAM_GRAD, name, piece, self._step_histograms, into)
         return chosen
 
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:

@@ -181,8 +181,7 @@ class GradientLog:
         """Arm ``monitor`` (:meth:`GradientMonitor.arm`) for the step to be logged at ``step``,
         counting histograms only where this log writes them (:meth:`histograms_due`): the one
         place the histogram cadence reaches the monitor. Returns what ``monitor.arm`` returns."""
-        monitor.histograms = self.histograms_due(step)
-        return monitor.arm(batch_size=batch_size, accumulation=accumulation)
+        return monitor.arm(batch_size=batch_size, accumulation=accumulation, histograms=self.histograms_due(step))
 
     def write(
         self,

@@ -172,6 +172,21 @@ def test_a_monitor_armed_by_the_log_counts_histograms_on_their_steps_only(tmp_pa
             log.write(record, step)
     log.close()
     assert counted == [True, False, True, False]
+    assert monitor.histograms  # the cadence is the step's, given to arm(): the monitor's own choice stays
+
+
+def test_arm_histograms_false_leaves_them_out_of_that_step_only():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    monitor = GradientMonitor(model)
+    counted = []
+    with monitor.attach():
+        for histograms in (False, None, True):
+            with monitor.arm(histograms=histograms):
+                model(torch.randn(16, 4)).square().mean().backward()
+                counted.append(any(e.histogram is not None for e in monitor.collect().entries))
+    assert counted == [False, True, True]
+    with pytest.raises(ValueError, match="`histograms` expected True, False or None, got 1"):
+        monitor.arm(histograms=1)
 
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, True, None, "10"])
