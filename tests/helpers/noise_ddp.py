@@ -39,24 +39,29 @@ class Facts(pl.Callback):
             (self.out / "facts.json").write_text(json.dumps(facts))
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    pl.seed_everything(0, verbose=False)
-    model, x, y = models()["mlp"]
-    gradhooks = GradHooks(every_n_steps=1, histograms=False, compile_statistics=False)  # eager: see ddp_train.py
-    trainer = pl.Trainer(
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+def trainer(out: Path, strategy: object, gradhooks: GradHooks, steps: int = STEPS) -> pl.Trainer:
+    """Two CPU ranks under ``strategy``, ``steps`` steps, every one logged into ``out``, ``Facts`` written there."""
+    return pl.Trainer(
+        strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_steps=STEPS,
+        max_steps=steps,
         logger=TensorBoardLogger(str(out), name="logs"),
         callbacks=[Facts(out, gradhooks), gradhooks],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
     )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    pl.seed_everything(0, verbose=False)
+    model, x, y = models()["mlp"]
+    gradhooks = GradHooks(every_n_steps=1, histograms=False, compile_statistics=False)  # eager: see ddp_train.py
+    fit = trainer(out, DDPStrategy(timeout=timedelta(seconds=60)), gradhooks)
     # Lightning gives each rank its own half, shuffled (a DistributedSampler)
-    trainer.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+    fit.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
     finish()
 
 

@@ -14,7 +14,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytorch_lightning as pl
-from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gloo_exit import finish
 from lightning_gradhooks import GradHooks
-from noise_ddp import Facts
+from noise_ddp import trainer
 from test_noise import Fit, models
 
 STEPS = 16
@@ -51,22 +50,12 @@ def main() -> None:
     out, mode, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     pl.seed_everything(0, verbose=False)
     model, x, y = models()[name]
-    gradhooks = GradHooks(every_n_steps=1, histograms=False)
+    gradhooks = GradHooks(every_n_steps=1, histograms=False, compile_statistics=False)  # eager: see ddp_train.py
     fsdp = mode == "fsdp2"
-    trainer = pl.Trainer(
-        strategy=ModelParallelStrategy(data_parallel_size=2 if fsdp else 1, tensor_parallel_size=1 if fsdp else 2,
-                                       timeout=timedelta(seconds=60)),
-        accelerator="cpu",
-        devices=2,
-        max_steps=STEPS,
-        logger=TensorBoardLogger(str(out), name="logs"),
-        callbacks=[Facts(out, gradhooks), gradhooks],
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    fit = trainer(out, ModelParallelStrategy(data_parallel_size=2 if fsdp else 1, tensor_parallel_size=1 if fsdp else 2,
+                                             timeout=timedelta(seconds=60)), gradhooks, STEPS)
     # FSDP2: each rank its own half, shuffled (a DistributedSampler); TP: both ranks the same batches
-    trainer.fit(Sharded(model, mode), DataLoader(TensorDataset(x, y), batch_size=16 if fsdp else 32, shuffle=True))
+    fit.fit(Sharded(model, mode), DataLoader(TensorDataset(x, y), batch_size=16 if fsdp else 32, shuffle=True))
     finish()
 
 

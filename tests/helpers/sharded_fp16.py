@@ -46,7 +46,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
     data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
-    gradhooks = GradHooks(every_n_steps=1, sync_dist=True, histograms=False, noise_scale=False)
+    gradhooks = GradHooks(every_n_steps=1, sync_dist=True, histograms=False, noise_scale=False,
+                          compile_statistics=False)  # eager: see ddp_train.py
     scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 24)
     trainer = pl.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=60)),
