@@ -545,11 +545,12 @@ class GradientMonitor:
         batched instead; elsewhere the output itself, its version counter checked when read.
         (Outside the attention mode: a batch that fills up runs the compiled kernels.)"""
         copy = module in self._copied or self._planner.probing
-        if self._attention is None:
-            self._reduce(Kind.OUTPUT, label, t.detach().clone() if copy else t, False, watch=not copy)
+        t = t.detach().clone() if copy else t
+        if self._attention is None:  # no context manager on the common path
+            self._reduce(Kind.OUTPUT, label, t, False, watch=not copy)
             return
         with self._attention.outside():
-            self._reduce(Kind.OUTPUT, label, t.detach().clone() if copy else t, False, watch=not copy)
+            self._reduce(Kind.OUTPUT, label, t, False, watch=not copy)
 
     def _hook(self, t: Tensor, kind: Kind, label: str, histogram: bool,
               noise: Callable[[Tensor], None] | None = None) -> None:
