@@ -1,7 +1,10 @@
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import read_events
 
@@ -11,9 +14,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 EAGER = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
 
 
-def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
+def test_digits_example_trains_tells_where_the_logs_are_and_what_went_to_disk(tmp_path):
+    # One run, with --offload (the example's two modes differ only in offload_threshold_bytes).
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs"],
+        [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs", "--offload"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=EAGER,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -27,17 +31,21 @@ def test_digits_example_trains_and_tells_where_the_logs_are(tmp_path):
     # The report is printed once, by the callback, through the progress bar (not inside its redraw).
     assert done.stdout.count("no gradient problems seen in 3 logged steps.") == 1
     assert "python -m lightning_gradhooks report runs" in done.stdout
-
-
-def test_digits_example_with_offload_prints_what_went_to_disk_and_refuses_bad_values(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs", "--offload"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=EAGER,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
     assert "Offload: " in done.stdout and "MiB of saved activations went to disk" in done.stdout
-    bad = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "-1"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "argument --epochs: expected a positive integer, got '-1'" in bad.stderr
-    assert "Traceback" not in bad.stderr
-    helped = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True, timeout=60)
-    assert "(default: 10)" in helped.stdout and "--offload" in helped.stdout
+
+
+def _example(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
+    """The example's command line in this process (its parser runs before any work): exit code, out, err."""
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), *argv])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def test_the_example_refuses_bad_values_and_documents_its_options(capsys, monkeypatch):
+    code, _, err = _example(capsys, monkeypatch, "--epochs", "-1")
+    assert code == 2 and "argument --epochs: expected a positive integer, got '-1'" in err
+    assert "Traceback" not in err
+    code, out, _ = _example(capsys, monkeypatch, "--help")
+    assert code == 0 and "(default: 10)" in out and "--offload" in out

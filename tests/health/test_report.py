@@ -230,7 +230,7 @@ def test_report_command_reads_a_real_log_folder_and_honours_fail_on(tmp_path):
         net[2].bias.fill_(-50.0)
     _, report = fit_report(tmp_path, Net(net))
     logdir = str(tmp_path / "logs")
-    printed = run_cli("report", logdir)
+    printed = run_here("report", logdir)
     assert printed.returncode == 0, printed.stderr
     # The same report as the callback printed, line for line.
     assert without_noise(printed.stdout.split("\n", 1)[1]).rstrip("\n") == report.table()

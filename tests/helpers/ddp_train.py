@@ -66,8 +66,8 @@ class Reference(pl.Callback):
             (self.out / "report.txt").write_text(self.gradhooks.gradient_log.report.table())
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+def fit(out: Path, mode: str) -> None:
+    out.mkdir(exist_ok=True)
     (out / "offload").mkdir(exist_ok=True)  # offload_dir must exist; both ranks share it
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
@@ -88,6 +88,14 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Net(1 if mode == "nan" else None), DataLoader(data, batch_size=8))
+
+
+def main() -> None:
+    """Each mode of ``MODE,MODE...`` in turn, into ``OUT/MODE``: one pair of processes for all (the
+    second fit finds the ranks and the process group of the first)."""
+    out, modes = Path(sys.argv[1]), sys.argv[2].split(",")
+    for mode in modes:
+        fit(out / mode, mode)
     finish()
 
 

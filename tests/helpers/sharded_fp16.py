@@ -1,9 +1,8 @@
 """FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``, 2 gloo ranks on the CPU) under
 fp16 autocast with FSDP2's ``ShardedGradScaler``, whose scale starts too high (2^24): rank 0
-writes the report it printed to ``OUT/report.txt``. Run by ``tests/shell/test_sharded.py`` as
-``python sharded_fp16.py OUT``."""
+writes the report it printed to ``OUT/report.txt``. Run by ``tests/shell/test_sharded.py`` through
+``python sharded_train.py OUT_DIR fp16`` (:func:`fit`)."""
 
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, TensorDataset
 
-from gloo_exit import finish
 from lightning_gradhooks import GradHooks
 
 
@@ -40,8 +38,8 @@ class Net(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def fit(out: Path) -> None:
+    out.mkdir(exist_ok=True)
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
@@ -59,8 +57,3 @@ def main() -> None:
     if trainer.global_rank == 0:
         (out / "report.txt").write_text(gradhooks.gradient_log.report.table())
         (out / "log_dir.txt").write_text(trainer.logger.log_dir)
-    finish()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,14 @@
 """Trains a small model with Lightning's ``ModelParallelStrategy`` on CPU (gloo, two processes).
 
-Run by ``tests/shell/test_sharded.py`` as ``python sharded_train.py OUT_DIR MODE``: ``fsdp2``
+Run by ``tests/shell/test_sharded.py`` as ``python sharded_train.py OUT_DIR MODE,MODE...``, each
+mode into ``OUT_DIR/MODE``, one after the other in one pair of processes: ``fsdp2``
 (``fully_shard`` in ``configure_model``, data parallel 2, ``sync_dist=True``, offload on) or
 ``tp`` (``ColwiseParallel``/``RowwiseParallel``, tensor parallel 2, ``sync_dist=False``).
 Lightning starts rank 1 by running this script again. Each rank saves the batches it trained
 on, the gradient of ``net.0``'s output, the collectives made inside GradHooks' logging, and
 the hooks left on the model. With ``fsdp2``, the script then trains a plain ``fully_shard``
 model with and without ``save_on_disk`` and records whether the results are bitwise equal.
+``fp16``: :func:`sharded_fp16.fit`.
 """
 
 import functools
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
+import sharded_fp16
 from gloo_exit import finish
 from lightning_gradhooks import GradHooks, save_on_disk
 
@@ -153,8 +156,8 @@ def offload_is_transparent(out: Path) -> dict:
     return {"offload_equal": equal, "offload_written": written}
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+def fit(out: Path, mode: str) -> None:
+    out.mkdir(exist_ok=True)
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
@@ -185,6 +188,15 @@ def main() -> None:
         facts = json.loads(facts_file.read_text())
         facts.update(offload_is_transparent(out / "offload"))
         facts_file.write_text(json.dumps(facts))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for mode in sys.argv[2].split(","):
+        if mode == "fp16":
+            sharded_fp16.fit(out / mode)
+        else:
+            fit(out / mode, mode)
     finish()
 
 

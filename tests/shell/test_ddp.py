@@ -1,11 +1,10 @@
 """DDP on CPU (gloo, two processes): rank 0 writes, local or pooled statistics, offload cleaned.
 
-``strategy="ddp"`` starts rank 1 by running the script again, so each case runs
-``tests/helpers/ddp_train.py`` in a fresh process tree (~12 s each on two cores).
+``strategy="ddp"`` starts rank 1 by running the script again, so the cases run
+``tests/helpers/ddp_train.py`` in a fresh process tree: all three fits in one, one after the other.
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,21 @@ from launch import run_script
 from report_panel import cli_table
 
 
-def run_ddp(out: Path, mode: str) -> subprocess.CompletedProcess:
-    return run_script(out, "ddp_train.py", mode)
+MODES = ("local", "sync", "nan")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The fits of every mode, one after the other in one pair of rank processes (a pair costs
+    seconds to start): ``runs / mode`` holds each one's output."""
+    out = tmp_path_factory.mktemp("ddp")
+    run_script(out, "ddp_train.py", ",".join(MODES))
+    return out
 
 
 @pytest.mark.parametrize("mode", ["local", "sync"])
-def test_ddp_on_two_cpu_processes(tmp_path, mode):
-    run_ddp(tmp_path, mode)
+def test_ddp_on_two_cpu_processes(runs, mode):
+    tmp_path = runs / mode
     # Only rank 0 wrote events: the logger's file and GradHooks' own, in one folder.
     files = [p for p in (tmp_path / "logs").rglob("events.out.tfevents.*")]
     assert len(files) == 2 and len({p.parent for p in files}) == 1
@@ -56,11 +63,11 @@ def test_ddp_on_two_cpu_processes(tmp_path, mode):
         assert facts[0]["collectives"] == 0
 
 
-def test_a_nan_from_another_rank_is_named_with_its_rank(tmp_path):
+def test_a_nan_from_another_rank_is_named_with_its_rank(runs):
     """Rank 1's batch holds a NaN at step 1; rank 0's forward, loss and own gradients are finite,
     and the all-reduce brings the NaN. The report says so, and names rank 1 (the noise probe reads
     each rank's gradient before the all-reduce); the command says the same."""
-    run_ddp(tmp_path, "nan")
+    tmp_path = runs / "nan"
     report = (tmp_path / "report.txt").read_text()
     first = report.splitlines()[2].split()
     assert first[:3] == ["nonfinite", "net.0", "1"], report

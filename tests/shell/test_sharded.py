@@ -62,8 +62,17 @@ def load(tmp_path, ranks=(0, 1)) -> tuple[object, list[dict], list[dict]]:
     return read_events(str(files[0].parent)), seen, facts
 
 
-def test_fsdp2_data_parallel(tmp_path):
-    run_script(tmp_path, "sharded_train.py", "fsdp2")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The Lightning fits of every mode, one after the other in one pair of rank processes (a pair
+    costs seconds to start): ``runs / mode`` holds each one's output."""
+    out = tmp_path_factory.mktemp("sharded")
+    run_script(out, "sharded_train.py", "fsdp2,tp,fp16")
+    return out
+
+
+def test_fsdp2_data_parallel(runs):
+    tmp_path = runs / "fsdp2"
     events, seen, facts = load(tmp_path)
     # The global batch of each step: both ranks' batches.
     batches = [[torch.cat(pair) for pair in zip(a, b)] for a, b in zip(seen[0]["batches"], seen[1]["batches"])]
@@ -86,8 +95,8 @@ def test_fsdp2_data_parallel(tmp_path):
     assert not any((tmp_path / "offload").iterdir())
 
 
-def test_tensor_parallel(tmp_path):
-    run_script(tmp_path, "sharded_train.py", "tp")
+def test_tensor_parallel(runs):
+    tmp_path = runs / "tp"
     events, seen, facts = load(tmp_path)
     grads, outputs = unsharded(seen[0]["batches"])  # both ranks see the same batch
     assert all(torch.equal(a, b) for a, b in zip(seen[0]["batches"][0], seen[1]["batches"][0]))
@@ -167,10 +176,10 @@ def test_a_chosen_parameter_without_gradient_is_named_once(tmp_path):
     assert len(told) == 1 and "spare.weight, spare.bias (no gradient" in told[0]
 
 
-def test_fsdp2_sharded_scaler_skips_are_a_note(tmp_path):
+def test_fsdp2_sharded_scaler_skips_are_a_note(runs):
     """FSDP2's ShardedGradScaler starting at 2^24 skips the first steps: one note, no flag, and
     the report command says the same (tests/helpers/sharded_fp16.py)."""
-    run_script(tmp_path, "sharded_fp16.py")
+    tmp_path = runs / "fp16"
     text = (tmp_path / "report.txt").read_text()
     clean, note = text.splitlines()
     assert clean == "GradHooks: no gradient problems seen in 12 logged steps."
