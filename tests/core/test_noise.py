@@ -3,7 +3,8 @@
 Brute force: every example's gradient with ``vmap(grad(...))``, hence the exact ``|G|²`` and
 ``tr(Σ)`` (of one batch, or of the whole data set when the weights do not move, lr 0). The
 runs log every step of a real Lightning Trainer and the test reads the TensorBoard events back.
-DDP on two CPU processes runs ``tests/helpers/noise_ddp.py`` (see ``test_ddp.py`` for how).
+DDP and the sharded strategies on two CPU processes run ``tests/helpers/noise_sharded.py``, all the fits
+in one pair of rank processes (see ``test_ddp.py`` for how).
 """
 
 from __future__ import annotations
@@ -372,8 +373,20 @@ def test_plain_loop_with_accumulation_against_brute_force():
     assert sum(t for _, t in raw) / sum(g for g, _ in raw) == pytest.approx(trace / grad_sq, rel=0.25)
 
 
-def test_ddp_on_two_cpu_processes_against_brute_force(tmp_path):
-    run_script(tmp_path, "noise_ddp.py")
+SHARDED = [("fsdp2", "mlp"), ("tp", "mlp"), ("tp", "linear")]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """The two-rank fits (DDP, then the sharded ones), one after the other in one pair of rank
+    processes (a pair costs seconds to start): ``ranks / "MODE-NAME"`` holds each one's output."""
+    out = tmp_path_factory.mktemp("noise_ranks")
+    run_script(out, "noise_sharded.py", ",".join(f"{mode}:{name}" for mode, name in [("ddp", "mlp"), *SHARDED]))
+    return out
+
+
+def test_ddp_on_two_cpu_processes_against_brute_force(ranks):
+    tmp_path = ranks / "ddp-mlp"
     model, x, y = models()["mlp"]
     facts = json.loads((tmp_path / "facts.json").read_text())
     charted, raw = check_against_truth(tmp_path, model, x, y, 32)  # 2 ranks x 16
@@ -381,12 +394,12 @@ def test_ddp_on_two_cpu_processes_against_brute_force(tmp_path):
     assert facts["all_reduces"] == facts["logged_steps"]  # one collective per logged step
 
 
-@pytest.mark.parametrize(("mode", "name"), [("fsdp2", "mlp"), ("tp", "mlp"), ("tp", "linear")])
-def test_sharded_on_two_cpu_processes_against_brute_force(tmp_path, mode, name):
+@pytest.mark.parametrize(("mode", "name"), SHARDED)
+def test_sharded_on_two_cpu_processes_against_brute_force(ranks, mode, name):
     # FSDP2: each rank's per-example norms of its own 16 examples; tensor parallelism: each rank's
     # piece of every example's gradient (the bias of a row-wise Linear counted once); with the
     # pieces' |G_B|² in the same all_reduce, the only collective the probe makes
-    run_script(tmp_path, "noise_sharded.py", mode, name)
+    tmp_path = ranks / f"{mode}-{name}"
     model, x, y = models()[name]
     facts = json.loads((tmp_path / "facts.json").read_text())
     charted, raw = check_against_truth(tmp_path, model, x, y, 32, rel=0.4)

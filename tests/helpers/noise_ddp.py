@@ -1,13 +1,12 @@
 """Fits the MLP of ``test_noise.models()`` at learning rate 0 with ``strategy="ddp"`` on two CPU
 processes (gloo), 16 examples a rank, every step logged.
 
-Run by ``tests/core/test_noise.py`` as ``python noise_ddp.py OUT_DIR``; Lightning starts rank 1 by
-running this script again. Rank 0 writes the events and ``facts.json``: how many ``all_reduce``
+Run by ``tests/core/test_noise.py`` through ``python noise_sharded.py OUT_DIR ddp:mlp,...``
+(:func:`fit`), beside the sharded fits; Lightning starts rank 1 by running that script again. Rank 0 writes the events and ``facts.json``: how many ``all_reduce``
 calls GradHooks' noise probe made (its ``collectives``) and how many steps were logged.
 """
 
 import json
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from gloo_exit import finish
 from lightning_gradhooks import GradHooks
 from test_noise import Fit, models
 
@@ -54,16 +52,11 @@ def trainer(out: Path, strategy: object, gradhooks: GradHooks, steps: int = STEP
     )
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def fit(out: Path) -> None:
+    out.mkdir(exist_ok=True)
     pl.seed_everything(0, verbose=False)
     model, x, y = models()["mlp"]
     gradhooks = GradHooks(every_n_steps=1, histograms=False, compile_statistics=False)  # eager: see ddp_train.py
-    fit = trainer(out, DDPStrategy(timeout=timedelta(seconds=60)), gradhooks)
+    run = trainer(out, DDPStrategy(timeout=timedelta(seconds=60)), gradhooks)
     # Lightning gives each rank its own half, shuffled (a DistributedSampler)
-    fit.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
-    finish()
-
-
-if __name__ == "__main__":
-    main()
+    run.fit(Fit(model), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))

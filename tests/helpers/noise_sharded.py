@@ -1,10 +1,11 @@
 """Fits a student of ``test_noise.models()`` at learning rate 0 with Lightning's
 ``ModelParallelStrategy`` on two CPU processes (gloo), every step logged.
 
-Run by ``tests/core/test_noise.py`` as ``python noise_sharded.py OUT_DIR MODE NAME``: MODE ``fsdp2``
+Run by ``tests/core/test_noise.py`` as ``python noise_sharded.py OUT_DIR MODE:NAME,MODE:NAME...``, each
+fit into ``OUT_DIR/MODE-NAME``, one after the other in one pair of processes: MODE ``fsdp2``
 (``fully_shard``, data parallel 2, 16 examples a rank) or ``tp`` (tensor parallel 2: the first
 Linear column-wise, the last row-wise; both ranks see the same 32 examples); NAME ``linear`` or
-``mlp``. Lightning starts rank 1 by running this script again. Rank 0 writes the events and
+``mlp``; ``ddp:mlp``: :func:`noise_ddp.fit`. Lightning starts rank 1 by running this script again. Rank 0 writes the events and
 ``facts.json``: the noise probe's ``all_reduce`` calls and the logged steps.
 """
 
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gloo_exit import finish
 from lightning_gradhooks import GradHooks
+import noise_ddp
 from noise_ddp import trainer
 from test_noise import Fit, models
 
@@ -46,16 +48,26 @@ class Sharded(Fit):
             parallelize_module(self.model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def main() -> None:
-    out, mode, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+def fit(out: Path, mode: str, name: str) -> None:
+    out.mkdir(exist_ok=True)
     pl.seed_everything(0, verbose=False)
     model, x, y = models()[name]
     gradhooks = GradHooks(every_n_steps=1, histograms=False, compile_statistics=False)  # eager: see ddp_train.py
     fsdp = mode == "fsdp2"
-    fit = trainer(out, ModelParallelStrategy(data_parallel_size=2 if fsdp else 1, tensor_parallel_size=1 if fsdp else 2,
+    run = trainer(out, ModelParallelStrategy(data_parallel_size=2 if fsdp else 1, tensor_parallel_size=1 if fsdp else 2,
                                              timeout=timedelta(seconds=60)), gradhooks, STEPS)
     # FSDP2: each rank its own half, shuffled (a DistributedSampler); TP: both ranks the same batches
-    fit.fit(Sharded(model, mode), DataLoader(TensorDataset(x, y), batch_size=16 if fsdp else 32, shuffle=True))
+    run.fit(Sharded(model, mode), DataLoader(TensorDataset(x, y), batch_size=16 if fsdp else 32, shuffle=True))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for run in sys.argv[2].split(","):
+        mode, name = run.split(":")
+        if mode == "ddp":
+            noise_ddp.fit(out / f"{mode}-{name}")
+        else:
+            fit(out / f"{mode}-{name}", mode, name)
     finish()
 
 
