@@ -141,7 +141,8 @@ class AttentionLogits:
         self._reduce = reduce
         self._armed = armed
         self._mode = _Mode(self)
-        self._on = False  # whether the mode is entered (by _enter or _resume), and not left since
+        #: Whether the mode is entered (by a module's pre-hook, or again after a module that left it), and not left since.
+        self.on = False
         # The modules whose forward runs, outermost first, each with whether its pre-hook entered the mode.
         self._running: list[tuple[str, bool]] = []
         self._seen: set[str] = set()  # modules a call belonged to, this armed step
@@ -165,10 +166,10 @@ class AttentionLogits:
     def _enter(self, label: str, module: nn.Module, args: tuple) -> None:
         if not self._armed() or torch._C._current_graph_task_id() != -1:  # a recomputation in backward
             return
-        entered = not self._on
+        entered = not self.on
         if entered:
             self._mode.__enter__()
-            self._on = True
+            self.on = True
         self._running.append((label, entered))
         if label in self._attention:
             self._ran.add(label)
@@ -176,7 +177,7 @@ class AttentionLogits:
     def _leave(self, label: str, module: nn.Module, args: tuple, output: Any) -> None:
         if self._running and self._running[-1][0] == label and self._running.pop()[1]:
             self._mode.__exit__(None, None, None)
-            self._on = False
+            self.on = False
 
     def saw(self, maxima: Tensor) -> None:
         """A call's per-head maxima, for the innermost module running (none: not attributed)."""
@@ -186,22 +187,22 @@ class AttentionLogits:
             self._reduce(Kind.ATTENTION_LOGIT, label, maxima, False)
 
     def _pause(self, module: nn.Module, args: tuple) -> None:
-        ours = self._on and torch.overrides._get_current_function_mode() is self._mode
+        ours = self.on and torch.overrides._get_current_function_mode() is self._mode
         if ours:
             self._mode.__exit__(None, None, None)
-            self._on = False
+            self.on = False
         self._paused.append(ours)
 
     def _resume(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._paused and self._paused.pop():
             self._mode.__enter__()
-            self._on = True
+            self.on = True
 
     @contextmanager
     def outside(self) -> Iterator[None]:
         """The mode left for the block (our own reductions in a forward hook), if it is the
         innermost mode; entered again after."""
-        ours = self._on and torch.overrides._get_current_function_mode() is self._mode
+        ours = self.on and torch.overrides._get_current_function_mode() is self._mode
         if ours:
             self._mode.__exit__(None, None, None)
         try:
@@ -212,9 +213,9 @@ class AttentionLogits:
 
     def reset(self) -> None:
         """The armed step is over: name, once, the attention modules that ran without a call seen."""
-        if self._on:  # a forward left without its forward hook (cannot happen with always_call)
+        if self.on:  # a forward left without its forward hook (cannot happen with always_call)
             self._mode.__exit__(None, None, None)
-            self._on = False
+            self.on = False
         self._running.clear()
         self._paused.clear()
         unseen = [label for label in [*self._unseen, *sorted(self._ran)] if label not in self._said

@@ -192,10 +192,13 @@ class Reducer:
         """Let ``tensor`` (of this reducer's device) join a batch, reduced when the batch is full
         or at :meth:`finish`. ``watch``: the tensor may change in place before then (see the
         class); a watched tensor of a batch's size is reduced at once (not held longer)."""
-        x = _flat(tensor)
-        position = len(self._numels)
+        # _flat's common case inline (a gradient: dense, contiguous, float, not requiring grad).
+        if tensor.dtype in _FLOATS and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.requires_grad:
+            x = tensor if tensor.dim() == 1 else tensor.view(-1)
+        else:
+            x = _flat(tensor)
+        numels = self._numels
         numel = x.numel()
-        self._numels.append(numel)
         n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
         batch = self._open.get(histogram)
         if batch is None or batch.elements + n > self._limit:
@@ -204,8 +207,10 @@ class Reducer:
             if batch is not None:
                 self._flush(histogram)
             batch = self._open[histogram] = _Batch()
+        position = len(numels)
         batch.tensors.append(x)
         batch.positions.append(position)
+        numels.append(numel)
         batch.elements += n
         if watch:
             batch.watched.append((position, x, x._version))  # x shares the counter, not the graph
@@ -234,13 +239,20 @@ class Reducer:
         k = len(positions)
         rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
         rows = map(StatsRow._make, rows.tolist())
-        # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
-        # inside its storage: hence the clone).
-        counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
-        results: list[tuple[StatsRow, list[float] | None] | None] = [(StatsRow(*[0.0] * STATS_WIDTH), None)] * len(numels)
-        for _, block_counts, block in blocks:
-            for p in block:
-                results[p] = (next(rows), None if block_counts is None else next(counts))
+        if all(c is None for _, c, _ in blocks):  # no histograms: the rows alone
+            pairs = zip(rows, itertools.repeat(None))
+        else:
+            # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
+            # inside its storage: hence the clone).
+            counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
+            has_counts = (c is not None for _, c, block in blocks for _ in block)
+            pairs = ((row, next(counts) if has else None) for row, has in zip(rows, has_counts))
+        if positions == list(range(len(numels))):  # in the order added: one batch at a time
+            results: list[tuple[StatsRow, list[float] | None] | None] = list(pairs)
+        else:
+            results = [None] * len(numels)
+            for p, pair in zip(positions, pairs):
+                results[p] = pair
         for p in changed:
             results[p] = None
         return results
