@@ -662,7 +662,7 @@ class GradientMonitor:
 
     def _sharded(self, parameters: dict[str, nn.Parameter]) -> list[str]:
         views, _ = _shards.fsdp1_sharded(self._model)
-        return [n for n, p in parameters.items() if id(p) in views or _shards.is_dtensor(p)]
+        return [n for n, p in parameters.items() if id(p) in views or (type(p) is not nn.Parameter and _shards.is_dtensor(p))]
 
     def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
                            into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:

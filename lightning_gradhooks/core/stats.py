@@ -281,19 +281,17 @@ class _Layout:
 
     Attributes:
         row_of: the tensor of each row, the rows in the order the blocks hold them.
-        owners: ``row_of`` on the host.
-        pads: each tensor's padding.
         in_place: the blocks read in place, each ``(tensor, end element, first row)``: the whole
             rows of a big tensor, or of a lone tensor that fills its rows.
-        copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
-            each to the tensor's end, then its padding.
+        copied: what is copied, in rows after those read in place: ``(tensor, first element,
+            padding)``, each to the tensor's end, then its padding (elements, 0 for none).
+        copied_elements: the elements of the copied block, paddings included.
     """
 
     row_of: Tensor
-    owners: list[int]
-    pads: list[int]
     in_place: list[tuple[int, int, int]]
-    copied: list[tuple[int, int]]
+    copied: list[tuple[int, int, int]]
+    copied_elements: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -315,9 +313,10 @@ def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: i
     read = {k: end for k, end, _ in in_place}
     for k, n in enumerate(lengths):
         if read.get(k, 0) < n or not n:
-            copied.append((k, read.get(k, 0)))
+            copied.append((k, read.get(k, 0), pads[k]))
             row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
-    return _Layout(torch.tensor(row_of, device=device), row_of, pads, in_place, copied)
+    elements = sum(lengths[k] - start + pad for k, start, pad in copied)
+    return _Layout(torch.tensor(row_of, device=device), in_place, copied, elements)
 
 
 def _rows(n: int) -> int:
@@ -339,13 +338,13 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
     if not layout.copied:
         return blocks
     device = tensors[0].device
-    pieces = []
-    for k, start in layout.copied:
-        pieces.append(tensors[k][start:] if start else tensors[k])
-        if layout.pads[k]:
-            pieces.append(_padding(device, dtype, layout.pads[k]))
-    copied = sum(p.numel() for p in pieces)
-    out = scratch.get("batch", copied, dtype, device) if scratch is not None else None
+    pieces: list[Tensor] = []
+    append = pieces.append
+    for k, start, pad in layout.copied:
+        append(tensors[k][start:] if start else tensors[k])
+        if pad:
+            append(_padding(device, dtype, pad))
+    out = scratch.get("batch", layout.copied_elements, dtype, device) if scratch is not None else None
     x = torch.cat(pieces, out=out) if len(pieces) > 1 else pieces[0].to(dtype)
     return [*blocks, x.view(-1, ROW)]
 
