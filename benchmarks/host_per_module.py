@@ -2,6 +2,7 @@
 
     python benchmarks/host_per_module.py [--layers 500] [--rounds 9] [--steps 4] [--threads 1] [--clock cpu|wall]
     python benchmarks/host_per_module.py --profile "outputs"    # cProfile of one variant's steps
+    python benchmarks/host_per_module.py --ops                  # aten ops of a logged step beyond a bare one
 
 The model, 500 x (Linear(64, 64) + Tanh) on a batch of 32, is so small that a step is bound by
 the host: what an armed step costs beyond a bare one, divided by the watched modules (the Linear
@@ -14,12 +15,16 @@ noise_scale=False, activations=False)``), ``outputs`` (the same with ``activatio
 Prints per variant the median window, the median per-round ratio to ``bare`` and the median
 per-round (variant - bare) / layers in microseconds. ``--clock cpu`` (default) times the process's
 CPU time (``time.process_time``; with one thread, the host's own work, steadier on a shared
-machine than wall time), ``--clock wall`` wall time.
+machine than wall time), ``--clock wall`` wall time. ``--ops`` counts instead the aten ops that one
+logged step (forward, backward, ``collect``) dispatches beyond a bare step, per variant, and those
+that are not views (on a GPU, each of those is a kernel launch): a change to the host side must not
+add any. Under the counting mode the statistics run as their eager ops.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 import statistics
@@ -27,8 +32,26 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradhooks import GradientMonitor
+
+#: Ops that make no kernel: views and the like.
+VIEWS = frozenset({"aten.view", "aten.detach", "aten.slice", "aten.unbind", "aten.select", "aten.as_strided",
+                   "aten.alias", "aten.t", "aten.transpose", "aten.expand", "aten.unsqueeze", "aten.squeeze"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
 
 VARIANTS = {
     "bare": None,
@@ -47,6 +70,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     parser.add_argument("--profile", default=None, help="profile this variant's steps instead")
+    parser.add_argument("--ops", action="store_true", help="count the aten ops of a logged step instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -66,6 +90,17 @@ def main() -> None:
     for monitor in monitors.values():  # compile, probe the read plans
         for _ in range(2):
             step(monitor)
+    if args.ops:
+        counted = {}
+        for name, monitor in monitors.items():
+            with OpCounter() as counter:
+                step(monitor)
+            counted[name] = counter.ops
+        print(f"aten ops of one logged step beyond a bare step ({args.layers} layers)\n| variant | ops | not views |\n|---|---|---|")
+        for name, ops in counted.items():
+            extra = ops - counted["bare"]
+            print(f"| {name} | {sum(extra.values())} | {sum(n for op, n in extra.items() if op not in VIEWS)} |")
+        return
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
