@@ -13,9 +13,9 @@ of ``--steps`` steps: ``bare`` (no monitor), ``grads`` (``GradientMonitor(histog
 noise_scale=False, activations=False)``), ``outputs`` (the same with ``activations=True``),
 ``outputs + noise`` (the noise probe too), ``outputs + histograms`` (64-bin histograms too).
 Prints per variant the median window, the median per-round ratio to ``bare`` and the median
-per-round (variant - bare) / layers in microseconds. ``--clock cpu`` (default) times the process's
-CPU time (``time.process_time``; with one thread, the host's own work, steadier on a shared
-machine than wall time), ``--clock wall`` wall time. ``--ops`` counts instead the aten ops that one
+per-round (variant - bare) / layers in microseconds, then the same split by phase (:data:`PHASES`).
+``--clock cpu`` (default) times the process's CPU time (``time.process_time``; with one thread,
+the host's own work, steadier on a shared machine than wall time), ``--clock wall`` wall time. ``--ops`` counts instead the aten ops that one
 logged step (forward, backward, ``collect``) dispatches beyond a bare step, per variant, and those
 that are not views (on a GPU, each of those is a kernel launch): a change to the host side must not
 add any. Under the counting mode the statistics run as their eager ops.
@@ -53,6 +53,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: The phases of a step, timed apart: registering the hooks (``attach`` and ``arm``); the forward
+#: (module hooks, input views, the output statistics' bookkeeping); the backward (gradient hooks,
+#: their bookkeeping, batches reduced as they fill); ``collect`` (parameter gradients, the last
+#: batches, the one transfer, the record); leaving (``disarm``: the hooks taken out; ``zero_grad``).
+PHASES = ("arm", "forward", "backward", "collect", "leave")
+
 VARIANTS = {
     "bare": None,
     "grads": {"histograms": False, "noise_scale": False, "activations": False},
@@ -78,14 +84,29 @@ def main() -> None:
     x = torch.randn(32, 64)
     monitors = {name: None if options is None else GradientMonitor(model, **options) for name, options in VARIANTS.items()}
 
-    def step(monitor: GradientMonitor | None) -> None:
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    def step(monitor: GradientMonitor | None) -> list[float]:
+        """One step; the time of each of its :data:`PHASES`."""
+        t = [clock()]
         if monitor is None:
-            model(x).square().mean().backward()
+            t.append(t[0])
+            loss = model(x).square().mean()
+            t.append(clock())
+            loss.backward()
+            t += [clock()] * 2
         else:
             with monitor.attach(), monitor.arm():
-                model(x).square().mean().backward()
+                t.append(clock())
+                loss = model(x).square().mean()
+                t.append(clock())
+                loss.backward()
+                t.append(clock())
                 monitor.collect()
+                t.append(clock())
         model.zero_grad(set_to_none=True)
+        t.append(clock())
+        return [b - a for a, b in zip(t, t[1:])]
 
     for monitor in monitors.values():  # compile, probe the read plans
         for _ in range(2):
@@ -109,16 +130,16 @@ def main() -> None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in monitors}
+    phases: dict[str, list[list[float]]] = {name: [] for name in monitors}  # per round, the mean of each phase
     names = list(monitors)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             step(monitors[name])
             start = clock()
-            for _ in range(args.steps):
-                step(monitors[name])
+            window = [step(monitors[name]) for _ in range(args.steps)]
             times[name].append((clock() - start) / args.steps)
+            phases[name].append([statistics.fmean(p) for p in zip(*window)])
     print(f"command: python benchmarks/host_per_module.py --layers {args.layers} --rounds {args.rounds} "
           f"--steps {args.steps} --threads {args.threads} --clock {args.clock}; torch {torch.__version__}")
     print(f"| variant | step (ms) | armed / bare | µs per watched module over bare |\n|---|---|---|---|")
@@ -127,6 +148,12 @@ def main() -> None:
         ratio = statistics.median(t / b for t, b in zip(ts, bare))
         extra = statistics.median((t - b) / args.layers * 1e6 for t, b in zip(ts, bare))
         print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {ratio:.2f}x | {extra:.0f} |")
+    print(f"\nWhere it goes: µs per watched module over bare, by phase (medians of the per-round differences)\n"
+          f"| variant | {' | '.join(PHASES)} |\n|---|{'---|' * len(PHASES)}")
+    for name in names[1:]:
+        cells = [statistics.median((v[i] - b[i]) / args.layers * 1e6 for v, b in zip(phases[name], phases["bare"]))
+                 for i in range(len(PHASES))]
+        print(f"| {name} | {' | '.join(f'{c:.1f}' for c in cells)} |")
 
 
 if __name__ == "__main__":
