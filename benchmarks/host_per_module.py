@@ -3,6 +3,7 @@
     python benchmarks/host_per_module.py [--layers 500] [--rounds 9] [--steps 4] [--threads 1] [--clock cpu|wall]
     python benchmarks/host_per_module.py --profile "outputs"    # cProfile of one variant's steps
     python benchmarks/host_per_module.py --ops                  # aten ops of a logged step beyond a bare one
+    python benchmarks/host_per_module.py --floor                # also the floor of the hooks (class Floor)
 
 The model, 500 x (Linear(64, 64) + Tanh) on a batch of 32, is so small that a step is bound by
 the host: what an armed step costs beyond a bare one, divided by the watched modules (the Linear
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -68,6 +71,47 @@ VARIANTS = {
 }
 
 
+class Floor:
+    """The floor of the monitor's way of reading gradients, in its interface (``--floor``): per
+    watched module, a forward pre-hook and a forward hook put in at ``arm`` and taken out after,
+    that do nothing; with ``views``, they also pass the input through a view and hook the autograd
+    nodes of the view and of the output, with a hook that does nothing."""
+
+    def __init__(self, modules: list[nn.Module], views: bool) -> None:
+        self._modules, self._views = modules, views
+
+    @contextlib.contextmanager
+    def attach(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def arm(self) -> Iterator[None]:
+        handles = [h for m in self._modules for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def collect(self) -> None:
+        pass
+
+    def _pre(self, module: nn.Module, args: tuple) -> tuple | None:
+        if not (self._views and args[0].requires_grad):
+            return None
+        view = args[0].view_as(args[0])
+        view.grad_fn.register_prehook(_nothing)
+        return (view,)
+
+    def _post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._views:
+            output.grad_fn.register_prehook(_nothing)
+
+
+def _nothing(grads: tuple) -> None:
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=500)
@@ -77,16 +121,20 @@ def main() -> None:
     parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     parser.add_argument("--profile", default=None, help="profile this variant's steps instead")
     parser.add_argument("--ops", action="store_true", help="count the aten ops of a logged step instead")
+    parser.add_argument("--floor", action="store_true", help="also time the floor of the hooks (class Floor)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(args.layers) for m in (nn.Linear(64, 64), nn.Tanh())))
     x = torch.randn(32, 64)
     monitors = {name: None if options is None else GradientMonitor(model, **options) for name, options in VARIANTS.items()}
+    if args.floor:
+        linears = [m for m in model if isinstance(m, nn.Linear)]
+        monitors |= {"floor: module hooks": Floor(linears, False), "floor: + views, node hooks": Floor(linears, True)}
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    def step(monitor: GradientMonitor | None) -> list[float]:
+    def step(monitor: GradientMonitor | Floor | None) -> list[float]:
         """One step; the time of each of its :data:`PHASES`."""
         t = [clock()]
         if monitor is None:
