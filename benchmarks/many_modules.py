@@ -551,7 +551,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
             if stage != "bare":
                 m.arm().__enter__()  # as `with m.arm():` does: the collector paused to collect/disarm
             if stage == "hooks only":  # the hooks fire, their reductions are left out
-                m._reduce = lambda *a: None
+                m._reduce = lambda *a, **k: None
             try:
                 if stage == "hooks + bookkeeping":  # every tensor added to its batch, no batch reduced
                     with mock.patch.object(stats.Reducer, "_flush", lambda self, histogram: self._open.pop(histogram)):

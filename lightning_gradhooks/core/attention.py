@@ -9,8 +9,11 @@ more ``q·kᵀ``, computed in float32 in chunks of queries, so that no more than
 
 Calls are seen through a :class:`torch.overrides.TorchFunctionMode`, torch's supported way to
 intercept its functions, without patching anything: the mode is entered only while a module of
-the model runs its forward on an armed step (the outermost module's forward pre-hook enters
-it, its forward hook leaves it, also when the forward raises), and sees
+the model that may make an attention call runs its forward on an armed step (its forward pre-hook
+enters it, its forward hook leaves it, also when the forward raises). torch.nn's own modules
+(layers, activations, containers) make none but ``nn.MultiheadAttention``: they get no hook, and
+while one called by such a module runs, the mode is left (each call that the mode sees costs
+the host about a microsecond). The mode sees
 ``F.scaled_dot_product_attention`` (your modules, ``transformers`` models with
 ``attn_implementation="sdpa"``) and ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``:
 with ``need_weights=False`` its own SDPA call, with ``need_weights=True`` the input of its
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, redispatch_function
 
+from lightning_gradhooks.core._shards import unsharded_type
 from lightning_gradhooks.core.records import Kind
 
 #: Logits held at once per chunk of queries (16 MiB in float32).
@@ -81,6 +85,13 @@ def max_logits(query: Tensor, key: Tensor, attn_mask: Tensor | None = None, is_c
     return best
 
 
+def _may_call(module: nn.Module) -> bool:
+    """Whether ``module``'s own forward may make an attention call: torch.nn's own modules make
+    none, except ``nn.MultiheadAttention`` (their children's calls are their children's)."""
+    cls = unsharded_type(module)
+    return not cls.__module__.startswith("torch.nn.modules.") or issubclass(cls, nn.MultiheadAttention)
+
+
 class _Mode(TorchFunctionMode):
     """Sees the attention calls of a forward (see the module's docstring)."""
 
@@ -114,8 +125,9 @@ class AttentionLogits:
     """The attention-logit capture of one monitor.
 
     Args:
-        modules: every module of the model outside compiled code, by label: each gets a forward
-            pre-hook and a forward hook (:attr:`hooks`) that the monitor puts in on armed steps.
+        modules: every module of the model outside compiled code, by label: each that may make
+            an attention call, and each of torch.nn's called by one, gets a forward pre-hook and a
+            forward hook (:attr:`hooks`) that the monitor puts in on armed steps.
         compiled: the modules in compiled code, by label (named if they are attention modules).
         reduce: the monitor's ``(kind, label, tensor, histogram)`` reduction.
         armed: whether the monitor is armed.
@@ -129,56 +141,68 @@ class AttentionLogits:
         self._reduce = reduce
         self._armed = armed
         self._mode = _Mode(self)
-        self._running: list[str] = []  # the modules whose forward runs, outermost first
+        #: Whether the mode is entered (by a module's pre-hook, or again after a module that left it), and not left since.
+        self.on = False
+        # The modules whose forward runs, outermost first, each with whether its pre-hook entered the mode.
+        self._running: list[tuple[str, bool]] = []
         self._seen: set[str] = set()  # modules a call belonged to, this armed step
         self._ran: set[str] = set()  # attention modules that ran, this armed step
-        self._attention = {label for label, m in modules.items() if _ATTENTION.search(type(m).__name__)}
+        callers = {label: m for label, m in modules.items() if _may_call(m)}
+        self._attention = {label for label, m in callers.items() if _ATTENTION.search(type(m).__name__)}
         self._unseen = [label for label, m in compiled.items() if _ATTENTION.search(type(m).__name__)]
         self._said: set[str] = set()
+        # Left while they run: torch.nn's modules that a module making calls calls (its children), and compiled code.
+        inside = {id(m) for m in modules.values()}
+        quiet = {id(child): child for m in callers.values() for child in m.children()
+                 if id(child) in inside and not _may_call(child)}
         #: The hooks, forward hooks called also when the forward raises (``always_call``).
-        self.hooks = [hook for label, m in modules.items()
+        self.hooks = [hook for label, m in callers.items()
                       for hook in ((m, True, functools.partial(self._enter, label)),
                                    (m, False, functools.partial(self._leave, label), True))]
-        self.hooks += [hook for m in wrappers for hook in ((m, True, self._pause), (m, False, self._resume, True))]
-        self._paused: list[bool] = []  # per compiled call running: whether it left the mode
+        self.hooks += [hook for m in [*quiet.values(), *wrappers]
+                       for hook in ((m, True, self._pause), (m, False, self._resume, True))]
+        self._paused: list[bool] = []  # per such module running: whether it left the mode
 
     def _enter(self, label: str, module: nn.Module, args: tuple) -> None:
         if not self._armed() or torch._C._current_graph_task_id() != -1:  # a recomputation in backward
             return
-        if not self._running:
+        entered = not self.on
+        if entered:
             self._mode.__enter__()
-        self._running.append(label)
+            self.on = True
+        self._running.append((label, entered))
         if label in self._attention:
             self._ran.add(label)
 
     def _leave(self, label: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._running and self._running[-1] == label:
-            self._running.pop()
-            if not self._running:
-                self._mode.__exit__(None, None, None)
+        if self._running and self._running[-1][0] == label and self._running.pop()[1]:
+            self._mode.__exit__(None, None, None)
+            self.on = False
 
     def saw(self, maxima: Tensor) -> None:
         """A call's per-head maxima, for the innermost module running (none: not attributed)."""
         if self._running:
-            label = self._running[-1]
+            label = self._running[-1][0]
             self._seen.add(label)
             self._reduce(Kind.ATTENTION_LOGIT, label, maxima, False)
 
     def _pause(self, module: nn.Module, args: tuple) -> None:
-        ours = bool(self._running) and torch.overrides._get_current_function_mode() is self._mode
+        ours = self.on and torch.overrides._get_current_function_mode() is self._mode
         if ours:
             self._mode.__exit__(None, None, None)
+            self.on = False
         self._paused.append(ours)
 
     def _resume(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._paused and self._paused.pop():
             self._mode.__enter__()
+            self.on = True
 
     @contextmanager
     def outside(self) -> Iterator[None]:
         """The mode left for the block (our own reductions in a forward hook), if it is the
         innermost mode; entered again after."""
-        ours = self._running and torch.overrides._get_current_function_mode() is self._mode
+        ours = self.on and torch.overrides._get_current_function_mode() is self._mode
         if ours:
             self._mode.__exit__(None, None, None)
         try:
@@ -189,9 +213,10 @@ class AttentionLogits:
 
     def reset(self) -> None:
         """The armed step is over: name, once, the attention modules that ran without a call seen."""
-        if self._running:  # a forward left without its forward hook (cannot happen with always_call)
-            self._running.clear()
+        if self.on:  # a forward left without its forward hook (cannot happen with always_call)
             self._mode.__exit__(None, None, None)
+            self.on = False
+        self._running.clear()
         self._paused.clear()
         unseen = [label for label in [*self._unseen, *sorted(self._ran)] if label not in self._said
                   and not any(s == label or s.startswith(f"{label}.") or label == "(model)" for s in self._seen)]

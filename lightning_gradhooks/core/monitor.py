@@ -85,12 +85,12 @@ class MonitorHandle:
 
     def put(self, hooks: Sequence[Hook]) -> None:
         """Register hooks on their modules, until :meth:`park`."""
+        handles = self._handles
         for module, pre, hook, *always in hooks:  # a fourth item True: a forward hook called also on an exception
-            if always:
-                self._handles.append(module.register_forward_hook(hook, always_call=True))
-                continue
-            register = module.register_forward_pre_hook if pre else module.register_forward_hook
-            self._handles.append(register(hook))
+            if pre:
+                handles.append(module.register_forward_pre_hook(hook))
+            else:
+                handles.append(module.register_forward_hook(hook, always_call=bool(always)))
 
     def park(self) -> None:
         """Remove every hook from the modules; the monitor registers them again when armed."""
@@ -546,7 +546,7 @@ class GradientMonitor:
         (Outside the attention mode: a batch that fills up runs the compiled kernels.)"""
         copy = module in self._copied or self._planner.probing
         t = t.detach().clone() if copy else t
-        if self._attention is None:  # no context manager on the common path
+        if self._attention is None or not self._attention.on:  # no context manager on the common path
             self._reduce(Kind.OUTPUT, label, t, False, watch=not copy)
             return
         with self._attention.outside():
@@ -560,8 +560,14 @@ class GradientMonitor:
         node = t.grad_fn
         if node is None:  # a leaf: a module that returns a parameter
             t.register_hook(functools.partial(self._leaf_grad, kind, label, histogram, noise))
+        elif noise is None and not self._planner.probing:  # the common case: one call, no check of its own
+            node.register_prehook(functools.partial(self._output_grad, kind, label, histogram, t.output_nr))
         else:
             node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr, noise))
+
+    def _output_grad(self, kind: Kind, label: str, histogram: bool, index: int, grads: tuple) -> None:
+        if self._armed:
+            self._reduce(kind, label, grads[index], histogram)
 
     def _node_grad(self, kind: Kind, label: str, histogram: bool, index: int,
                    noise: Callable[[Tensor], None] | None, grads: tuple) -> None:
@@ -569,8 +575,7 @@ class GradientMonitor:
             self._finish_probe()
         if noise is not None and grads[index] is not None:
             noise(grads[index])  # stale after the probe's disarm: it checks that itself
-        if self._armed:
-            self._reduce(kind, label, grads[index], histogram)
+        self._output_grad(kind, label, histogram, index, grads)
 
     def _leaf_grad(self, kind: Kind, label: str, histogram: bool, noise: Callable[[Tensor], None] | None,
                    grad: Tensor) -> None:
@@ -657,7 +662,7 @@ class GradientMonitor:
 
     def _sharded(self, parameters: dict[str, nn.Parameter]) -> list[str]:
         views, _ = _shards.fsdp1_sharded(self._model)
-        return [n for n, p in parameters.items() if id(p) in views or _shards.is_dtensor(p)]
+        return [n for n, p in parameters.items() if id(p) in views or (type(p) is not nn.Parameter and _shards.is_dtensor(p))]
 
     def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
                            into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:

@@ -192,10 +192,13 @@ class Reducer:
         """Let ``tensor`` (of this reducer's device) join a batch, reduced when the batch is full
         or at :meth:`finish`. ``watch``: the tensor may change in place before then (see the
         class); a watched tensor of a batch's size is reduced at once (not held longer)."""
-        x = _flat(tensor)
-        position = len(self._numels)
+        # _flat's common case inline (a gradient: dense, contiguous, float, not requiring grad).
+        if tensor.dtype in _FLOATS and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.requires_grad:
+            x = tensor if tensor.dim() == 1 else tensor.view(-1)
+        else:
+            x = _flat(tensor)
+        numels = self._numels
         numel = x.numel()
-        self._numels.append(numel)
         n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
         batch = self._open.get(histogram)
         if batch is None or batch.elements + n > self._limit:
@@ -204,8 +207,10 @@ class Reducer:
             if batch is not None:
                 self._flush(histogram)
             batch = self._open[histogram] = _Batch()
+        position = len(numels)
         batch.tensors.append(x)
         batch.positions.append(position)
+        numels.append(numel)
         batch.elements += n
         if watch:
             batch.watched.append((position, x, x._version))  # x shares the counter, not the graph
@@ -234,13 +239,20 @@ class Reducer:
         k = len(positions)
         rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
         rows = map(StatsRow._make, rows.tolist())
-        # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
-        # inside its storage: hence the clone).
-        counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
-        results: list[tuple[StatsRow, list[float] | None] | None] = [(StatsRow(*[0.0] * STATS_WIDTH), None)] * len(numels)
-        for _, block_counts, block in blocks:
-            for p in block:
-                results[p] = (next(rows), None if block_counts is None else next(counts))
+        if all(c is None for _, c, _ in blocks):  # no histograms: the rows alone
+            pairs = zip(rows, itertools.repeat(None))
+        else:
+            # The counts of each tensor that has them, as lists (tolist is slow on a view that starts
+            # inside its storage: hence the clone).
+            counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
+            has_counts = (c is not None for _, c, block in blocks for _ in block)
+            pairs = ((row, next(counts) if has else None) for row, has in zip(rows, has_counts))
+        if positions == list(range(len(numels))):  # in the order added: one batch at a time
+            results: list[tuple[StatsRow, list[float] | None] | None] = list(pairs)
+        else:
+            results = [None] * len(numels)
+            for p, pair in zip(positions, pairs):
+                results[p] = pair
         for p in changed:
             results[p] = None
         return results
@@ -269,19 +281,17 @@ class _Layout:
 
     Attributes:
         row_of: the tensor of each row, the rows in the order the blocks hold them.
-        owners: ``row_of`` on the host.
-        pads: each tensor's padding.
         in_place: the blocks read in place, each ``(tensor, end element, first row)``: the whole
             rows of a big tensor, or of a lone tensor that fills its rows.
-        copied: what is copied, in rows after those read in place: ``(tensor, first element)``,
-            each to the tensor's end, then its padding.
+        copied: what is copied, in rows after those read in place: ``(tensor, first element,
+            padding)``, each to the tensor's end, then its padding (elements, 0 for none).
+        copied_elements: the elements of the copied block, paddings included.
     """
 
     row_of: Tensor
-    owners: list[int]
-    pads: list[int]
     in_place: list[tuple[int, int, int]]
-    copied: list[tuple[int, int]]
+    copied: list[tuple[int, int, int]]
+    copied_elements: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,9 +313,10 @@ def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: i
     read = {k: end for k, end, _ in in_place}
     for k, n in enumerate(lengths):
         if read.get(k, 0) < n or not n:
-            copied.append((k, read.get(k, 0)))
+            copied.append((k, read.get(k, 0), pads[k]))
             row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
-    return _Layout(torch.tensor(row_of, device=device), row_of, pads, in_place, copied)
+    elements = sum(lengths[k] - start + pad for k, start, pad in copied)
+    return _Layout(torch.tensor(row_of, device=device), in_place, copied, elements)
 
 
 def _rows(n: int) -> int:
@@ -327,13 +338,13 @@ def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scra
     if not layout.copied:
         return blocks
     device = tensors[0].device
-    pieces = []
-    for k, start in layout.copied:
-        pieces.append(tensors[k][start:] if start else tensors[k])
-        if layout.pads[k]:
-            pieces.append(_padding(device, dtype, layout.pads[k]))
-    copied = sum(p.numel() for p in pieces)
-    out = scratch.get("batch", copied, dtype, device) if scratch is not None else None
+    pieces: list[Tensor] = []
+    append = pieces.append
+    for k, start, pad in layout.copied:
+        append(tensors[k][start:] if start else tensors[k])
+        if pad:
+            append(_padding(device, dtype, pad))
+    out = scratch.get("batch", layout.copied_elements, dtype, device) if scratch is not None else None
     x = torch.cat(pieces, out=out) if len(pieces) > 1 else pieces[0].to(dtype)
     return [*blocks, x.view(-1, ROW)]
 

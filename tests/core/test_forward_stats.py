@@ -316,3 +316,36 @@ def test_attention_in_compiled_code_is_named_once_and_runs_as_compiled():
     assert len(said) == 1 and "in attn on a logged step" in said[0]
     assert not _entries(record, Kind.ATTENTION_LOGIT)
     assert counters["stats"]["unique_graphs"] == graphs  # the mode left while compiled code runs: no recompile
+
+
+def test_torch_nn_modules_run_outside_the_mode_and_a_call_belongs_to_the_innermost_module_of_yours():
+    """torch.nn's own modules make no attention call: they run outside the mode (each op it sees costs
+    the host), a module of yours that they call gets it back, and its call is attributed to it."""
+    stacks: dict[str, int] = {}
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            stacks["probe"] = torch._C._len_torch_function_stack()
+            return x
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seq = nn.Sequential(nn.Linear(32, 32), Probe(), SelfAttention(keep=False))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            stacks["outer"] = torch._C._len_torch_function_stack()
+            return self.seq(x)
+
+    torch.manual_seed(0)
+    model, mlp = Outer(), nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    model.seq[0].register_forward_pre_hook(lambda m, a: stacks.__setitem__("linear", torch._C._len_torch_function_stack()))
+    mlp[1].register_forward_pre_hook(lambda m, a: stacks.__setitem__("tanh", torch._C._len_torch_function_stack()))
+    record = _logged(model, torch.randn(2, T, 32))
+    assert stacks == {"outer": 1, "linear": 0, "probe": 1}
+    assert list(_entries(record, Kind.ATTENTION_LOGIT)) == ["seq.2"]
+    monitor = GradientMonitor(mlp, activations=True, attention_logits=True)
+    with monitor.attach(), monitor.arm():
+        mlp(torch.randn(2, 32)).sum().backward()
+        assert not mlp._forward_pre_hooks and stacks["tanh"] == 0  # no module that may call: no hook, no mode
+        monitor.collect()
