@@ -91,8 +91,10 @@ class ForwardChecks:
         if self._armed() and torch.is_grad_enabled() and module.training:
             self.check(name, args, output)
 
-    def check(self, name: str, args: tuple, output: Any) -> None:
-        """Sum the floating inputs and outputs of a module's forward (each tensor once a step)."""
+    def check(self, name: str, args: tuple, output: Any, outputs: bool = True) -> None:
+        """Sum the floating inputs and outputs of a module's forward (each tensor once a step);
+        ``outputs=False``: the monitor reads the outputs' NaN/Inf from their statistics (kind
+        ``output``), so they are only marked as seen (the next module's input is not summed)."""
         if not self._weights_checked:
             self._weights_checked = True
             self._check_weights()
@@ -106,7 +108,8 @@ class ForwardChecks:
                 if not t.is_floating_point() or (known is not None and known[0]() is t and known[1] == t._version):
                     continue
                 seen[id(t)] = (weakref.ref(t), t._version)
-                floating.append(t.detach())
+                if kind == Kind.FORWARD_INPUT or outputs:
+                    floating.append(t.detach())
             sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in floating]
             if sums:
                 self._reduce(kind, name, (sums[0] if len(sums) == 1 else torch.stack(sums).sum()).reshape(1), False)

@@ -131,6 +131,26 @@ class _Armed:
 
 
 
+#: The forward check's entry of a module whose outputs hold NaN/Inf (:func:`_born`): the row of
+#: a one-element sum that is not finite, as the check's own sum gives it.
+_NONFINITE_SUM = StatsRow(0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _born(pending: list, results: list, checked: Sequence[tuple[str, int, int]]) -> tuple[list, list]:
+    """``pending`` and ``results`` with a ``"forward"`` entry before the ``"output"`` rows of each
+    checked forward (``(module, start, end)`` slices of them) that hold NaN/Inf, where the
+    forward check would have summed those outputs; unchanged when every output is finite."""
+    bad = [(module, start) for module, start, end in checked
+           if any(r is not None and r[0][4] > 0 for r in results[start:end])]
+    if not bad:
+        return pending, results
+    pending, results = list(pending), list(results)
+    for module, start in reversed(bad):  # from the end: the earlier positions stay
+        pending.insert(start, (Kind.FORWARD, module, pending[start][2]))
+        results.insert(start, (_NONFINITE_SUM, None))
+    return pending, results
+
+
 def _frozen(model: nn.Module, chosen: Mapping[str, nn.Module]) -> list[str]:
     """Modules left out because they own parameters and none of them requires grad."""
     return [
@@ -160,7 +180,9 @@ class GradientMonitor:
         forward_checks: on armed steps, also sum the floating inputs and outputs of every
             module in forward (one op per tensor; parameterless and unchosen modules included)
             into entries of kind ``"forward_input"`` and ``"forward"``, in forward order before
-            the gradients, and check the weights once (one ``"weights"`` entry counting the
+            the gradients (with ``activations``, a watched module's outputs are not summed again:
+            their ``"output"`` rows count their NaN/Inf, and give a ``"forward"`` entry where they
+            hold any), and check the weights once (one ``"weights"`` entry counting the
             parameters that hold NaN/Inf when the step begins), so that the report names where
             NaN or Inf were born (:func:`lightning_gradhooks.health.nonfinite_origin`).
         noise_scale: also estimate the gradient noise scale on armed steps (keyword only).
@@ -246,6 +268,9 @@ class GradientMonitor:
         self._collector = CollectorPause()  # in a `with arm()` block, to collect() or disarm()
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
+        # The outputs of this step's checked forwards (forward_checks with activations): the
+        # module and the slice of its "output" rows in _pending.
+        self._checked: list[tuple[str, int, int]] = []
         self._reducers: dict[torch.device, Reducer] = {}
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
@@ -485,6 +510,7 @@ class GradientMonitor:
             self.noise.disarm()
         self._armed = False
         self._pending.clear()
+        self._checked.clear()
         self._reducers.clear()
         self._park()
         self._collector.resume()
@@ -510,10 +536,15 @@ class GradientMonitor:
         if not self._armed:
             return
         grad = torch.is_grad_enabled()
-        if self._checks is not None and grad and module.training:
-            self._checks.check(name, args, output)
+        checked = self._checks is not None and grad and module.training
+        if checked:  # the outputs are summed unless their statistics are read (not in a recomputation)
+            self._checks.check(name, args, output,
+                               outputs=not self.activations or torch._C._current_graph_task_id() != -1)
         if self.activations:
+            start = len(self._pending)
             self._watch_outputs(name, output)
+            if checked and len(self._pending) > start:  # the forward check of these outputs: _finish
+                self._checked.append((name, start, len(self._pending)))
         if not grad:
             return
         if isinstance(output, Tensor):
@@ -618,7 +649,8 @@ class GradientMonitor:
             reduced = self._reduce_parameters(parameters)
             pending, reducers = self._pending, self._reducers
             self._pending, self._reducers = [], {}
-            record = self._described(self._finish(pending, reducers), reduced)
+            checked, self._checked = self._checked, []
+            record = self._described(self._finish(pending, reducers, checked), reduced)
             if self.noise is not None:
                 record.noise = self.noise.collect(parameters)
             return record
@@ -699,13 +731,16 @@ class GradientMonitor:
                 stacklevel=3,
             )
 
-    def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer]) -> GradientRecord:
+    def _finish(self, pending: list[tuple[str, str, torch.device]], reducers: dict[torch.device, Reducer],
+                checked: Sequence[tuple[str, int, int]] = ()) -> GradientRecord:
         # One transfer per device; then the rows of each name are pooled (GradientEntry.calls).
         if len(reducers) == 1:
             results = reducers.popitem()[1].finish()
         else:
             by_device = {device: iter(reducer.finish()) for device, reducer in reducers.items()}
             results = [next(by_device[device]) for _, _, device in pending]
+        if checked:
+            pending, results = _born(pending, results, checked)
         if None in results:  # outputs changed in place before their batch ran (Reducer.add's watch)
             kept = [(p, r) for p, r in zip(pending, results) if r is not None]
             self._changed([label for (_, label, _), r in zip(pending, results) if r is None])

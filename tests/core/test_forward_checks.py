@@ -112,3 +112,41 @@ def test_a_nan_in_a_weight_shows_in_its_norm():
     checks.check("", (torch.ones(1, 2),), torch.ones(1, 2))
     norms = sums.calls[0][2]
     assert math.isnan(norms[0]) and math.isfinite(norms[1])
+
+
+def test_with_output_statistics_the_outputs_are_not_summed_again_and_a_nan_still_names_its_module():
+    from lightning_gradhooks import GradientMonitor
+    from lightning_gradhooks.health import nonfinite_origin
+
+    class Log(nn.Module):  # a watched module (it has a parameter) whose forward can make NaN
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+            self.poison = False
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return (x.log() if self.poison else (x.abs() + 1).log()) * self.scale  # log of a negative: NaN
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), Log(), nn.Linear(4, 2))
+    monitor = GradientMonitor(net, forward_checks=True, noise_scale=False)
+    with monitor.attach():
+        for poison in (False, True):
+            net[3].poison = poison
+            with monitor.arm():
+                net(torch.randn(8, 4)).sum().backward()
+                record = monitor.collect()
+            net.zero_grad()
+            kinds = [e.key for e in record.entries if e.kind in (Kind.FORWARD, Kind.FORWARD_INPUT)]
+            assert {e.key.label for e in record.entries if e.kind == Kind.OUTPUT} >= {"0", "2", "3", "4"}
+            # The batch and the output of the Tanh (not watched: a check of its own) are summed; the
+            # watched modules' outputs are read from their statistics, without a sum or an entry ...
+            summed = [(Kind.FORWARD_INPUT, "0"), (Kind.FORWARD, "1")]
+            if not poison:
+                assert [(k.kind, k.label) for k in kinds] == summed
+            else:  # ... but where they hold NaN/Inf: an entry where the check's sum would have been
+                assert [(k.kind, k.label) for k in kinds] == [*summed, (Kind.FORWARD, "3"), (Kind.FORWARD, "4")]
+                labels = [(e.kind, e.key.label) for e in record.entries]
+                assert labels.index((Kind.FORWARD, "3")) + 1 == labels.index((Kind.OUTPUT, "3"))
+                summary = {e.key: e.stats._asdict() for e in record.entries}
+                assert nonfinite_origin(summary)[:2] == ("3", "born in the forward of `3`")
