@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,12 +12,6 @@ from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
 
 
-def _middle(values: list[float]) -> float:
-    """The median of a non-empty list, without ``statistics.median``'s checks."""
-    ordered, half = sorted(values), len(values) // 2
-    return ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2
-
-
 class Exploding(Check):
     """A gradient whose RMS is ``exploding_factor`` times the median of its own last
     ``exploding_window`` logged values, ``exploding_steps`` logged steps in a row. Values below
@@ -25,33 +19,77 @@ class Exploding(Check):
     the baseline: growth from a near-zero start (attention's query and key at uniform attention,
     a LoRA adapter) to the model's own scale is no explosion. Reads ``step.quiet``.
 
-    State: each entry's last values (the baseline).
+    State: each entry's last values (the baseline): one row per entry in ``history`` (the
+    values first, then +inf), their number in ``count``.
     """
 
     name = "exploding"
 
     def __init__(self, thresholds: Any) -> None:
         super().__init__(thresholds)
-        self.history: dict[str, list[float]] = {}  # subject label -> its last values at the model's scale
+        self.rows: dict[str, int] = {}  # subject label -> its row, in the order first judged
+        self.history = np.zeros((0, thresholds.exploding_window))
+        self.count = np.zeros(0, dtype=np.int64)
+        self._seen: tuple[Sequence[str], np.ndarray] | None = None  # the labels last judged, and their rows
+
+    def _rows(self, labels: Sequence[str]) -> np.ndarray:
+        if self._seen is not None and self._seen[0] is labels:
+            return self._seen[1]
+        rows = self.rows
+        new = [label for label in labels if label not in rows]
+        if new:
+            for label in new:
+                rows[label] = len(rows)
+            more = len(rows) - len(self.count)
+            self.history = np.concatenate([self.history, np.full((more, self.history.shape[1]), np.inf)])
+            self.count = np.concatenate([self.count, np.zeros(more, dtype=np.int64)])
+        found = np.fromiter(map(rows.__getitem__, labels), dtype=np.int64, count=len(labels))
+        self._seen = (labels, found)
+        return found
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
         t, gradients = self.thresholds, step.gradients
         indices, subjects, labels = gradients.judged(step.quiet, ~np.isnan(gradients.rms))
-        histories, grown = self.history, []
-        floor_ratio, factor, window = t.floor_ratio, t.exploding_factor, t.exploding_window
-        for i, (label, value, median) in enumerate(zip(labels, gradients.rms[indices].tolist(),
-                                                       gradients.medians[indices].tolist())):
-            history = histories.setdefault(label, [])
-            if value < floor_ratio * median:  # (False where the median is NaN: None)
-                continue  # not read, not in the baseline
-            if history and value > factor * (baseline := _middle(history)):
-                grown.append((i, t.exploding_steps, value, value / baseline))
-            history.append(value)
-            del history[:-window]
-        tracker.run_many("exploding", subjects, labels, step.number, grown)
+        rows = self._rows(labels)
+        values, medians = gradients.rms[indices], gradients.medians[indices]
+        with np.errstate(invalid="ignore"):  # (a NaN median: None, every value read)
+            read = np.flatnonzero(~(values < t.floor_ratio * medians))  # the others: not read, not in the baseline
+        at, value = rows[read], values[read]
+        count = self.count[at]
+        ordered = np.sort(self.history[at], axis=1)  # (+inf after the values)
+        line, half = np.arange(len(at)), count // 2
+        with np.errstate(invalid="ignore"):
+            baseline = np.where(count % 2 == 1, ordered[line, half], (ordered[line, np.maximum(half - 1, 0)]
+                                                                       + ordered[line, half]) / 2)
+            grown = np.flatnonzero((count > 0) & (value > t.exploding_factor * baseline))
+        self._append(at, value)
+        tracker.run_many("exploding", subjects, labels, step.number, read[grown], t.exploding_steps, value[grown],
+                         value[grown] / baseline[grown])
+
+    def _append(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Add a value to each of ``rows``, keeping the last ``exploding_window``."""
+        history, count, window = self.history, self.count, self.thresholds.exploding_window
+        full = count[rows] >= history.shape[1]
+        shifting = rows[full]
+        history[shifting, :-1] = history[shifting, 1:]
+        history[shifting, -1] = values[full]
+        growing = rows[~full]
+        history[growing, count[growing]] = values[~full]
+        count[growing] += 1
+        for row in np.flatnonzero(count > window).tolist():  # (a longer history loaded: cut to the window)
+            kept = history[row, count[row] - window : count[row]].copy()
+            history[row] = np.inf
+            history[row, :window], count[row] = kept, window
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {label: list(values) for label, values in self.history.items()}}
+        return {"history": {label: self.history[row, : self.count[row]].tolist() for label, row in self.rows.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.history = {label: list(values) for label, values in state["history"].items()}
+        histories = {label: list(values) for label, values in state["history"].items()}
+        width = max([self.thresholds.exploding_window, *map(len, histories.values())])
+        self.rows = {label: row for row, label in enumerate(histories)}
+        self.history = np.full((len(histories), width), np.inf)
+        self.count = np.array([len(values) for values in histories.values()], dtype=np.int64)
+        for row, values in enumerate(histories.values()):
+            self.history[row, : len(values)] = values
+        self._seen = None

@@ -88,7 +88,7 @@ def test_many_runs_at_once_are_the_runs_one_at_a_time():
         needed = rng.choice([1, 3])
         for i, subject in enumerate(chosen):
             one.run("vanishing", subject, number, i in bad, needed, float(i), score=float(number))
-        many.run_many("vanishing", chosen, labels[: len(chosen)], number, [(i, needed, float(i), float(number)) for i in bad])
+        many.run_many("vanishing", chosen, labels[: len(chosen)], number, bad, needed, [float(i) for i in bad], float(number))
         assert one.running("vanishing") == many.running("vanishing")
         if number % 7 == 0:  # read halfway: the flags raised again are made as they are read
             assert one.flags == many.flags
