@@ -1,11 +1,12 @@
-"""``activation_growth``: a module's output RMS many times its own early level. Pure Python."""
+"""``activation_growth``: a module's output RMS many times its own early level. Python and numpy."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step, median
@@ -33,11 +34,13 @@ class ActivationGrowth(Check):
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
         t = self.thresholds
-        values = {key: s["rms"] for key, s in step.entries.items()
-                  if key.kind == Kind.OUTPUT and math.isfinite(s.get("rms", math.nan)) and s["rms"] > 0}
-        middle = median(list(values.values()))
-        for key, value in values.items():
-            subject = step.subjects[key]
+        at = step.layout.of_kind(Kind.OUTPUT)
+        values = step.column("rms")[at]
+        with np.errstate(invalid="ignore"):
+            at, values = at[np.isfinite(values) & (values > 0)].tolist(), values[np.isfinite(values) & (values > 0)].tolist()
+        middle = median(values)
+        for i, value in zip(at, values):
+            subject = step.layout.subjects[i]
             early = self.early.setdefault(subject.label, [])
             full = len(early) >= t.activation_early_steps
             level = statistics.median(early) if full else None

@@ -34,11 +34,11 @@ class AttentionLogits(Check):
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
         t = self.thresholds
-        for key, s in step.entries.items():
-            value = s.get("max")
-            if key.kind != Kind.ATTENTION_LOGIT or value is None or math.isnan(value):
+        at = step.layout.of_kind(Kind.ATTENTION_LOGIT)
+        for i, value in zip(at.tolist(), step.column("max")[at].tolist()):
+            if math.isnan(value):  # (not logged, or the forward is NaN)
                 continue
-            subject = step.subjects[key]
+            subject = step.layout.subjects[i]
             label = subject.label
             previous = self.last.get(label)
             self.last[label] = value

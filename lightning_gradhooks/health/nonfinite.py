@@ -25,7 +25,7 @@ class NonFinite(Check):
     name = "nonfinite"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        if step.scaler_skipped:  # the scaler's business (ScalerSkips)
+        if step.scaler_skipped or not step.bad:  # the scaler's business (ScalerSkips); a finite step
             return
         first = tracker.nonfinite
         if first is not None and first.since <= step.number:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from itertools import chain, islice
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from operator import methodcaller
 from typing import Any, NamedTuple
@@ -130,6 +130,8 @@ class Layout:
                                         for key in self.keys], dtype=np.int64)
         self.params = np.flatnonzero(self.param)
         self.param_grads = np.flatnonzero(self.kinds == Kind.PARAM_GRAD)
+        self.optimizers = any(key.optimizer is not None for key in self.keys)  # keys of several optimizers
+        self.grad_names = [self.names[i] for i in self.param_grads.tolist()]
         self.dead_kinds = np.isin(self.kinds, [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)])  # what ``dead`` reads
         # The modules of the gradient entries, in record order, once each.
         self.gradient_modules = dict.fromkeys(self.modules[i] for i in np.flatnonzero(self.gradient).tolist()).keys()
