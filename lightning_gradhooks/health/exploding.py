@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -30,21 +31,25 @@ class Exploding(Check):
         self.rows: dict[str, int] = {}  # subject label -> its row, in the order first judged
         self.history = np.zeros((0, thresholds.exploding_window))
         self.count = np.zeros(0, dtype=np.int64)
-        self._seen: tuple[Sequence[str], np.ndarray] | None = None  # the labels last judged, and their rows
+        self._seen: dict[int, tuple[Sequence[str], np.ndarray]] = {}  # lists of labels judged, and their rows
 
     def _rows(self, labels: Sequence[str]) -> np.ndarray:
-        if self._seen is not None and self._seen[0] is labels:
-            return self._seen[1]
+        """The rows of ``labels`` (new ones get rows, in order); a list seen before costs nothing."""
+        seen = self._seen.get(id(labels))
+        if seen is not None and seen[0] is labels:
+            return seen[1]
         rows = self.rows
-        new = [label for label in labels if label not in rows]
-        if new:
-            for label in new:
-                rows[label] = len(rows)
+        found = np.fromiter(map(rows.get, labels, repeat(-1)), dtype=np.int64, count=len(labels))
+        new = np.flatnonzero(found < 0)
+        if len(new):
+            for i in new.tolist():
+                found[i] = rows[labels[i]] = len(rows)
             more = len(rows) - len(self.count)
             self.history = np.concatenate([self.history, np.full((more, self.history.shape[1]), np.inf)])
             self.count = np.concatenate([self.count, np.zeros(more, dtype=np.int64)])
-        found = np.fromiter(map(rows.__getitem__, labels), dtype=np.int64, count=len(labels))
-        self._seen = (labels, found)
+        if len(self._seen) >= 16:
+            self._seen.clear()
+        self._seen[id(labels)] = (labels, found)
         return found
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
@@ -92,4 +97,4 @@ class Exploding(Check):
         self.count = np.array([len(values) for values in histories.values()], dtype=np.int64)
         for row, values in enumerate(histories.values()):
             self.history[row, : len(values)] = values
-        self._seen = None
+        self._seen = {}

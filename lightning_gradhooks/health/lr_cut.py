@@ -30,18 +30,27 @@ def common_module(modules: tuple[str, ...]) -> str:
     return ".".join(common) or "(model)"
 
 
-def _groups(layout: Layout, at: np.ndarray, group: np.ndarray) -> dict[tuple[int | None, int], np.ndarray]:
+def _groups(layout: Layout, at: np.ndarray, group: np.ndarray) -> dict[tuple[int | None, int], tuple[np.ndarray, str, list[str]]]:
     """The param groups of the parameters at ``at`` (their group indices: ``group``), in the order
     of their first parameter: ``(optimizer, index)`` -> the positions of their parameters in
-    ``at``."""
+    ``at``, the module holding them all and their names; the same for every step of a layout."""
+    found = layout.memo.get(("groups", at.tobytes(), group.tobytes()))
+    if found is not None:
+        return found
     optimizers = np.array([-1 if layout.keys[i].optimizer is None else layout.keys[i].optimizer for i in at.tolist()],
-                          dtype=np.int64) if layout.optimizers else np.full(len(at), -1, dtype=np.int64)
-    found: dict[tuple[int | None, int], np.ndarray] = {}
+                          dtype=np.int64)
+    found = {}
     pairs = np.stack([optimizers, group.astype(np.int64)], axis=1)
     unique, first, inverse = np.unique(pairs, axis=0, return_index=True, return_inverse=True)
     for u in np.argsort(first, kind="stable").tolist():
         optimizer, index = unique[u].tolist()
-        found[(None if optimizer == -1 else optimizer, index)] = np.flatnonzero(inverse.reshape(-1) == u)
+        members = np.flatnonzero(inverse.reshape(-1) == u)
+        positions = at[members].tolist()
+        found[(None if optimizer == -1 else optimizer, index)] = (
+            members, common_module(tuple(layout.modules[i] for i in positions)), [layout.names[i] for i in positions])
+    if len(layout.memo) > 64:
+        layout.memo.clear()
+    layout.memo[("groups", at.tobytes(), group.tobytes())] = found
     return found
 
 
@@ -66,19 +75,18 @@ class LrCut(Check):
         group, lr = step.column("group", -1.0)[params], step.column("lr")[params]  # (a group is an index: never -1)
         chosen = (group != -1.0) & np.isfinite(lr)
         at, group, lr = params[chosen], group[chosen], lr[chosen]
-        for (optimizer, index), members in _groups(layout, at, group).items():
+        for (optimizer, index), (members, module, names) in _groups(layout, at, group).items():
             rate = float(lr[members[0]])
             of = "" if optimizer is None else f" of optimizer {optimizer}"
             label = f"param_groups[{index}]{of}"
             peak = self.peaks[label] = max(self.peaks.get(label, 0.0), rate)
             cut = rate <= LR_CUT * peak
-            module = common_module(tuple(layout.modules[i] for i in at[members].tolist()))
             reason = (f"learning rate {rate:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
                       f"the {counted(len(members), 'parameter')} of the group do not move")
             tracker.run("stalled", Subject(PARAM_GROUP, label, module), step.number, cut,
                         self.thresholds.stalled_steps, rate, reason=reason)
             if cut:
-                step.lr_cut.update(layout.names[i] for i in at[members].tolist())
+                step.lr_cut.update(names)
 
     def state_dict(self) -> dict[str, Any]:
         return {"peaks": dict(self.peaks)}

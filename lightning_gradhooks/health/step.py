@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from operator import methodcaller
@@ -130,7 +130,7 @@ class Layout:
                                         for key in self.keys], dtype=np.int64)
         self.params = np.flatnonzero(self.param)
         self.param_grads = np.flatnonzero(self.kinds == Kind.PARAM_GRAD)
-        self.optimizers = any(key.optimizer is not None for key in self.keys)  # keys of several optimizers
+        self.param_names = [self.names[i] for i in self.params.tolist()]
         self.grad_names = [self.names[i] for i in self.param_grads.tolist()]
         self.dead_kinds = np.isin(self.kinds, [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)])  # what ``dead`` reads
         # The modules of the gradient entries, in record order, once each.
@@ -146,7 +146,9 @@ class Layout:
         self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
         self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.offsets = np.zeros(1, dtype=np.int64)
-        self._chosen: dict[tuple[str, bytes], tuple[np.ndarray, list[str]]] = {}
+        #: What checks work out once per layout and set of chosen keys (:meth:`chosen`; a check's own, under its
+        #: name), kept for the next steps: a few at a time.
+        self.memo: dict[tuple[str, ...], Any] = {}
 
     def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Where each statistic is among a step's values laid end to end, entry after entry
@@ -190,16 +192,16 @@ class Layout:
         """The subjects (an array of objects) and their labels of the keys at ``at``, or with
         ``what="modules"`` the modules of ``at`` (module ids) as subjects of their own: the same
         objects for the same keys at every step (the tracker knows them again at no cost)."""
-        found = self._chosen.get((what, at.tobytes()))
+        found = self.memo.get((what, at.tobytes()))
         if found is None:
-            if len(self._chosen) > 64:
-                self._chosen.clear()
+            if len(self.memo) > 64:
+                self.memo.clear()
             if what == "modules":
                 labels = [self.module_names[i] for i in at.tolist()]
                 subjects = [Subject("", module, module) for module in labels]
             else:
                 subjects, labels = [self.subjects[i] for i in at.tolist()], [self.labels[i] for i in at.tolist()]
-            found = self._chosen[(what, at.tobytes())] = (np.fromiter(subjects, dtype=object, count=len(subjects)), labels)
+            found = self.memo[(what, at.tobytes())] = (np.fromiter(subjects, dtype=object, count=len(subjects)), labels)
         return found
 
 
@@ -412,8 +414,8 @@ class Step:
         quiet, layout, sizes_of = self.quiet, self.layout, self.shape.sizes
         params = layout.params[~layout.named(quiet)[layout.params]] if quiet else layout.params
         ratios, norms = self.column("update_ratio")[params], self.column("param_norm")[params]
-        elements = np.fromiter((sizes_of.get(layout.names[i], math.nan) for i in params.tolist()), dtype=np.float64,
-                               count=len(params))
+        names = layout.param_names if params is layout.params else [layout.names[i] for i in params.tolist()]
+        elements = np.fromiter(map(sizes_of.get, names, repeat(math.nan)), dtype=np.float64, count=len(params))
         with np.errstate(all="ignore"):
             sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
         known = ~np.isnan(sizes)

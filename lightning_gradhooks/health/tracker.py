@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -40,22 +41,25 @@ class _Runs:
         self.value = np.zeros(0)  # at the latest raise
         self.raised_subject = np.empty(0, dtype=object)
         self.reason = np.empty(0, dtype=object)
-        self._seen: tuple[Sequence[str], np.ndarray] | None = None  # the labels last given, and their rows
+        self._seen: dict[int, tuple[Sequence[str], np.ndarray]] = {}  # lists of labels given, and their rows
 
     def of(self, labels: Sequence[str]) -> np.ndarray:
-        """The rows of ``labels`` (new labels get new rows, in order); the same list as the last
-        call costs nothing (a check passes its layout's lists)."""
-        seen = self._seen
+        """The rows of ``labels`` (new labels get new rows, in order); a list given at an earlier
+        step costs nothing (a check passes its layout's lists, the same at every step)."""
+        seen = self._seen.get(id(labels))
         if seen is not None and seen[0] is labels:
             return seen[1]
-        rows, new = self.rows, [label for label in labels if label not in self.rows]
-        if new:
-            for label in new:
-                rows[label] = len(self.labels)
-                self.labels.append(label)
+        rows = self.rows
+        found = np.fromiter(map(rows.get, labels, repeat(-1)), dtype=np.int64, count=len(labels))
+        new = np.flatnonzero(found < 0)
+        if len(new):
+            for i in new.tolist():
+                found[i] = rows[labels[i]] = len(self.labels)
+                self.labels.append(labels[i])
             self._grow(len(self.labels))
-        found = np.fromiter(map(rows.__getitem__, labels), dtype=np.int64, count=len(labels))
-        self._seen = (labels, found)
+        if len(self._seen) >= 16:
+            self._seen.clear()
+        self._seen[id(labels)] = (labels, found)
         return found
 
     def _grow(self, size: int) -> None:
@@ -135,15 +139,17 @@ class Tracker:
         if len(runs.labels) > known:  # the runs are kept in the order first judged
             self._order.extend((flag, row) for row in range(known, len(runs.labels)))
         bad = np.asarray(bad, dtype=np.int64)
-        ending = rows[runs.start[rows] >= 0]
-        if len(ending):
-            ending = np.setdiff1d(ending, rows[bad], assume_unique=True) if len(bad) else ending
+        running = runs.start[rows] >= 0
+        if len(bad) and running.any():
+            running[bad] = False
+        if running.any():  # runs that end
+            ending = rows[running]
             runs.start[ending], runs.length[ending] = -1, 0
         if not len(bad):
             return
         at = rows[bad]
-        values, scores = np.broadcast_to(np.asarray(values, dtype=np.float64), at.shape), np.broadcast_to(
-            np.asarray(scores, dtype=np.float64), at.shape)
+        values = np.full(len(at), values) if np.ndim(values) == 0 else np.asarray(values, dtype=np.float64)
+        scores = np.full(len(at), scores) if np.ndim(scores) == 0 else np.asarray(scores, dtype=np.float64)
         starting = at[runs.start[at] < 0]
         runs.start[starting] = step
         runs.length[at] += 1
