@@ -84,17 +84,19 @@ class Judge:
         self._subjects: dict[Key, Subject] = {}  # a cache: the subject of each key seen
         self._layouts: dict[tuple[Key, ...], Layout] = {}  # a cache: each set of keys seen, in order
         self._layout: Layout | None = None  # the latest (the next step's keys are most likely the same)
+        self._merges: dict[tuple[int, ...], Any] = {}  # a cache of :func:`merged`
 
     @property
     def steps(self) -> int:
         """The number of logged steps taken in."""
         return len(self._seen)
 
-    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
+    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]] | Packed) -> None:
         """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.core.records.Summary`
         (:func:`~lightning_gradhooks.core.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
-        in record order. Several calls for one step are merged (one step, counted once); a call
-        for a later step judges the earlier ones. Statistics of a step already judged are
+        in record order, or a :class:`~lightning_gradhooks.health.step.Packed` of it (the
+        ``report`` command's, read from the log as numbers). Several calls for one step are
+        merged (one step, counted once); a call for a later step judges the earlier ones. Statistics of a step already judged are
         ignored (a resume replays no step the report has seen)."""
         if step not in self._pending:
             if self._seen and step <= self._seen[-1]:
@@ -102,14 +104,14 @@ class Judge:
             self._judge_pending()
             self._pending[step] = []
             self._seen.append(step)
-        self._pending[step].append(Packed.of(stats))
+        self._pending[step].append(stats.rounded() if isinstance(stats, Packed) else Packed.of(stats))
 
     def _judge_pending(self) -> None:
         for number in sorted(self._pending):
             self._judge(number, self._pending.pop(number))
 
     def _judge(self, number: int, parts: list[Packed]) -> None:
-        packed = merged(parts)
+        packed = merged(parts, self._merges)
         subjects, layout = self._subjects, self._layout
         if layout is None or layout.keys != packed.keys:  # (the same keys: compared by identity first)
             layout = self._layout_of(packed.keys)
@@ -174,7 +176,7 @@ class Judge:
         return {
             "version": VERSION,
             "seen": list(self._seen),
-            "pending": [[step, [[str(key.kind), key.name, key.optimizer, s] for key, s in merged(parts).summary().items()]]
+            "pending": [[step, [[str(key.kind), key.name, key.optimizer, s] for key, s in merged(parts, {}).summary().items()]]
                         for step, parts in self._pending.items()],
             "tracker": self.tracker.state_dict(),
             "shape": self.shape.state_dict(),

@@ -72,21 +72,41 @@ class Packed(NamedTuple):
                 values = values.astype(np.float32).astype(np.float64)
         return cls(keys, lengths, list(chain.from_iterable(dicts)), values)
 
+    def rounded(self) -> Packed:
+        """The same statistics, their values rounded to float32 (see :meth:`of`)."""
+        with np.errstate(over="ignore"):
+            return self._replace(values=self.values.astype(np.float32).astype(np.float64))
+
     def summary(self) -> Summary:
         """The statistics as ``{key: {statistic: value}}`` again, in order."""
         names, values = iter(self.names), iter(self.values.tolist())  # zip takes a name first: no value too many
         return {key: dict(zip(islice(names, length), values)) for key, length in zip(self.keys, self.lengths)}
 
 
-def merged(parts: list[Packed]) -> Packed:
+def merged(parts: list[Packed], memo: dict[tuple[int, ...], Any]) -> Packed:
     """The step of several summaries given for it (one per optimizer, the update ratios after
-    the gradients): one, as :func:`merge_summary` merges them (the values rounded already)."""
-    if len(parts) == 1:
-        return parts[0]
-    into: Summary = {}
-    for part in parts:
-        merge_summary(into, part.summary().items())
-    return Packed.of(into, round_to_float32=False)
+    the gradients): one, as :func:`merge_summary` merges them. Summaries of keys of their own
+    are laid one after the other (what a pair of summaries' layouts make is remembered in
+    ``memo``, so that the next step's pair, read with the same lists, costs nothing)."""
+    while len(parts) > 1:
+        first, second = parts[0], parts[1]
+        ids = (id(first.keys), id(first.names), id(second.keys), id(second.names))
+        known = memo.get(ids)
+        if known is None or known[0] is not first.keys or known[1] is not first.names or known[2] is not second.keys or (
+                known[3] is not second.names):
+            if len(memo) >= 16:
+                memo.clear()
+            apart = set(first.keys).isdisjoint(second.keys)
+            together = (first.keys + second.keys, first.lengths + second.lengths, first.names + second.names) if apart else None
+            known = memo[ids] = (first.keys, first.names, second.keys, second.names, together)
+        together = known[4]
+        if together is None:  # a key in both: merged entry by entry
+            into: Summary = {}
+            for part in parts:
+                merge_summary(into, part.summary().items())
+            return Packed.of(into, round_to_float32=False)
+        parts = [Packed(*together, np.concatenate([first.values, second.values])), *parts[2:]]
+    return parts[0]
 
 
 def median(values: list[float]) -> float | None:
