@@ -138,6 +138,10 @@ class Tracker:
         rows = runs.of(labels)
         if len(runs.labels) > known:  # the runs are kept in the order first judged
             self._order.extend((flag, row) for row in range(known, len(runs.labels)))
+            for row in range(known, len(runs.labels)):  # a flag without a run (a state of an earlier release)
+                made = self._flags.get((flag, runs.labels[row]))
+                if made is not None:
+                    runs.flagged[row], runs.worst[row] = True, made.score
         bad = np.asarray(bad, dtype=np.int64)
         running = runs.start[rows] >= 0
         if len(bad) and running.any():
