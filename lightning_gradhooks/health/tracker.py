@@ -96,11 +96,8 @@ class Tracker:
         flag is raised (kept from an earlier run: its ``since`` and its worst score); a good step
         ends it. ``began``: where the trouble began when that is before the run (the flag's
         ``since`` goes back to it)."""
-        label = subject.label
-        self.run_many(flag, (subject,), (label,), step, [0] if bad else [], needed, [value], [score], reason)
-        previous = self._flags.get((flag, label))
-        if bad and began is not None and previous is not None and previous.since > began:
-            self._flags[(flag, label)] = replace(self._flag(flag, label), since=int(began))
+        self.run_many(flag, (subject,), (subject.label,), step, [0] if bad else [], needed, [value], [score], reason,
+                      None if began is None else [began])
 
     @property
     def flags(self) -> dict[tuple[str, str], Flag]:
@@ -125,10 +122,11 @@ class Tracker:
     def run_many(self, flag: str, subjects: Sequence[Subject], labels: Sequence[str], step: int,
                  bad: Sequence[int] | np.ndarray, needed: int | Sequence[int] | np.ndarray,
                  values: Sequence[float] | np.ndarray, scores: Sequence[float] | np.ndarray | float = 0.0,
-                 reason: str = "") -> None:
+                 reason: str = "", began: Sequence[int | None] | None = None) -> None:
         """:meth:`run` on each of ``subjects`` (whose labels are ``labels``, each once), at once:
         ``bad`` lists the bad ones (their positions, in order), with their ``needed``, ``values``
-        and ``scores`` (each a number, or one per bad subject); the others are good. The same as
+        and ``scores`` (each a number, or one per bad subject) and ``began`` (None, or one per
+        bad subject: see :meth:`run`); the others are good. The same as
         one :meth:`run` each, in arrays: pass the same ``labels`` list at each step (a layout's)
         and the labels cost nothing."""
         runs = self._runs.get(flag)
@@ -152,6 +150,17 @@ class Tracker:
         if not len(bad):
             return
         at = rows[bad]
+        self._raise(flag, runs, at, subjects, bad, step, needed, values, scores, reason)
+        for row, start in zip(at.tolist(), began if began is not None else ()):
+            made = self._flags.get((flag, runs.labels[row]))
+            if start is not None and made is not None and made.since > start:
+                self._flags[(flag, runs.labels[row])] = replace(self._flag(flag, runs.labels[row]), since=int(start))
+
+    def _raise(self, flag: str, runs: _Runs, at: np.ndarray, subjects: Sequence[Subject], bad: np.ndarray, step: int,
+               needed: int | Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray,
+               scores: Sequence[float] | np.ndarray | float, reason: str) -> None:
+        """The bad steps of :meth:`run_many`: the runs at ``at`` grow, and those long enough raise
+        their flag."""
         values = np.full(len(at), values) if np.ndim(values) == 0 else np.asarray(values, dtype=np.float64)
         scores = np.full(len(at), scores) if np.ndim(scores) == 0 else np.asarray(scores, dtype=np.float64)
         starting = at[runs.start[at] < 0]
