@@ -1,4 +1,5 @@
-""":class:`Series`: a few values kept per subject label, one row each, for checks that compare a
+""":class:`Rows`: subject labels numbered, the rows of a check's arrays (the tracker's runs,
+:class:`Series`); :class:`Series`: a few values kept per subject label, for checks that compare a
 value with a subject's own earlier ones (``exploding``'s baseline, ``activation_growth``'s early
 level). Python and numpy."""
 
@@ -10,6 +11,31 @@ from itertools import repeat
 import numpy as np
 
 
+class Rows:
+    """Subject labels numbered in the order first seen: the rows of a check's arrays."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}  # subject label -> its row
+        self.labels: list[str] = []
+        self._seen: dict[int, tuple[Sequence[str], np.ndarray]] = {}  # lists of labels given, and their rows
+
+    def of(self, labels: Sequence[str]) -> np.ndarray:
+        """The rows of ``labels`` (new ones get new rows, in order); a list given before costs
+        nothing (a check passes its layout's lists, the same objects at every step)."""
+        seen = self._seen.get(id(labels))
+        if seen is not None and seen[0] is labels:
+            return seen[1]
+        rows = self.rows
+        found = np.fromiter(map(rows.get, labels, repeat(-1)), dtype=np.int64, count=len(labels))
+        for i in np.flatnonzero(found < 0).tolist():
+            found[i] = rows[labels[i]] = len(self.labels)
+            self.labels.append(labels[i])
+        if len(self._seen) >= 16:
+            self._seen.clear()
+        self._seen[id(labels)] = (labels, found)
+        return found
+
+
 class Series:
     """Per subject label, its kept values (at most ``length`` once :meth:`add` has cut them),
     oldest first: one row each in the order first seen, the values then +inf, their number in
@@ -17,29 +43,17 @@ class Series:
 
     def __init__(self, length: int) -> None:
         self.length = length
-        self.rows: dict[str, int] = {}  # subject label -> its row
+        self.rows = Rows()
         self.values = np.zeros((0, length))
         self.count = np.zeros(0, dtype=np.int64)
-        self._seen: dict[int, tuple[Sequence[str], np.ndarray]] = {}  # lists of labels given, and their rows
 
     def of(self, labels: Sequence[str]) -> np.ndarray:
-        """The rows of ``labels`` (new ones get empty rows, in order); a list given before costs
-        nothing (a layout's)."""
-        seen = self._seen.get(id(labels))
-        if seen is not None and seen[0] is labels:
-            return seen[1]
-        rows = self.rows
-        found = np.fromiter(map(rows.get, labels, repeat(-1)), dtype=np.int64, count=len(labels))
-        new = np.flatnonzero(found < 0)
-        if len(new):
-            for i in new.tolist():
-                found[i] = rows[labels[i]] = len(rows)
-            more = len(rows) - len(self.count)
+        """The rows of ``labels`` (new ones get empty rows): :meth:`Rows.of`."""
+        found = self.rows.of(labels)
+        more = len(self.rows.labels) - len(self.count)
+        if more:
             self.values = np.concatenate([self.values, np.full((more, self.values.shape[1]), np.inf)])
             self.count = np.concatenate([self.count, np.zeros(more, dtype=np.int64)])
-        if len(self._seen) >= 16:
-            self._seen.clear()
-        self._seen[id(labels)] = (labels, found)
         return found
 
     def median(self, rows: np.ndarray) -> np.ndarray:
@@ -69,13 +83,13 @@ class Series:
 
     def state_dict(self) -> dict[str, list[float]]:
         """Each label's values, oldest first."""
-        return {label: self.values[row, : self.count[row]].tolist() for label, row in self.rows.items()}
+        return {label: self.values[row, : self.count[row]].tolist() for row, label in enumerate(self.rows.labels)}
 
     def load_state_dict(self, state: Mapping[str, Sequence[float]]) -> None:
         series = {label: [float(v) for v in values] for label, values in state.items()}
-        self.rows = {label: row for row, label in enumerate(series)}
+        self.rows = Rows()
+        self.rows.of(list(series))
         self.values = np.full((len(series), max([self.length, *map(len, series.values())])), np.inf)
         self.count = np.array([len(values) for values in series.values()], dtype=np.int64)
         for row, values in enumerate(series.values()):
             self.values[row, : len(values)] = values
-        self._seen = {}

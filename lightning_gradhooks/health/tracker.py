@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from lightning_gradhooks.health.flags import Flag, Row, Subject
+from lightning_gradhooks.health.series import Rows
 
 _NONE = Subject("", "", "")  # a run's subject before its first bad step (a tuple: shared, never changed)
 
@@ -28,8 +28,8 @@ class _Runs:
     latest raise."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, int] = {}  # subject label -> its row
-        self.labels: list[str] = []
+        self.numbers = Rows()
+        self.labels = self.numbers.labels  # each row's subject label
         self.start = np.zeros(0, dtype=np.int64)
         self.length = np.zeros(0, dtype=np.int64)
         self.last = np.zeros(0)
@@ -41,25 +41,13 @@ class _Runs:
         self.value = np.zeros(0)  # at the latest raise
         self.raised_subject = np.empty(0, dtype=object)
         self.reason = np.empty(0, dtype=object)
-        self._seen: dict[int, tuple[Sequence[str], np.ndarray]] = {}  # lists of labels given, and their rows
 
     def of(self, labels: Sequence[str]) -> np.ndarray:
-        """The rows of ``labels`` (new labels get new rows, in order); a list given at an earlier
-        step costs nothing (a check passes its layout's lists, the same at every step)."""
-        seen = self._seen.get(id(labels))
-        if seen is not None and seen[0] is labels:
-            return seen[1]
-        rows = self.rows
-        found = np.fromiter(map(rows.get, labels, repeat(-1)), dtype=np.int64, count=len(labels))
-        new = np.flatnonzero(found < 0)
-        if len(new):
-            for i in new.tolist():
-                found[i] = rows[labels[i]] = len(self.labels)
-                self.labels.append(labels[i])
+        """The rows of ``labels`` (:meth:`~lightning_gradhooks.health.series.Rows.of`; new ones
+        get new rows, in order)."""
+        found = self.numbers.of(labels)
+        if len(self.labels) > len(self.start):
             self._grow(len(self.labels))
-        if len(self._seen) >= 16:
-            self._seen.clear()
-        self._seen[id(labels)] = (labels, found)
         return found
 
     def _grow(self, size: int) -> None:
@@ -110,7 +98,7 @@ class Tracker:
     def _flag(self, flag: str, label: str) -> Flag:
         """The flag of ``label`` as of now (made from its latest raise)."""
         runs = self._runs[flag]
-        row = runs.rows[label]
+        row = runs.numbers.rows[label]
         made = self._flags[(flag, label)]
         if runs.again[row]:
             runs.again[row] = False
