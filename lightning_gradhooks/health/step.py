@@ -1,15 +1,16 @@
-"""One logged step as every check reads it: :class:`Step`, made once per step by the judge, with
-its :class:`Layout`, made once per set of keys; and :func:`merge_summary`, the one way a step's
-summaries (one per optimizer, the update ratios after the gradients) become one. Python and
-numpy arrays."""
+"""One logged step as every check reads it: :class:`Step`, made once per step by the judge from
+its :class:`Packed` numbers, with its :class:`Layout`, made once per set of keys; and
+:func:`merge_summary`, the one way a step's summaries (one per optimizer, the update ratios after
+the gradients) become one (:func:`merged`: the same, for packed summaries). Python and numpy
+arrays."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from itertools import chain, islice, repeat
 from collections.abc import Iterable, Mapping
 from functools import cached_property
+from itertools import chain, islice, repeat
 from operator import methodcaller
 from typing import Any, NamedTuple
 
