@@ -23,12 +23,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lightning_gradhooks.log._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
 from lightning_gradhooks.core._text import counted
 from lightning_gradhooks.core.noise import sentence_of
 from lightning_gradhooks.core.records import Key, Kind, Summary
 from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
-from lightning_gradhooks.health.step import merge_summary
+from lightning_gradhooks.health.step import Packed, merge_summary
 
 # Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
 _KINDS_LONGEST_FIRST = sorted(Kind, key=len, reverse=True)
@@ -86,13 +88,46 @@ def read_records(path: Path) -> Iterator[bytes | _Damage]:
 
 @dataclass
 class Run:
-    """What the event files of one run folder hold: the GradHooks statistics by step, in the
-    order they were written, and the damage met while reading."""
+    """What the event files of one run folder hold: the GradHooks statistics of each logged step
+    as written (its summaries, laid end to end: the update ratios come in one of their own,
+    after the gradients), in the order they were written, and the damage met while reading."""
 
     folder: Path
-    steps: dict[int, Summary]
+    parts: dict[int, list[Packed]]
     gradhooks: bool
     damage: list[_Damage]
+
+    @property
+    def steps(self) -> dict[int, Summary]:
+        """The statistics by step, each step's summaries merged."""
+        steps: dict[int, Summary] = {}
+        for step, parts in self.parts.items():
+            steps[step] = {}
+            for part in parts:
+                merge_summary(steps[step], part.summary().items())
+        return steps
+
+    def of(self, key: Key) -> dict[int, Summary]:
+        """The statistics of one key, by step (the steps that hold it)."""
+        found: dict[int, Summary] = {}
+        for step, parts in self.parts.items():
+            for part in parts:
+                at = _positions(part.keys).get(key)
+                if at is not None:
+                    begin = sum(part.lengths[:at])
+                    found.setdefault(step, {}).setdefault(key, {}).update(
+                        zip(part.names[begin : begin + part.lengths[at]], part.values[begin : begin + part.lengths[at]].tolist()))
+        return found
+
+
+def _positions(keys: list[Key], _known: dict[int, tuple[list[Key], dict[Key, int]]] = {}) -> dict[Key, int]:  # noqa: B006
+    """Each of ``keys``' position (remembered for the list, which a layout's summaries share)."""
+    known = _known.get(id(keys))
+    if known is None or known[0] is not keys:
+        if len(_known) >= 64:
+            _known.clear()
+        known = _known[id(keys)] = (keys, {key: i for i, key in enumerate(keys)})
+    return known[1]
 
 
 #: Where a packed summary's tag lies in its event: after the wall time, the step and the lengths.
@@ -103,24 +138,29 @@ def read_folder(folder: Path) -> Run:
     """Read the event files directly in ``folder``, in name (= creation) order.
 
     Once a file is seen to hold packed summaries (each an event of its own), its other events
-    (charts, histograms) are skipped without being parsed: the summaries hold all the report reads.
+    (charts, histograms) are skipped without being parsed: the summaries hold all the report
+    reads, and are kept as they are, numbers in an array (:class:`~lightning_gradhooks.health.step.Packed`).
 
     A run resumed from a checkpoint writes a new file into the same folder; where it logs a step
     that an earlier file holds already (a checkpoint older than the last logged step), the
     earlier file's steps from there on are dropped, as TensorBoard drops them: what the resumed
     run logged replaces them, and the report is the resumed run's own."""
-    run = Run(folder, defaultdict(dict), False, [])
+    run, older = Run(folder, defaultdict(list), False, []), defaultdict(dict)
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        _read_file(path, run)
-    run.steps = dict(run.steps)
+        _read_file(path, run, older)
+    for step, summary in older.items():
+        run.parts[step].append(Packed.of(summary, round_to_float32=False))
+    run.parts = dict(run.parts)
     return run
 
 
-def _read_file(path: Path, run: Run) -> None:
-    """Add the GradHooks data of one event file to ``run``."""
+def _read_file(path: Path, run: Run, older: dict[int, Summary]) -> None:
+    """Add the GradHooks data of one event file to ``run`` (that of logs written before the packed
+    summary to ``older``: JSON summaries and scalar charts, merged by step)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    steps, events, logged, reader = run.steps, 0, set(), SummaryReader()
+    parts, events, logged, reader = run.parts, 0, set(), SummaryReader()
+    plans: dict[int, tuple[list[Key], list[int], list[str]]] = {}  # each layout's keys, lengths and names
     restart: int | None = None  # the first step of this file with a summary
     for record in read_records(path):
         if isinstance(record, _Damage):
@@ -137,15 +177,24 @@ def _read_file(path: Path, run: Run) -> None:
             return
         for value in event.summary.value:
             run.gradhooks = run.gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's, an older log's
-            summary = reader.read(value)
+            summary = reader.read_packed(value)
             if summary is not None:  # every statistic of the step, compact
                 if restart is None:
                     restart = event.step
-                    for stale in [s for s in steps if s >= restart]:
-                        del steps[stale]
+                    for steps in (parts, older):
+                        for stale in [s for s in steps if s >= restart]:
+                            del steps[stale]
                 # A step's update ratios come in a summary of their own, later.
-                merge_summary(steps[event.step], summary.items())
-            elif not _read_scalar(value, steps, event.step):  # a scalar chart of an older log
+                if isinstance(summary, dict):
+                    merge_summary(older[event.step], summary.items())
+                else:
+                    plan, numbers = summary
+                    laid = plans.get(id(plan))
+                    if laid is None:
+                        laid = plans[id(plan)] = ([key for key, _ in plan], [len(names) for _, names in plan],
+                                                  [name for _, names in plan for name in names])
+                    parts[event.step].append(Packed(*laid, np.frombuffer(numbers, dtype=np.float64)))
+            elif not _read_scalar(value, older, event.step):  # a scalar chart of an older log
                 continue
             run.gradhooks = True
             logged.add(event.step)
@@ -174,8 +223,9 @@ def _read_scalar(value: Any, steps: dict[int, Summary], step: int) -> bool:
 def report_of(run: Run, thresholds: Thresholds) -> HealthReport:
     """The report of a run's statistics, steps in order."""
     report = HealthReport(thresholds)
-    for step in sorted(run.steps):
-        report.add_stats(step, run.steps[step])
+    for step in sorted(run.parts):
+        for part in run.parts[step]:
+            report.add_stats(step, part)
     return report
 
 
@@ -283,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in with_data:
         report = report_of(run, thresholds)
         print(f"== {run.folder}\n{report.table(full=args.all)}")
-        sentence = sentence_of(run.steps)  # the gradient noise scale, as at the end of fit
+        sentence = sentence_of(run.of(Key(Kind.NOISE, "gradient")))  # the gradient noise scale, as at the end of fit
         if sentence is not None:
             print(sentence)
         failed |= report.names(args.fail_on)

@@ -34,7 +34,7 @@ the model's own scale at the same step, or with their own recent median, never w
 one past value; an RMS (:func:`~lightning_gradhooks.core.records.rms`) is taken over the non-zero
 elements only, so that embedding rows and timesteps that no example touches do not read as
 small; a flag needs several logged steps in a row, so a single-step spike is not one. Every
-statistic is judged rounded to float32 (:func:`~lightning_gradhooks.health.step.rounded`), so the
+statistic is judged rounded to float32 (:meth:`~lightning_gradhooks.health.step.Packed.of`), so the
 report of a record and the report of its log (which holds float64) agree. A check whose
 statistic was not logged is skipped.
 
@@ -51,17 +51,22 @@ and one line in :data:`~lightning_gradhooks.health.judge.CHECKS`:
   :class:`~lightning_gradhooks.health.tracker.Tracker`. What a check needs of a whole step (a
   median, a vectorised pass) is a cached property of ``Step``, computed once for every check.
 - **Judging a step at once.** A step is judged in arrays, not entry by entry (the report
-  command judges hundreds of thousands of entries): ``step.layout``
-  (:class:`~lightning_gradhooks.health.step.Layout`, made once per set of keys: the keys, their
-  subjects, labels, modules and kinds side by side), ``step.column(statistic, missing)`` (one
-  statistic of every entry, a float64 array in record order), ``step.finite`` (the entries not
-  in ``bad``), ``step.gradients`` (the finite gradient entries with their RMS and their kind's
-  median). A check that judges many subjects steps their runs with one
-  ``tracker.run_many(flag, subjects, labels, step, bad)``, naming the bad ones; reading
-  ``step.entries`` (the dicts) stays right, for what concerns a few entries.
+  command judges hundreds of thousands of entries): its numbers come as one array
+  (:class:`~lightning_gradhooks.health.step.Packed`: from the log, they stay numbers from the
+  file to the checks); ``step.layout`` (:class:`~lightning_gradhooks.health.step.Layout`, made
+  once per set of keys: the keys, their subjects, labels, modules, module ids and kinds side by
+  side), ``step.column(statistic, missing)`` (one statistic of every entry, a float64 array in
+  record order), ``step.finite`` (the entries not in ``bad``), ``step.gradients`` (the finite
+  gradient entries with their RMS and their kind's median), ``step.updates`` (the update
+  ratios), ``step.moving`` (bool per entry). ``step.entries`` (the dicts) are made on first use
+  and ``step.entry(i)`` gives one: for what concerns a few entries (a non-finite step, a scaler).
 - **What it may write.** Flags only through ``tracker.run(flag, subject, step, bad, needed,
   value, ...)`` (a run of ``needed`` bad steps raises the flag; ``reason`` for a cause of its
-  own), ``tracker.run_many`` or ``tracker.promote``; notes in ``tracker.notes`` (a parameter's), or
+  own), ``tracker.run_many(flag, subjects, labels, step, bad, needed, values, scores)`` (many
+  subjects at once: ``bad`` their positions, the values and scores arrays; the runs are arrays
+  per flag, and the labels cost nothing when the list is the same object at every step:
+  ``step.layout.chosen(positions)`` gives it) or ``tracker.promote``; notes in
+  ``tracker.notes`` (a parameter's), or
   one line of the check's own from its ``note()``; the first non-finite row in
   ``tracker.nonfinite``. What it tells the checks after it: a field of ``Step``, declared and
   documented there (``scaler_skipped``, ``unowned``, ``round_off``, ``no_gradient``, ``lr_cut``,

@@ -1,13 +1,14 @@
-"""``activation_growth``: a module's output RMS many times its own early level. Pure Python."""
+"""``activation_growth``: a module's output RMS many times its own early level. Python and numpy."""
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lightning_gradhooks.health.check import Check
+from lightning_gradhooks.health.series import Series
 from lightning_gradhooks.health.step import Step, median
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.core.records import Kind
@@ -22,33 +23,38 @@ class ActivationGrowth(Check):
     ``exploding``. Without output statistics (``activations=False``) there is nothing to read
     and nothing is said.
 
-    State: each entry's early values (its level, once it has ``activation_early_steps``).
+    State: each entry's early values (its level, once it has ``activation_early_steps``), in ``early``.
     """
 
     name = "activation_growth"
 
     def __init__(self, thresholds: Any) -> None:
         super().__init__(thresholds)
-        self.early: dict[str, list[float]] = {}  # subject label -> its first values at the model's scale
+        self.early = Series(thresholds.activation_early_steps)
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t = self.thresholds
-        values = {key: s["rms"] for key, s in step.entries.items()
-                  if key.kind == Kind.OUTPUT and math.isfinite(s.get("rms", math.nan)) and s["rms"] > 0}
-        middle = median(list(values.values()))
-        for key, value in values.items():
-            subject = step.subjects[key]
-            early = self.early.setdefault(subject.label, [])
-            full = len(early) >= t.activation_early_steps
-            level = statistics.median(early) if full else None
-            grown = level is not None and value > t.activation_factor * level
-            tracker.run("activation_growth", subject, step.number, grown, t.activation_steps, value,
-                        score=value / level if grown else 0.0, reason=f"grew past {t.activation_factor:g}x its early level")
-            if not full and (middle is None or value >= t.floor_ratio * middle):
-                early.append(value)
+        t, layout = self.thresholds, step.layout
+        at = layout.of_kind(Kind.OUTPUT)
+        if not len(at):
+            return
+        values = step.column("rms")[at]
+        with np.errstate(invalid="ignore"):
+            told = np.isfinite(values) & (values > 0)
+        at, values = at[told], values[told]
+        middle = median(values.tolist())
+        subjects, labels = layout.chosen(at)
+        rows = self.early.of(labels)
+        full = self.early.count[rows] >= t.activation_early_steps
+        level = self.early.median(rows)
+        with np.errstate(invalid="ignore"):
+            grown = np.flatnonzero(full & (values > t.activation_factor * level))
+        tracker.run_many("activation_growth", subjects, labels, step.number, grown, t.activation_steps, values[grown],
+                         values[grown] / level[grown], reason=f"grew past {t.activation_factor:g}x its early level")
+        adding = ~full & (values >= t.floor_ratio * middle) if middle is not None else ~full
+        self.early.add(rows[adding], values[adding])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"early": {label: list(values) for label, values in self.early.items()}}
+        return {"early": self.early.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.early = {label: [float(v) for v in values] for label, values in state["early"].items()}
+        self.early.load_state_dict(state["early"])

@@ -1,10 +1,11 @@
-"""``attention_logits``: attention logits past a level no healthy run reaches, still rising. Pure Python."""
+"""``attention_logits``: attention logits past a level no healthy run reaches, still rising. Python and numpy."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step
@@ -33,23 +34,27 @@ class AttentionLogits(Check):
         self.above: dict[str, int] = {}  # subject label -> the logged step it went above the level
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        t = self.thresholds
-        for key, s in step.entries.items():
-            value = s.get("max")
-            if key.kind != Kind.ATTENTION_LOGIT or value is None or math.isnan(value):
-                continue
-            subject = step.subjects[key]
-            label = subject.label
+        t, layout = self.thresholds, step.layout
+        at = layout.of_kind(Kind.ATTENTION_LOGIT)
+        if not len(at):
+            return
+        values = step.column("max")[at]
+        at, values = at[~np.isnan(values)], values[~np.isnan(values)]  # (not logged, or the forward is NaN)
+        subjects, labels = layout.chosen(at)
+        rising, began = [], []
+        for i, (label, value) in enumerate(zip(labels, values.tolist())):
             previous = self.last.get(label)
             self.last[label] = value
             if value <= t.attention_logit_level:
                 self.above.pop(label, None)
             else:
                 self.above.setdefault(label, step.number)
-            rising = label in self.above and previous is not None and value > previous
-            tracker.run("attention_logits", subject, step.number, rising, t.attention_steps, value,
-                        score=value / t.attention_logit_level, reason=f"passed {t.attention_logit_level:g}",
-                        began=self.above.get(label))
+            if label in self.above and previous is not None and value > previous:
+                rising.append(i)
+                began.append(self.above[label])
+        tracker.run_many("attention_logits", subjects, labels, step.number, rising, t.attention_steps, values[rising],
+                         values[rising] / t.attention_logit_level, reason=f"passed {t.attention_logit_level:g}",
+                         began=began)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last": dict(self.last), "above": dict(self.above)}

@@ -5,13 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from lightning_gradhooks.health.check import Check
-from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
-
-
-_KINDS = [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)]
 
 
 class Dead(Check):
@@ -23,11 +18,13 @@ class Dead(Check):
     def __call__(self, step: Step, tracker: Tracker) -> None:
         t, layout = self.thresholds, step.layout
         zero = step.column("zero_fraction", -1.0)  # (a fraction: never -1)
-        chosen = np.flatnonzero(step.finite & (zero != -1.0) & np.isin(layout.kinds, _KINDS))
-        zeros: dict[str, list[float]] = {}
-        for i, fraction in zip(chosen.tolist(), zero[chosen].tolist()):
-            zeros.setdefault(layout.modules[i], []).append(fraction)
-        modules = list(zeros)
-        tracker.run_many("dead", [Subject("", module, module) for module in modules], modules, step.number,
-                         [(i, t.dead_steps, min(values), 0.0) for i, values in enumerate(zeros.values())
-                          if all(z >= t.dead_zero_fraction for z in values)])
+        chosen = np.flatnonzero(step.finite & (zero != -1.0) & layout.dead_kinds)
+        modules = layout.module_ids[chosen]
+        lowest = np.full(len(layout.module_names), np.inf)
+        np.minimum.at(lowest, modules, zero[chosen])
+        ids, first = np.unique(modules, return_index=True)
+        ids = ids[np.argsort(first)]  # in the order of their first entry
+        subjects, labels = layout.chosen(ids, "modules")
+        lowest = lowest[ids]
+        dead = np.flatnonzero(lowest >= t.dead_zero_fraction)
+        tracker.run_many("dead", subjects, labels, step.number, dead, t.dead_steps, lowest[dead], 0.0)

@@ -1,7 +1,11 @@
 """``exploding`` from the optimizer step: an update many times the size of the weights it moves.
-Pure Python."""
+Python and numpy."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step
@@ -20,8 +24,8 @@ class ExplodingUpdates(Check):
         if step.skipped:
             return
         t, updates = self.thresholds, step.updates
-        far = updates.median_size / max(t.floor_ratio, 1e-12) if updates.median_size is not None else None
-        big = [(i, 1 if far is not None and updates.sizes[name] >= far else t.exploding_steps, ratio, ratio)
-               for i, (name, ratio) in enumerate(updates.ratios.items())
-               if ratio > t.exploding_update_ratio and name in updates.readable]
-        tracker.run_many("exploding", updates.subjects, updates.labels, step.number, big)
+        far = updates.median_size / max(t.floor_ratio, 1e-12) if updates.median_size is not None else math.inf
+        big = np.flatnonzero((updates.ratios > t.exploding_update_ratio) & updates.readable)
+        needed = np.where(updates.sizes[big] >= far, 1, t.exploding_steps)
+        subjects, labels = step.layout.chosen(updates.at)
+        tracker.run_many("exploding", subjects, labels, step.number, big, needed, updates.ratios[big], updates.ratios[big])

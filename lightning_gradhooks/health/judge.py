@@ -30,12 +30,12 @@ from lightning_gradhooks.health.round_off import RoundOff
 from lightning_gradhooks.health.scaler import ScalerSkips
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.stalled import Stalled
-from lightning_gradhooks.health.step import Layout, Step, merge_summary, rounded
+from lightning_gradhooks.health.step import Layout, Packed, Step, merged
 from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
 from lightning_gradhooks.health.vanishing import Vanishing
-from lightning_gradhooks.core.records import Key, Kind, Summary
+from lightning_gradhooks.core.records import Key, Kind
 
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
@@ -80,36 +80,51 @@ class Judge:
         self.shape = Shape(self.thresholds.dead_zero_fraction)
         self.checks = tuple(check(self.thresholds) for check in CHECKS)
         self._seen: list[int] = []
-        self._pending: dict[int, Summary] = {}  # steps not judged yet
+        self._pending: dict[int, list[Packed]] = {}  # steps not judged yet: what was given for each
         self._subjects: dict[Key, Subject] = {}  # a cache: the subject of each key seen
         self._layouts: dict[tuple[Key, ...], Layout] = {}  # a cache: each set of keys seen, in order
+        self._layout: Layout | None = None  # the latest (the next step's keys are most likely the same)
+        self._merges: dict[tuple[int, ...], Any] = {}  # a cache of :func:`merged`
 
     @property
     def steps(self) -> int:
         """The number of logged steps taken in."""
         return len(self._seen)
 
-    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]]) -> None:
+    def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]] | Packed) -> None:
         """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.core.records.Summary`
         (:func:`~lightning_gradhooks.core.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
-        in record order. Several calls for one step are merged (one step, counted once); a call
-        for a later step judges the earlier ones. Statistics of a step already judged are
+        in record order, or a :class:`~lightning_gradhooks.health.step.Packed` of it (the
+        ``report`` command's, read from the log as numbers). Several calls for one step are
+        merged (one step, counted once); a call for a later step judges the earlier ones. Statistics of a step already judged are
         ignored (a resume replays no step the report has seen)."""
         if step not in self._pending:
             if self._seen and step <= self._seen[-1]:
                 return
             self._judge_pending()
-            self._pending[step] = {}
+            self._pending[step] = []
             self._seen.append(step)
-        merge_summary(self._pending[step], ((key if isinstance(key, Key) else Key(*key), s) for key, s in rounded(stats)))
+        self._pending[step].append(stats.rounded() if isinstance(stats, Packed) else Packed.of(stats))
 
     def _judge_pending(self) -> None:
         for number in sorted(self._pending):
             self._judge(number, self._pending.pop(number))
 
-    def _judge(self, number: int, entries: Summary) -> None:
-        subjects, keys = self._subjects, tuple(entries)
-        layout = self._layouts.get(keys)
+    def _judge(self, number: int, parts: list[Packed]) -> None:
+        packed = merged(parts, self._merges)
+        subjects, layout = self._subjects, self._layout
+        if layout is None or layout.keys != packed.keys:  # (the same keys: compared by identity first)
+            layout = self._layout_of(packed.keys)
+        previous = next((s for s in reversed(self._seen) if s < number), None)
+        step = Step(number, packed, previous, subjects, self.shape, self.thresholds, layout)
+        self.shape.learn(step)
+        for check in self.checks:
+            check(step, self.tracker)
+
+    def _layout_of(self, keys: list[Key]) -> Layout:
+        """The layout of a step with ``keys``, made once per set of keys."""
+        subjects = self._subjects
+        layout = self._layouts.get(tuple(keys))
         if layout is None:
             if len(subjects) > _SUBJECTS_MAX or len(self._layouts) >= _LAYOUTS_MAX:  # names that keep changing: start over
                 subjects.clear()
@@ -117,12 +132,9 @@ class Judge:
             for key in keys:
                 if key not in subjects:
                     subjects[key] = Subject.of(key)
-            layout = self._layouts[keys] = Layout(keys, subjects)
-        previous = next((s for s in reversed(self._seen) if s < number), None)
-        step = Step(number, entries, previous, subjects, self.shape, self.thresholds, layout)
-        self.shape.learn(step)
-        for check in self.checks:
-            check(step, self.tracker)
+            layout = self._layouts[tuple(keys)] = Layout(keys, subjects)
+        self._layout = layout
+        return layout
 
     # -- reading the report ----------------------------------------------------------------
     @property
@@ -164,8 +176,8 @@ class Judge:
         return {
             "version": VERSION,
             "seen": list(self._seen),
-            "pending": [[step, [[str(key.kind), key.name, key.optimizer, dict(s)] for key, s in stats.items()]]
-                        for step, stats in self._pending.items()],
+            "pending": [[step, [[str(key.kind), key.name, key.optimizer, s] for key, s in merged(parts, {}).summary().items()]]
+                        for step, parts in self._pending.items()],
             "tracker": self.tracker.state_dict(),
             "shape": self.shape.state_dict(),
             "checks": {check.name: check.state_dict() for check in self.checks},
@@ -180,7 +192,7 @@ class Judge:
         """
         state = upgrade(state, type(self).__name__)
         self._seen = [int(s) for s in state["seen"]]
-        self._pending = {int(step): {Key(Kind(k), n, o): dict(s) for k, n, o, s in stats}
+        self._pending = {int(step): [Packed.of({Key(Kind(k), n, o): dict(s) for k, n, o, s in stats})]
                          for step, stats in state["pending"]}
         self.tracker.load_state_dict(state["tracker"])
         self.shape.load_state_dict(state["shape"])

@@ -12,9 +12,8 @@ import numpy as np
 from lightning_gradhooks.core._text import counted
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import PARAM_GROUP, Subject
-from lightning_gradhooks.health.step import Step
+from lightning_gradhooks.health.step import Layout, Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Key
 
 #: A learning rate at most this share of its group's highest so far is cut (0, or tiny).
 LR_CUT = 1e-6
@@ -29,6 +28,30 @@ def common_module(modules: tuple[str, ...]) -> str:
             break
         common.append(parts[0])
     return ".".join(common) or "(model)"
+
+
+def _groups(layout: Layout, at: np.ndarray, group: np.ndarray) -> dict[tuple[int | None, int], tuple[np.ndarray, str, list[str]]]:
+    """The param groups of the parameters at ``at`` (their group indices: ``group``), in the order
+    of their first parameter: ``(optimizer, index)`` -> the positions of their parameters in
+    ``at``, the module holding them all and their names; the same for every step of a layout."""
+    found = layout.memo.get(("groups", at.tobytes(), group.tobytes()))
+    if found is not None:
+        return found
+    optimizers = np.array([-1 if layout.keys[i].optimizer is None else layout.keys[i].optimizer for i in at.tolist()],
+                          dtype=np.int64)
+    found = {}
+    pairs = np.stack([optimizers, group.astype(np.int64)], axis=1)
+    unique, first, inverse = np.unique(pairs, axis=0, return_index=True, return_inverse=True)
+    for u in np.argsort(first, kind="stable").tolist():
+        optimizer, index = unique[u].tolist()
+        members = np.flatnonzero(inverse.reshape(-1) == u)
+        positions = at[members].tolist()
+        found[(None if optimizer == -1 else optimizer, index)] = (
+            members, common_module(tuple(layout.modules[i] for i in positions)), [layout.names[i] for i in positions])
+    if len(layout.memo) > 64:
+        layout.memo.clear()
+    layout.memo[("groups", at.tobytes(), group.tobytes())] = found
+    return found
 
 
 class LrCut(Check):
@@ -47,25 +70,23 @@ class LrCut(Check):
         self.peaks: dict[str, float] = {}  # param group -> its highest learning rate so far
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        groups: dict[tuple[int | None, int], list[tuple[Key, float]]] = {}
-        params, keys = step.layout.params, step.layout.keys
+        layout = step.layout
+        params = layout.params
         group, lr = step.column("group", -1.0)[params], step.column("lr")[params]  # (a group is an index: never -1)
         chosen = (group != -1.0) & np.isfinite(lr)
-        for i, index, rate in zip(params[chosen].tolist(), group[chosen].tolist(), lr[chosen].tolist()):
-            groups.setdefault((keys[i].optimizer, int(index)), []).append((keys[i], rate))
-        for (optimizer, index), members in groups.items():
-            lr = members[0][1]
+        at, group, lr = params[chosen], group[chosen], lr[chosen]
+        for (optimizer, index), (members, module, names) in _groups(layout, at, group).items():
+            rate = float(lr[members[0]])
             of = "" if optimizer is None else f" of optimizer {optimizer}"
             label = f"param_groups[{index}]{of}"
-            peak = self.peaks[label] = max(self.peaks.get(label, 0.0), lr)
-            cut = lr <= LR_CUT * peak
-            module = common_module(tuple(step.subjects[key].module for key, _ in members))
-            reason = (f"learning rate {lr:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
+            peak = self.peaks[label] = max(self.peaks.get(label, 0.0), rate)
+            cut = rate <= LR_CUT * peak
+            reason = (f"learning rate {rate:g} (`param_groups[{index}]['lr']`{of}, its highest so far {peak:g}): "
                       f"the {counted(len(members), 'parameter')} of the group do not move")
             tracker.run("stalled", Subject(PARAM_GROUP, label, module), step.number, cut,
-                        self.thresholds.stalled_steps, lr, reason=reason)
+                        self.thresholds.stalled_steps, rate, reason=reason)
             if cut:
-                step.lr_cut.update(key.label for key, _ in members)
+                step.lr_cut.update(names)
 
     def state_dict(self) -> dict[str, Any]:
         return {"peaks": dict(self.peaks)}

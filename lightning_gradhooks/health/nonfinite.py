@@ -25,12 +25,12 @@ class NonFinite(Check):
     name = "nonfinite"
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        if step.scaler_skipped:  # the scaler's business (ScalerSkips)
+        if step.scaler_skipped or not step.bad:  # the scaler's business (ScalerSkips); a finite step
             return
         first = tracker.nonfinite
         if first is not None and first.since <= step.number:
             if first.detail.startswith("caught") and "logged in full" not in first.detail and not any(
-                    key.kind == Kind.CAUGHT for key in step.entries):
+                    key.kind == Kind.CAUGHT for key in step.layout.keys):
                 again = origin(step.entries, step.bad)
                 if again is not None and not again[1].startswith("weights"):
                     first.detail += f"; at step {step.number}, logged in full after it: {again[1]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from lightning_gradhooks.health.flags import Flag
 from lightning_gradhooks.health.shape import size_of
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.core.records import Kind
 
 #: A noted parameter keeps its note while its gradient is below this share of its module's.
 NOTE_HOLD_RATIO = 1e-3
@@ -41,47 +42,63 @@ class RoundOff(Check):
         self.runs: dict[str, list[int]] = {}  # parameter -> [first step of its run, length]
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        found = self._found(step)
-        siblings: dict[str, list[tuple[float, bool]]] = {}  # module -> its parameters' element counts, round-off
-        for _, module, _, elements, none in found.values():
-            siblings.setdefault(module, []).append((elements, none))
-        for name, (key, module, ratio, elements, none) in found.items():
-            if none and any(not other_none and 0 < other < elements for other, other_none in siblings[module]):
-                none = False  # a weight whose input is small, beside a bias that gets its gradient
-            none = none or (name in tracker.notes and ratio < NOTE_HOLD_RATIO)
-            if not none:
-                self.runs.pop(name, None)
-                tracker.notes.pop(name, None)
+        names, modules, ratio, elements, none = self._found(step)
+        if none.any():  # a weight whose input is small, beside a bias that gets its gradient
+            getting = ~none & (elements > 0)
+            for i in np.flatnonzero(none).tolist():
+                if np.any(getting & (modules == modules[i]) & (elements < elements[i])):
+                    none[i] = False
+        notes, runs = tracker.notes, self.runs
+        if notes:
+            held = np.fromiter((name in notes for name in names), dtype=bool, count=len(names))
+            with np.errstate(invalid="ignore"):
+                none |= held & (ratio < NOTE_HOLD_RATIO)
+        # Only the parameters at round-off, and those that were: the others have nothing to change.
+        known = none if not runs and not notes else none | np.fromiter(
+            (name in runs or name in notes for name in names), dtype=bool, count=len(names))
+        layout = step.layout
+        for i in np.flatnonzero(known).tolist():
+            name = names[i]
+            if not none[i]:
+                runs.pop(name, None)
+                notes.pop(name, None)
                 continue
-            run = self.runs.setdefault(name, [step.number, 0])
+            run = runs.setdefault(name, [step.number, 0])
             run[1] += 1
             if run[1] >= self.thresholds.vanishing_steps:
-                tracker.notes[name] = Flag("note", str(key.kind), name, run[0], ratio, module)
+                at = self._at[i]
+                notes[name] = Flag("note", str(layout.keys[at].kind), name, run[0], float(ratio[i]), layout.modules[at])
             step.round_off.add(name)
 
-    def _found(self, step: Step) -> dict[str, tuple[Key, str, float, float, bool]]:
-        """Parameter -> its key, its module, its gradient's norm over its module's, its element
-        count, and whether that is at round-off."""
+    def _found(self, step: Step) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The parameter gradients judged (in record order): their names, their modules (ids),
+        their norm over their module's output gradient's, their element counts (0: not known),
+        and whether that is at round-off."""
         layout, norms = step.layout, step.column("norm")
         told = step.finite & ~np.isnan(norms)  # (a norm is NaN only where not told: NaN is non-finite)
-        outputs: dict[str, list[float]] = {}  # module -> [norm, elements] of its output gradients
         arriving = np.flatnonzero(told & (layout.kinds == Kind.GRAD_OUTPUT))
         sizes = size_of(step.column("mean", math.nan)[arriving], step.column("std", math.nan)[arriving], norms[arriving],
                         step.column("std", -1.0)[arriving] != -1.0)
-        for i, norm, elements in zip(arriving.tolist(), norms[arriving].tolist(), sizes.tolist()):
-            module = layout.modules[i]
-            before, before_elements = outputs.setdefault(module, [0.0, 0.0])
-            outputs[module] = [math.hypot(before, norm), before_elements + (0.0 if math.isnan(elements) else elements)]
-        found = {}
-        factor, eps, sizes_of = self.thresholds.round_off_factor, step.eps, step.shape.sizes
-        for i in np.flatnonzero(told & (layout.kinds == Kind.PARAM_GRAD)).tolist():
-            key, module, norm = layout.keys[i], layout.modules[i], float(norms[i])
-            arriving_norm, outputs_size = outputs.get(module, [0.0, 0.0])
-            elements = sizes_of.get(layout.names[i], 0.0)
-            ratio = norm / arriving_norm if arriving_norm > 0 else math.nan
-            limit = factor * eps * math.sqrt(outputs_size / elements) if outputs_size and elements else 0.0
-            found[layout.names[i]] = (key, module, ratio, elements, ratio == 0 or ratio < limit)
-        return found
+        # Each module's output gradients: their norm together, and their element count.
+        modules = len(layout.module_names)
+        arriving_norm, outputs_size = np.zeros(modules), np.zeros(modules)
+        ids = layout.module_ids[arriving]
+        if len(ids) == len(np.unique(ids)):  # one each (math.hypot(0, norm) is norm, 0 + size is size)
+            arriving_norm[ids], outputs_size[ids] = np.abs(norms[arriving]), np.where(np.isnan(sizes), 0.0, sizes)
+        else:
+            for module, norm, size in zip(ids.tolist(), norms[arriving].tolist(), sizes.tolist()):
+                arriving_norm[module] = math.hypot(arriving_norm[module], norm)
+                outputs_size[module] += 0.0 if math.isnan(size) else size
+        at = self._at = np.flatnonzero(told & (layout.kinds == Kind.PARAM_GRAD))
+        names, ids = [layout.names[i] for i in at.tolist()], layout.module_ids[at]
+        elements = np.fromiter(map(step.shape.sizes.get, names, repeat(0.0)), dtype=np.float64, count=len(names))
+        arriving_norm, outputs_size = arriving_norm[ids], outputs_size[ids]
+        with np.errstate(all="ignore"):
+            ratio = np.where(arriving_norm > 0, norms[at] / arriving_norm, math.nan)
+            limit = np.where((outputs_size != 0) & (elements != 0), self.thresholds.round_off_factor * step.eps
+                             * np.sqrt(outputs_size / elements), 0.0)
+            none = (ratio == 0) | (ratio < limit)
+        return names, ids, ratio, elements, none
 
     def state_dict(self) -> dict[str, Any]:
         return {"runs": {name: list(run) for name, run in self.runs.items()}}

@@ -68,9 +68,10 @@ class ScalerSkips(Check):
         self.flagged = False  # the tracker's nonfinite row is this run's
 
     def __call__(self, step: Step, tracker: Tracker) -> None:
-        told = step.entries.get(SCALER)
-        if told is None:
+        at = step.layout.position.get(SCALER)
+        if at is None:
             return
+        told = step.entry(at)
         scale, new = told["scale"], told["new_scale"]
         self.logged += 1
         self.first = scale if self.first is None else self.first

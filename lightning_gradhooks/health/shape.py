@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,12 +52,14 @@ class Shape:
         grads = layout.param_grads
         mean, std, norm = (step.column(name)[grads] for name in ("mean", "std", "norm"))
         elements = size_of(mean, std, norm, step.column("std", -1.0)[grads] != -1.0)
-        names = [layout.names[i] for i in grads.tolist()]
-        self.sizes.update((name, value) for name, value in zip(names, elements.tolist()) if not math.isnan(value))
+        names = layout.grad_names
+        known = ~np.isnan(elements)
+        self.sizes.update(zip(compress(names, known.tolist()), elements[known].tolist()))
         zeros = step.column("zero_fraction", -1.0)[grads]
-        for name, zero in zip(names, zeros.tolist()):
-            if zero != -1.0:
-                (self.zero_grads.add if zero >= self._dead else self.zero_grads.discard)(name)
+        with np.errstate(invalid="ignore"):
+            zero = zeros >= self._dead
+        self.zero_grads.difference_update(compress(names, ((zeros != -1.0) & ~zero).tolist()))
+        self.zero_grads.update(compress(names, ((zeros != -1.0) & zero).tolist()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": dict(self.order), "sizes": dict(self.sizes), "zero_grads": sorted(self.zero_grads)}

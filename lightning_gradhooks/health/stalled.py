@@ -1,6 +1,10 @@
-"""``stalled``: a parameter that does not move. Pure Python."""
+"""``stalled``: a parameter that does not move. Python and numpy."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.step import Step
@@ -19,12 +23,11 @@ class Stalled(Check):
         if step.skipped:
             return
         t, updates, explained = self.thresholds, step.updates, step.explained
-        cut = t.stalled_update_ratio * updates.median_ratio if updates.median_ratio is not None else None
-        indices = [i for i, name in enumerate(updates.ratios) if name not in explained] if explained else None
-        ratios = list(updates.ratios.values())
-        subjects, labels = updates.subjects, updates.labels
-        if indices is not None:
-            ratios, subjects, labels = ([values[i] for i in indices] for values in (ratios, subjects, labels))
-        tracker.run_many("stalled", subjects, labels, step.number,
-                         [(i, t.stalled_steps, ratio, 0.0) for i, ratio in enumerate(ratios)
-                          if ratio == 0 or (cut is not None and ratio < cut)])
+        cut = t.stalled_update_ratio * updates.median_ratio if updates.median_ratio is not None else -math.inf
+        at, ratios = updates.at, updates.ratios
+        if explained:
+            judged = ~step.layout.named(explained)[at]
+            at, ratios = at[judged], ratios[judged]
+        subjects, labels = step.layout.chosen(at)
+        bad = np.flatnonzero((ratios == 0) | (ratios < cut))
+        tracker.run_many("stalled", subjects, labels, step.number, bad, t.stalled_steps, ratios[bad], 0.0)

@@ -1,15 +1,17 @@
-"""One logged step as every check reads it: :class:`Step`, made once per step by the judge, with
-its :class:`Layout`, made once per set of keys; and :func:`merge_summary`, the one way a step's
-summaries (one per optimizer, the update ratios after the gradients) become one. Python and
-numpy arrays."""
+"""One logged step as every check reads it: :class:`Step`, made once per step by the judge from
+its :class:`Packed` numbers, with its :class:`Layout`, made once per set of keys; and
+:func:`merge_summary`, the one way a step's summaries (one per optimizer, the update ratios after
+the gradients) become one (:func:`merged`: the same, for packed summaries). Python and numpy
+arrays."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from functools import cached_property
+from itertools import chain, islice, repeat
+from operator import methodcaller
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,6 +26,8 @@ from lightning_gradhooks.core.records import ACTIVATION_KINDS, GRADIENT_KINDS, K
 #: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
 #: unless a step's summary says the gradients were of another precision (``precision`` entry).
 FLOAT32_EPS = 2.0 ** -23
+
+_values = methodcaller("values")
 
 
 def merge_summary(into: Summary, summary: Iterable[tuple[Key, dict[str, float]]]) -> None:
@@ -41,23 +45,84 @@ def merge_summary(into: Summary, summary: Iterable[tuple[Key, dict[str, float]]]
             into[key] = stats
 
 
-def rounded(stats: Mapping[Any, Mapping[str, float]]) -> list[tuple[Any, dict[str, float]]]:
-    """A step's statistics rounded to float32, ``(key, {statistic: value})`` in order, the whole
-    step at once. The judge reads float32 values whatever it is given: a record (whose statistics
-    are float32 already on most devices, and float64 under double precision) and the log (which
-    holds them as float64) give the same numbers, so the report of a run and of its log agree."""
-    values = [v for s in stats.values() for v in s.values()]
-    as_float32 = array("f", values).tolist()
-    if as_float32 == values and set(map(type, values)) <= {float}:  # float32 values already
-        return [(key, dict(s)) for key, s in stats.items()]
-    it = iter(as_float32)  # zip takes a name first: each entry takes its own values, no more
-    return [(key, dict(zip(s, it))) for key, s in stats.items()]
+class Packed(NamedTuple):
+    """A step's statistics laid end to end: its keys in record order, how many statistics each
+    has (``lengths``), their names and their values (float64), entry after entry. What the judge
+    reads a summary into, once (:meth:`of`), and the step's columns are made from."""
+
+    keys: list[Key]
+    lengths: list[int]
+    names: list[str]
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, stats: Mapping[Any, Mapping[str, float]], round_to_float32: bool = True) -> Packed:
+        """``stats`` (``{key: {statistic: value}}``; a key a :class:`Key` or a tuple) laid end to
+        end, its values rounded to float32 unless told otherwise: the judge reads float32 values
+        whatever it is given, so that a record (float32 statistics on most devices, float64 under
+        double precision) and the log (float64) give the same numbers, and the report of a run and
+        of its log agree."""
+        keys = list(stats)
+        if set(map(type, keys)) - {Key}:
+            keys = [key if isinstance(key, Key) else Key(*key) for key in keys]
+        dicts = stats.values()
+        lengths = list(map(len, dicts))
+        values = np.fromiter(chain.from_iterable(map(_values, dicts)), dtype=np.float64, count=sum(lengths))
+        if round_to_float32:
+            with np.errstate(over="ignore"):
+                values = values.astype(np.float32).astype(np.float64)
+        return cls(keys, lengths, list(chain.from_iterable(dicts)), values)
+
+    def rounded(self) -> Packed:
+        """The same statistics, their values rounded to float32 (see :meth:`of`)."""
+        with np.errstate(over="ignore"):
+            return self._replace(values=self.values.astype(np.float32).astype(np.float64))
+
+    def summary(self) -> Summary:
+        """The statistics as ``{key: {statistic: value}}`` again, in order."""
+        names, values = iter(self.names), iter(self.values.tolist())  # zip takes a name first: no value too many
+        return {key: dict(zip(islice(names, length), values)) for key, length in zip(self.keys, self.lengths)}
+
+
+def merged(parts: list[Packed], memo: dict[tuple[int, ...], Any]) -> Packed:
+    """The step of several summaries given for it (one per optimizer, the update ratios after
+    the gradients): one, as :func:`merge_summary` merges them. Summaries of keys of their own
+    are laid one after the other (what a pair of summaries' layouts make is remembered in
+    ``memo``, so that the next step's pair, read with the same lists, costs nothing)."""
+    while len(parts) > 1:
+        first, second = parts[0], parts[1]
+        ids = (id(first.keys), id(first.names), id(second.keys), id(second.names))
+        known = memo.get(ids)
+        if known is None or known[0] is not first.keys or known[1] is not first.names or known[2] is not second.keys or (
+                known[3] is not second.names):
+            if len(memo) >= 16:
+                memo.clear()
+            apart = set(first.keys).isdisjoint(second.keys)
+            together = (first.keys + second.keys, first.lengths + second.lengths, first.names + second.names) if apart else None
+            known = memo[ids] = (first.keys, first.names, second.keys, second.names, together)
+        together = known[4]
+        if together is None:  # a key in both: merged entry by entry
+            into: Summary = {}
+            for part in parts:
+                merge_summary(into, part.summary().items())
+            return Packed.of(into, round_to_float32=False)
+        parts = [Packed(*together, np.concatenate([first.values, second.values])), *parts[2:]]
+    return parts[0]
 
 
 def median(values: list[float]) -> float | None:
     """The median of the finite values among ``values``; None with fewer than three."""
     values = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.median(values) if len(values) > 2 else None
+
+
+def middle(values: np.ndarray) -> float | None:
+    """:func:`median` of an array (the same number: the middle value, or the mean of the two)."""
+    values = np.sort(values[np.isfinite(values)])
+    half = len(values) // 2
+    if len(values) <= 2:
+        return None
+    return float(values[half]) if len(values) % 2 else (float(values[half - 1]) + float(values[half])) / 2
 
 
 class Layout:
@@ -68,6 +133,7 @@ class Layout:
         keys: the keys, in record order; ``subjects``, ``labels`` (each subject's label),
             ``names`` (each key's label) and ``modules`` beside them.
         kinds: each key's kind (an array of strings, for masks: ``layout.kinds == Kind.PARAM``).
+        module_ids: each key's module as a number (``module_names[i]``), for sums per module.
     """
 
     def __init__(self, keys: Iterable[Key], subjects: Mapping[Key, Subject]) -> None:
@@ -85,16 +151,31 @@ class Layout:
                                         for key in self.keys], dtype=np.int64)
         self.params = np.flatnonzero(self.param)
         self.param_grads = np.flatnonzero(self.kinds == Kind.PARAM_GRAD)
+        self.param_names = [self.names[i] for i in self.params.tolist()]
+        self.grad_names = [self.names[i] for i in self.param_grads.tolist()]
+        self.dead_kinds = np.isin(self.kinds, [str(Kind.GRAD_OUTPUT), str(Kind.PARAM_GRAD)])  # what ``dead`` reads
         # The modules of the gradient entries, in record order, once each.
         self.gradient_modules = dict.fromkeys(self.modules[i] for i in np.flatnonzero(self.gradient).tolist()).keys()
+        ids: dict[str, int] = {}
+        self.module_ids = np.array([ids.setdefault(module, len(ids)) for module in self.modules], dtype=np.int64)
+        self.module_names = list(ids)
+        self._by_name: dict[str, list[int]] | None = None
+        self._kinds: dict[str, np.ndarray] = {}
+        # Each parameter gradient's parameter entry (the same label), -1 where none.
+        of_label = {self.names[i]: i for i in self.params.tolist()}
+        self.param_of = np.array([of_label.get(self.names[i], -1) for i in self.param_grads.tolist()], dtype=np.int64)
         self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
         self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.offsets = np.zeros(1, dtype=np.int64)
+        #: What checks work out once per layout and set of chosen keys (:meth:`chosen`; a check's own, under its
+        #: name), kept for the next steps: a few at a time.
+        self.memo: dict[tuple[str, ...], Any] = {}
 
     def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Where each statistic is among a step's values laid end to end, entry after entry
         (``names``: their names; ``lengths``: how many each entry has): its entries' indices and
         its values' positions. Made once for the layout's usual statistics (again when a step's
-        differ)."""
+        differ; ``offsets`` with it: where each entry's values begin)."""
         if (names, lengths) != self._laid:
             entry = np.repeat(np.arange(len(self.keys)), lengths)
             positions: dict[str, list[int]] = {}
@@ -102,30 +183,67 @@ class Layout:
                 positions.setdefault(name, []).append(at)
             self._laid = names, lengths
             self._where = {name: (entry[at], np.array(at)) for name, at in positions.items()}
+            self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return self._where
+
+    @cached_property
+    def position(self) -> dict[Key, int]:
+        """Each key's position."""
+        return {key: i for i, key in enumerate(self.keys)}
+
+    def of_kind(self, kind: str) -> np.ndarray:
+        """The positions of the keys of ``kind``."""
+        found = self._kinds.get(kind)
+        if found is None:
+            found = self._kinds[kind] = np.flatnonzero(self.kinds == kind)
+        return found
+
+    def named(self, names: Iterable[str]) -> np.ndarray:
+        """Bool: the keys whose label (``names``) is one of ``names``."""
+        if self._by_name is None:
+            self._by_name = {}
+            for i, name in enumerate(self.names):
+                self._by_name.setdefault(name, []).append(i)
+        mask = np.zeros(len(self.keys), dtype=bool)
+        for name in names:
+            mask[self._by_name.get(name, [])] = True
+        return mask
+
+    def chosen(self, at: np.ndarray, what: str = "subjects") -> tuple[np.ndarray, list[str]]:
+        """The subjects (an array of objects) and their labels of the keys at ``at``, or with
+        ``what="modules"`` the modules of ``at`` (module ids) as subjects of their own: the same
+        objects for the same keys at every step (the tracker knows them again at no cost)."""
+        found = self.memo.get((what, at.tobytes()))
+        if found is None:
+            if len(self.memo) > 64:
+                self.memo.clear()
+            if what == "modules":
+                labels = [self.module_names[i] for i in at.tolist()]
+                subjects = [Subject("", module, module) for module in labels]
+            else:
+                subjects, labels = [self.subjects[i] for i in at.tolist()], [self.labels[i] for i in at.tolist()]
+            found = self.memo[(what, at.tobytes())] = (np.fromiter(subjects, dtype=object, count=len(subjects)), labels)
+        return found
 
 
 class Gradients(NamedTuple):
     """The step's finite gradient entries side by side, in record order (what ``values`` holds,
     as columns): for checks that judge them all at once."""
 
-    keys: list[Key]
-    subjects: list[Subject]
-    labels: list[str]  # each subject's label
+    at: np.ndarray  # their positions in the layout
     param: np.ndarray  # bool: a parameter's gradient (``param_grad``)
     rms: np.ndarray  # float64: each RMS (:func:`~lightning_gradhooks.core.records.rms`), NaN where None
     medians: np.ndarray  # float64: the median RMS of each one's kind at this step, NaN where None
+    layout: Layout
 
-    def judged(self, quiet: set[str], mask: np.ndarray | None = None) -> tuple[np.ndarray, list[Subject], list[str]]:
+    def judged(self, quiet: set[str], mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The entries a check judges: those in ``mask`` (default all), less the gradients of
-        ``quiet`` parameters; their indices, subjects and labels."""
-        chosen = np.ones(len(self.keys), dtype=bool) if mask is None else mask.copy()
+        ``quiet`` parameters; their indices (in these columns), subjects and labels."""
+        chosen = np.ones(len(self.at), dtype=bool) if mask is None else mask.copy()
         if quiet:
-            chosen &= ~(self.param & np.array([key.label in quiet for key in self.keys], dtype=bool))
-        if chosen.all():
-            return np.arange(len(self.keys)), self.subjects, self.labels
+            chosen &= ~(self.param & self.layout.named(quiet)[self.at])
         indices = np.flatnonzero(chosen)
-        return indices, [self.subjects[i] for i in indices], [self.labels[i] for i in indices]
+        return (indices, *self.layout.chosen(self.at[indices]))
 
 
 def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
@@ -150,16 +268,15 @@ def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
 
 
 class Updates(NamedTuple):
-    """The update ratios of a step's parameters (those not ``quiet``), and the model's scale."""
+    """The update ratios of a step's parameters (those not ``quiet``) side by side, and the
+    model's scale."""
 
-    keys: dict[str, Key]  # parameter -> its key
-    ratios: dict[str, float]  # parameter -> its finite update ratio
-    sizes: dict[str, float]  # parameter -> its RMS after the step
+    at: np.ndarray  # the positions in the layout of the parameters with a finite update ratio
+    ratios: np.ndarray  # their update ratios
+    sizes: np.ndarray  # their RMS after the step (NaN: not known)
+    readable: np.ndarray  # bool: at least ``floor_ratio`` of the median size
     median_size: float | None
-    readable: set[str]  # parameters at least ``floor_ratio`` of the median size
     median_ratio: float | None  # over the readable parameters (all, if they are too few)
-    subjects: list[Subject]  # the subject of each parameter in ``ratios``, in its order
-    labels: list[str]  # their labels
 
 
 class Step:
@@ -167,16 +284,18 @@ class Step:
     :data:`~lightning_gradhooks.health.judge.CHECKS`.
 
     Read-only for the checks: ``number``, ``entries`` (the step's merged summary, in record
-    order, float32 values), ``previous`` (the logged step before it, or None), ``subjects`` (each
-    key's :class:`~lightning_gradhooks.health.flags.Subject`), ``bad`` (the non-finite entries
-    and why), ``shape`` (the model as seen so far: backward order, parameter sizes, all-zero
+    order, float32 values; made on first use: :meth:`entry` gives one), ``previous`` (the logged
+    step before it, or None), ``subjects`` (each key's
+    :class:`~lightning_gradhooks.health.flags.Subject`), ``bad`` (the non-finite entries and
+    why), ``shape`` (the model as seen so far: backward order, parameter sizes, all-zero
     gradients), and the values computed on first use: ``values`` (each finite gradient entry's
     RMS), ``medians`` (per gradient kind), ``moving``, ``eps``, ``skipped``.
 
     The same step as arrays, for checks that judge its entries together: ``layout`` (its
     :class:`Layout`: keys, subjects, labels, names, modules, kinds in record order),
     :meth:`column` (a statistic of every entry), ``finite`` (bool: the entries not in ``bad``),
-    ``gradients`` (:class:`Gradients`: ``values`` and ``medians`` as columns).
+    ``gradients`` (:class:`Gradients`: ``values`` and ``medians`` as columns), ``updates``
+    (:class:`Updates`), ``moving`` (bool per entry).
 
     Written by the checks, for the checks after them (the only fields a check writes):
 
@@ -192,13 +311,22 @@ class Step:
       whose ``.grad`` is None;
     - ``lr_cut`` (:class:`~lightning_gradhooks.health.lr_cut.LrCut`): parameters of a param
       group whose learning rate is cut.
+
+    Args:
+        entries: the step's summary (its values taken as they are), or the judge's
+            :class:`Packed` of it.
     """
 
-    def __init__(self, number: int, entries: Summary, previous: int | None, subjects: Mapping[Key, Subject],
+    def __init__(self, number: int, entries: Summary | Packed, previous: int | None, subjects: Mapping[Key, Subject],
                  shape: Shape, thresholds: Thresholds, layout: Layout | None = None) -> None:
-        self.number, self.entries, self.previous = number, entries, previous
+        if isinstance(entries, Packed):
+            self.packed = entries
+        else:
+            self.packed, self.entries = Packed.of(entries, round_to_float32=False), entries
+        self.number, self.previous = number, previous
         self.subjects, self.shape, self.thresholds = subjects, shape, thresholds
-        self.layout = layout or Layout(entries, subjects)
+        self.layout = layout or Layout(self.packed.keys, subjects)
+        self._where = self.layout.where(self.packed.names, self.packed.lengths)
         self._columns: dict[tuple[str, float], np.ndarray] = {}
         self.bad = self._bad()
         self.scaler_skipped = False
@@ -208,25 +336,28 @@ class Step:
         self.no_gradient: set[str] = set()
         self.lr_cut: set[str] = set()
 
+    @cached_property
+    def entries(self) -> Summary:
+        """The step's summary, ``{key: {statistic: value}}`` in record order."""
+        return self.packed.summary()
+
+    def entry(self, i: int) -> dict[str, float]:
+        """The statistics of the entry at position ``i`` (of the layout)."""
+        if "entries" in self.__dict__:
+            return self.entries[self.layout.keys[i]]
+        begin, end = self.layout.offsets[i : i + 2].tolist()
+        return dict(zip(self.packed.names[begin:end], self.packed.values[begin:end].tolist()))
+
     def column(self, statistic: str, missing: float = math.nan) -> np.ndarray:
         """One statistic of every entry, in record order (float64; ``missing`` where an entry
         lacks it), made once per step."""
         column = self._columns.get((statistic, missing))
         if column is None:
-            values, where = self._laid
-            column = self._columns[(statistic, missing)] = np.full(len(self.entries), missing)
-            if statistic in where:
-                entries, at = where[statistic]
-                column[entries] = values[at]
+            column = self._columns[(statistic, missing)] = np.full(len(self.layout.keys), missing)
+            if statistic in self._where:
+                entries, at = self._where[statistic]
+                column[entries] = self.packed.values[at]
         return column
-
-    @cached_property
-    def _laid(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
-        """The step's values laid end to end, and where each statistic is among them."""
-        stats = self.entries.values()
-        names = [name for s in stats for name in s]
-        values = np.array([value for s in stats for value in s.values()], dtype=np.float64)
-        return values, self.layout.where(names, list(map(len, stats)))
 
     def _bad(self) -> dict[Key, str]:
         """The non-finite entries and why (:func:`~lightning_gradhooks.health.origin.why_bad`, on
@@ -234,8 +365,8 @@ class Step:
         with np.errstate(invalid="ignore"):
             maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
                      | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
-        keys, entries = self.layout.keys, self.entries
-        found = ((i, why_bad(keys[i].kind, entries[keys[i]])) for i in np.flatnonzero(maybe & self.layout.judged))
+        keys = self.layout.keys
+        found = ((i, why_bad(keys[i].kind, self.entry(i))) for i in np.flatnonzero(maybe & self.layout.judged).tolist())
         bad = {i: why for i, why in found if why is not None}
         self.finite = np.ones(len(keys), dtype=bool)
         self.finite[list(bad)] = False
@@ -262,7 +393,7 @@ class Step:
     def eps(self) -> float:
         """The relative precision of this step's gradients."""
         at = self.layout.precision
-        return FLOAT32_EPS if at is None else self.entries[self.layout.keys[at]].get("eps", FLOAT32_EPS)
+        return FLOAT32_EPS if at is None else self.entry(at).get("eps", FLOAT32_EPS)
 
     @cached_property
     def _finite(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -272,7 +403,7 @@ class Step:
         indices = np.flatnonzero(layout.gradient & self.finite)
         mean, std = self.column("mean")[indices], self.column("std", -1.0)[indices]
         norm, zero = self.column("norm")[indices], self.column("zero_fraction", -1.0)[indices]
-        stats = [self.entries[layout.keys[i]] for i in indices[~np.isfinite(norm)]]
+        stats = [self.entry(i) for i in indices[~np.isfinite(norm)].tolist()]
         return indices, _rms(mean, std, norm, zero, stats), layout.gradient_kinds[indices]
 
     @cached_property
@@ -286,16 +417,14 @@ class Step:
     def medians(self) -> dict[str, float | None]:
         """The median RMS of each gradient kind (None: fewer than three values)."""
         _, values, kinds = self._finite
-        return {kind: median(values[kinds == i].tolist()) for i, kind in enumerate(GRADIENT_KINDS)}
+        return {kind: middle(values[kinds == i]) for i, kind in enumerate(GRADIENT_KINDS)}
 
     @cached_property
     def gradients(self) -> Gradients:
         """The finite gradient entries as columns: ``values`` and ``medians`` side by side."""
         indices, values, kinds = self._finite
-        layout = self.layout
         by_kind = np.array([math.nan if m is None else m for m in self.medians.values()], dtype=np.float64)
-        return Gradients(*([every[i] for i in indices.tolist()] for every in (layout.keys, layout.subjects, layout.labels)),
-                         kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD), values, by_kind[kinds])
+        return Gradients(indices, kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD), values, by_kind[kinds], self.layout)
 
     @cached_property
     def updates(self) -> Updates:
@@ -303,41 +432,43 @@ class Step:
         ``unowned`` and ``round_off`` have run), and the model's typical update: the median over
         parameters at their own scale (near-zero ones move by more than their size in healthy
         training, and would inflate it)."""
-        quiet, sizes_of, layout = self.quiet, self.shape.sizes, self.layout
-        params = [i for i in layout.params.tolist() if layout.names[i] not in quiet] if quiet else layout.params.tolist()
-        names = [layout.names[i] for i in params]
-        ratios = {name: ratio for name, ratio in zip(names, self.column("update_ratio")[params].tolist())
-                  if math.isfinite(ratio)}
-        sizes = {name: norm / math.sqrt(sizes_of[name]) for name, norm in zip(names, self.column("param_norm")[params].tolist())
-                 if name in sizes_of and math.isfinite(norm)}
-        median_size = median(list(sizes.values()))
-        floor = self.thresholds.floor_ratio
-        readable = {n for n, size in sizes.items() if median_size is not None and size >= floor * median_size}
-        median_ratio = median([r for n, r in ratios.items() if n in readable]) or median(list(ratios.values()))
-        keys = {name: layout.keys[i] for name, i in zip(names, params)}
-        subjects = [self.subjects[keys[name]] for name in ratios]
-        return Updates(keys, ratios, sizes, median_size, readable, median_ratio, subjects, [s.label for s in subjects])
+        quiet, layout, sizes_of = self.quiet, self.layout, self.shape.sizes
+        params = layout.params[~layout.named(quiet)[layout.params]] if quiet else layout.params
+        ratios, norms = self.column("update_ratio")[params], self.column("param_norm")[params]
+        names = layout.param_names if params is layout.params else [layout.names[i] for i in params.tolist()]
+        elements = np.fromiter(map(sizes_of.get, names, repeat(math.nan)), dtype=np.float64, count=len(params))
+        with np.errstate(all="ignore"):
+            sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
+        known = ~np.isnan(sizes)
+        median_size = middle(sizes[known])
+        with np.errstate(invalid="ignore"):
+            readable = known & (sizes >= self.thresholds.floor_ratio * median_size) if median_size is not None else (
+                np.zeros(len(params), dtype=bool))
+        finite = np.isfinite(ratios)
+        median_ratio = middle(ratios[finite & readable]) or middle(ratios[finite])
+        return Updates(params[finite], ratios[finite], sizes[finite], readable[finite], median_size, median_ratio)
 
     @cached_property
-    def moving(self) -> Callable[[Key], bool]:
-        """Whether a gradient entry's parameters still move at a normal rate: an update ratio at
-        least ``vanishing_update_ratio`` of the model's median (Adam-family steps do not scale
-        with the gradient). False where no update ratio was measured."""
-        params, keys = self.layout.params, self.layout.keys
-        chosen = params[np.isfinite(self.column("update_ratio")[params]) & (self.column("in_optimizer", 1.0)[params] != 0.0)]
-        ratios = dict(zip((keys[i] for i in chosen.tolist()), self.column("update_ratio")[chosen].tolist()))
-        middle = median(list(ratios.values()))
-        if not middle:
-            return lambda key: False
-        fast = {key.label for key, r in ratios.items() if r >= self.thresholds.vanishing_update_ratio * middle}
-        by_module: dict[str, list[bool]] = {}
-        for key in ratios:
-            by_module.setdefault(self.subjects[key].module, []).append(key.label in fast)
-
-        def moving(key: Key) -> bool:
-            if key.kind == Kind.PARAM_GRAD:
-                return key.label in fast
-            module = by_module.get(self.subjects[key].module)
-            return bool(module) and all(module)
-
+    def moving(self) -> np.ndarray:
+        """Whether each entry's parameters still move at a normal rate (bool, in record order): an
+        update ratio at least ``vanishing_update_ratio`` of the model's median (Adam-family steps
+        do not scale with the gradient); a parameter's gradient by its own parameter, another
+        gradient by all the measured parameters of its module. False where no update ratio was
+        measured."""
+        layout = self.layout
+        params = layout.params
+        ratios = self.column("update_ratio")[params]
+        chosen = np.isfinite(ratios) & (self.column("in_optimizer", 1.0)[params] != 0.0)
+        middle_ratio = middle(ratios[chosen])
+        moving = np.zeros(len(layout.keys), dtype=bool)
+        if not middle_ratio:
+            return moving
+        fast = np.zeros(len(layout.keys), dtype=bool)
+        fast[params[chosen]] = ratios[chosen] >= self.thresholds.vanishing_update_ratio * middle_ratio
+        modules = layout.module_ids[params[chosen]]
+        count = np.bincount(modules, minlength=len(layout.module_names))
+        fast_count = np.bincount(modules, weights=fast[params[chosen]], minlength=len(layout.module_names))
+        moving[:] = ((count > 0) & (fast_count == count))[layout.module_ids]
+        grads, of = layout.param_grads, layout.param_of
+        moving[grads] = (of >= 0) & fast[of]
         return moving

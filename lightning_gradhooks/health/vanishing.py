@@ -23,9 +23,6 @@ class Vanishing(Check):
         values, medians = gradients.rms[indices], gradients.medians[indices]
         with np.errstate(invalid="ignore"):  # NaN: no value, or no median: never low
             low = np.flatnonzero(values < t.vanishing_ratio * medians)
-        moving, keys, low_ones = step.moving, gradients.keys, []
-        for i in low.tolist():
-            if not moving(keys[indices[i]]):
-                value, median = float(values[i]), float(medians[i])
-                low_ones.append((i, t.vanishing_steps, value, median / value))
-        tracker.run_many("vanishing", subjects, labels, step.number, low_ones)
+        low = low[~step.moving[gradients.at[indices[low]]]]
+        tracker.run_many("vanishing", subjects, labels, step.number, low, t.vanishing_steps, values[low],
+                         medians[low] / values[low])

@@ -206,6 +206,16 @@ class SummaryReader:
     def read(self, value: Any) -> Summary | None:
         """The summary of a summary value read back; None for other values (and for a packed
         summary whose layout the file never gave, or whose numbers do not fit it)."""
+        found = self.read_packed(value)
+        if found is None or isinstance(found, dict):
+            return found
+        plan, numbers = found
+        it = iter(numbers.tolist())  # zip takes a name first: each entry takes its own numbers, no more
+        return {key: dict(zip(names, it)) for key, names in plan}
+
+    def read_packed(self, value: Any) -> Summary | tuple[list[tuple[Key, tuple[str, ...]]], array] | None:
+        """:meth:`read`, a packed summary left as it is: its layout (``(key, statistics)`` per
+        entry, the same list for every summary of the layout) and its numbers, in order."""
         if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
             return None
         content = value.metadata.plugin_data.content
@@ -225,8 +235,7 @@ class SummaryReader:
         self.packed = True
         if _BIG_ENDIAN:
             numbers.byteswap()
-        it = iter(numbers.tolist())  # zip takes a name first: each entry takes its own numbers, no more
-        return {key: dict(zip(names, it)) for key, names in plan}
+        return plan, numbers
 
 
 def _kind(kind: str) -> str:

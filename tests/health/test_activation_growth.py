@@ -27,7 +27,7 @@ def test_a_branch_that_starts_below_the_models_scale_is_read_from_where_it_reach
     assert flagged(drive(ActivationGrowth(Thresholds()), series(grows))) == []
     check = ActivationGrowth(Thresholds())
     drive(check, series(grows))
-    assert check.early["output a"] == [0.2, 0.5, 0.8]
+    assert check.early.state_dict()["output a"] == [0.2, 0.5, 0.8]
 
 
 def test_without_output_statistics_nothing_is_said():

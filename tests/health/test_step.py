@@ -2,10 +2,11 @@
 
 import math
 import random
+from dataclasses import asdict
 
 from health_steps import step
 
-from lightning_gradhooks.health.flags import Subject
+from lightning_gradhooks.health.flags import Flag, Subject
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.core.records import Kind, rms
 
@@ -88,9 +89,19 @@ def test_many_runs_at_once_are_the_runs_one_at_a_time():
         needed = rng.choice([1, 3])
         for i, subject in enumerate(chosen):
             one.run("vanishing", subject, number, i in bad, needed, float(i), score=float(number))
-        many.run_many("vanishing", chosen, labels[: len(chosen)], number, [(i, needed, float(i), float(number)) for i in bad])
+        many.run_many("vanishing", chosen, labels[: len(chosen)], number, bad, needed, [float(i) for i in bad], float(number))
         assert one.running("vanishing") == many.running("vanishing")
         if number % 7 == 0:  # read halfway: the flags raised again are made as they are read
             assert one.flags == many.flags
     assert one.state_dict() == many.state_dict()
     assert list(one.flags) == list(many.flags)
+
+
+def test_a_flag_loaded_without_its_run_keeps_its_step_and_worst_score():
+    tracker = Tracker()
+    tracker.load_state_dict({"runs": [], "notes": [], "nonfinite": None,
+                             "flags": [asdict(Flag("vanishing", "grad_output", "a", 3, 1.0, "a", 2.0))]})
+    for number in (10, 11, 12):
+        tracker.run("vanishing", Subject("grad_output", "a", "a"), number, True, 3, 5.0, score=1.0)
+    flag = tracker.flags[("vanishing", "grad_output a")]
+    assert (flag.since, flag.last, flag.score) == (3, 5.0, 2.0)
