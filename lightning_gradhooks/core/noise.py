@@ -416,15 +416,21 @@ def _world() -> int:
 
 
 def _squares(tensors: Iterable[Tensor | None]) -> Tensor | None:
-    """The sum of squares of the tensors (float32 or wider), on the first one's device; None if none."""
+    """The sum of squares of the tensors, in float32, on the first one's device; None if none.
+    One ``_foreach_norm`` for all of them: no Python per tensor (``get_total_norm`` loops over
+    them in Python on the CPU: 1000 gradients, 9 against 4 ms)."""
     present = [t for t in tensors if t is not None]
     if not present:
         return None
-    return torch.nn.utils.get_total_norm(present, 2.0, foreach=None).float().square()
+    device = present[0].device
+    norms = torch._foreach_norm(present, 2, dtype=torch.float32)
+    if any(t.device != device for t in present):
+        norms = [n.to(device) for n in norms]
+    return torch.stack(norms).square().sum()
 
 
 @torch.no_grad()
-def _pairs_total(sources: list[_Source]) -> Tensor | None:
+def _pairs_total(sources: list[_Seen]) -> Tensor | None:
     """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, with a
     few ops per group of layers of one shape (500 layers of one width: about ten ops)."""
     groups: dict[tuple, list[_Source]] = {}
@@ -449,19 +455,22 @@ def _pairs_total(sources: list[_Source]) -> Tensor | None:
     return total
 
 
-def _linear_form(positions: int, features_in: int, features_out: int) -> str:
+def _linear_form(positions: int, features_in: int, features_out: int, sketch: bool = True) -> str | None:
     """The cheapest way to the per-example ``‖Σ_t δ_t x_tᵀ‖²`` of a Linear over a sequence, by
     multiply-adds per example: each example's weight gradient (``T·in·out``), the Gram form
     ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or the sketch over
-    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost."""
+    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost.
+    Without ``sketch`` (a model with normalisation layers, which give the estimate instead), None
+    where an exact form costs more than the sketch would: the layer is left out."""
     t, width = positions, features_in + features_out
     costs = {"gram": t * t * width, "direct": t * features_in * features_out, "sketch": 2 * SKETCH_VECTORS * t * width}
-    return min(costs, key=lambda form: (costs[form], form == "sketch"))
+    form = min(costs, key=lambda form: (costs[form], form == "sketch"))
+    return form if sketch or form != "sketch" else None
 
 
 class _Source:
-    """One per-example source layer: what one forward and its output's gradient give, and the
-    sum of its examples' squared gradient norms (a device tensor) on the armed step.
+    """One per-example source layer, as it is for every step; what one armed step's forward and
+    output gradient give is a :class:`_Seen`, made at the layer's first forward of the step.
 
     Under sharding (FSDP2's ``fully_shard``, tensor parallelism), it sees this rank's local
     tensors: its own examples (FSDP2), or this rank's piece of each example's gradient (tensor
@@ -475,46 +484,39 @@ class _Source:
         bias = getattr(module, "bias", None)
         self.bias = bias is not None and bias.requires_grad
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
+        self.elements = sum(p.numel() for p in self.parameters)
         self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
         #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
         self.sharded = False
-        self.reset()
+        #: Whether a Linear over a sequence may take the sketch (False: the model's normalisation
+        #: layers give the estimate, and such a Linear is left out where no exact form is cheaper).
+        self.sketch = True
 
-    def reset(self) -> None:
-        self.calls = 0
-        self.grads = 0
-        self.examples = 0
-        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
-        self.owns_examples = True
-        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
-        self.counted = (self.weight, self.bias)
-        self.total: Tensor | None = None
-        # a Linear on a 2-D input keeps its input and output gradient (small: a row per example)
-        # for the probe to reduce every such layer at once in `collect`: a few ops in all
-        self.pair: tuple[Tensor, Tensor] | None = None
-
-    def seen(self, args: tuple, output: object) -> Callable[[Tensor], None] | None:
-        """Take in one forward of the module; returns what to call with its output's gradient
-        (None: nothing is needed from this call)."""
+    def seen(self, args: tuple, output: object, step: dict[_Source, _Seen]) -> Callable[[Tensor], None] | None:
+        """Take in one forward of the module into ``step`` (the armed step's layers); returns what
+        to call with its output's gradient (None: nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
-        self.calls += 1
+        seen = step.get(self)
+        if seen is not None:  # called twice: its examples' gradients are sums over calls; left out
+            seen.calls += 1
+            return None
+        seen = step[self] = _Seen(self)
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
-            return None  # called twice: its examples' gradients are sums over calls; left out
+        if x is None or x.dim() < 2 or x.shape[0] < 1:
+            return None
         if self.sharded:
             if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
-                self.owns_examples = _shards.owns_examples(x)
+                seen.owns_examples = _shards.owns_examples(x)
                 x = x.to_local()
             m = self.module
-            self.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
-        self.examples = x.shape[0]
+            seen.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
+        seen.examples = x.shape[0]
         if self.kind is nn.Linear and x.dim() == 2:
-            saved = ("pair",)  # no op here; reduced with the others at collect
-        else:
-            with _float32(x):
-                saved = self._saved(x.detach())
-        return lambda grad: self._backward(grad, saved, x)
+            return functools.partial(seen.paired, x)  # no op here; reduced with the others at collect
+        with _float32(x):
+            saved = self._saved(x.detach())
+        return None if saved is None else functools.partial(self._backward, seen, saved)
 
     def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
         """Gaussian vectors of the sketch, ``(examples, features, SKETCH_VECTORS)``: fresh ones for
@@ -524,15 +526,16 @@ class _Source:
             generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
         return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
 
-    def _saved(self, x: Tensor) -> tuple:
-        """What the backward needs of the input, as small as it can be."""
+    def _saved(self, x: Tensor) -> tuple | None:
+        """What the backward needs of the input, as small as it can be (None: nothing, a sequence
+        Linear left to the normalisation layers)."""
         m = self.module
         if self.kind is nn.Linear:
             x = x.flatten(1, -2).float()  # (B, positions, in)
-            form = _linear_form(x.shape[1], x.shape[2], m.out_features)
+            form = _linear_form(x.shape[1], x.shape[2], m.out_features, self.sketch)
             if form == "sketch":
                 return ("sketch", torch.bmm(x, self._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
-            return (form, x)
+            return None if form is None else (form, x)
         if self.kind is nn.LayerNorm:
             return ("normed", F.layer_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
         if self.kind is nn.RMSNorm:
@@ -540,20 +543,18 @@ class _Source:
         # GroupNorm: (B, C, *) normalised per example and group; per-channel weight and bias
         return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
 
-    def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
-        with _float32(grad):
-            self._reduce_backward(grad, saved, x)
-
-    def _reduce_backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
-        self.grads += 1
+    def _backward(self, seen: _Seen, saved: tuple, grad: Tensor) -> None:
+        seen.grads += 1
         if self.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
-        if saved[0] == "pair":
-            self.pair = (x, grad)
-            return
-        how, d = saved[0], grad.detach().float()
-        b = d.shape[0]
-        weight, bias = self.counted
+        with _float32(grad):
+            seen.total = self._total(grad.detach().float(), saved, seen.counted)
+
+    @staticmethod
+    def _total(d: Tensor, saved: tuple, counted: tuple[bool, bool]) -> Tensor:
+        """The sum over the examples of their squared gradient norms, from the output's gradient ``d``."""
+        how, b = saved[0], d.shape[0]
+        weight, bias = counted
         total = d.new_zeros(())
         if how in ("sketch", "gram", "direct"):  # weight: ‖Σ_t δ_t x_tᵀ‖² per example; bias: ‖Σ_t δ_t‖²
             d = d.flatten(1, -2)  # (B, positions, out)
@@ -578,7 +579,33 @@ class _Source:
                 total = (d * saved[1]).reshape(shape).sum(2).square().sum()
             if bias:
                 total = total + d.reshape(shape).sum(2).square().sum()
-        self.total = total
+        return total
+
+
+class _Seen:
+    """What one armed step saw of a source layer: its calls and output gradients, its examples,
+    and the sum of its examples' squared gradient norms (a device tensor), or, for a Linear on a
+    2-D input, its input and output gradient (small: a row per example), which the probe reduces
+    with every such layer's at once in ``collect``: a few ops in all. A hook of a step already
+    collected writes into a ``_Seen`` the probe no longer holds."""
+
+    __slots__ = ("source", "calls", "grads", "examples", "owns_examples", "counted", "total", "pair")
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+        self.calls, self.grads, self.examples = 1, 0, 0
+        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
+        self.owns_examples = True
+        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
+        self.counted = (source.weight, source.bias)
+        self.total: Tensor | None = None
+        self.pair: tuple[Tensor, Tensor] | None = None
+
+    def paired(self, x: Tensor, grad: Tensor) -> None:
+        self.grads += 1
+        if self.source.sharded and _shards.is_dtensor(grad):
+            grad = grad.to_local()
+        self.pair = (x, grad)
 
 
 class NoiseProbe:
@@ -618,9 +645,10 @@ class NoiseProbe:
         self._looked_up = False
         self._handles: list[RemovableHandle] = []
         self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
-        self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
+        # The armed step's sources that ran, in the order they ran: a fresh dict each step, so a
+        # hook of an earlier step (a graph kept past its collect) writes where nothing reads.
+        self._step: dict[_Source, _Seen] = {}
         self._armed = False
-        self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
         self._accumulation = 1
         self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
@@ -646,11 +674,15 @@ class NoiseProbe:
         ]
         self._sources = [s for s in sources if s.parameters]
         self._parameters = [p for p in self._model.parameters() if p.requires_grad]
+        self._elements = sum(p.numel() for p in self._parameters)
         # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
         # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
         self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
+        # A model with normalisation layers: they give the estimate (Gray et al. 2024), and a
+        # Linear over a sequence is covered only where an exact form costs no more than the sketch.
+        sketch = not any(s.kind is not nn.Linear for s in self._sources)
         for source in self._sources:
-            source.sharded = self._sharded
+            source.sharded, source.sketch = self._sharded, sketch
 
     @property
     def sources(self) -> list[str]:
@@ -684,7 +716,6 @@ class NoiseProbe:
         self.disarm()
         self._look_up()
         self._armed = True
-        self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
         self._small, self._backwards = None, 0
         if (accumulation > 1 or _world() > 1) and not self._sharded:
@@ -703,24 +734,13 @@ class NoiseProbe:
         call with the gradient of ``output`` in backward; None when the probe needs nothing of it
         (not a source, not armed for per-example norms, a second call)."""
         source = self._fed.get(id(module))
-        return None if source is None else self._seen(source, args, output)
+        return None if source is None else source.seen(args, output, self._step)
 
     def _forward(self, source: _Source, module: nn.Module, args: tuple, output: object) -> None:
         """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
-        backward = self._seen(source, args, output)
+        backward = source.seen(args, output, self._step)
         if backward is not None:
             output.register_hook(backward)
-
-    def _seen(self, source: _Source, args: tuple, output: object) -> Callable[[Tensor], None] | None:
-        fresh = source.calls == 0
-        backward = source.seen(args, output)
-        if fresh and source.calls:
-            self._touched.append(source)  # reset by disarm
-        if backward is None:
-            return None
-        armings = self._armings
-        # The hook goes with the graph; a backward after disarming finds it stale.
-        return lambda grad: backward(grad) if self._armings == armings else None
 
     def _each_backward(self, grads: Sequence[Tensor | None]) -> None:
         """The squared norm of one backward's gradient (one micro-batch's, on this rank), summed
@@ -734,15 +754,11 @@ class NoiseProbe:
     def disarm(self) -> None:
         """Take every hook out and drop what was measured."""
         self._armed = False
-        self._armings += 1
-        self._fed = {}
+        self._fed, self._step = {}, {}
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
         self._small, self._backwards = None, 0
-        touched, self._touched = self._touched, []
-        for source in touched:
-            source.reset()
 
     remove = disarm
 
@@ -811,14 +827,15 @@ class NoiseProbe:
             total = _pairs_total([s for s in used if s.pair is not None])
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
             total = sum(t.to(totals[0].device) for t in totals[1:]) + totals[0]
-            pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None)
-                      for s in used for p in s.parameters]
-            if any(reason == _shards.PARTIAL for _, reason in pieces):
-                why = 9
-            big_sq = _squares(piece for piece, _ in pieces)
-        covered = [p for s in used for p in s.parameters]
-        all_elements = sum(p.numel() for p in params)
-        coverage = sum(p.numel() for p in covered) / all_elements if all_elements else 0.0
+            grads = [p.grad for s in used for p in s.source.parameters]
+            if self._sharded:
+                pieces = [_shards.local_piece(g) if g is not None else (None, None) for g in grads]
+                if any(reason == _shards.PARTIAL for _, reason in pieces):
+                    why = 9
+                grads = [piece for piece, _ in pieces]
+            big_sq = _squares(grads)
+        all_elements = self._elements if params is self._parameters else sum(p.numel() for p in params)
+        coverage = sum(s.source.elements for s in used) / all_elements if all_elements else 0.0
         if self._sharded and world > 1:
             return self._pooled(total, big_sq, batch, min(s.owns_examples for s in used) if used else False,
                                 why, coverage, world)
@@ -829,12 +846,13 @@ class NoiseProbe:
         # over examples of |G_1|² is B Σ|c_i|².
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
 
-    def _usable(self, params: list[Tensor]) -> tuple[list[_Source], int, int | None]:
+    def _usable(self, params: list[Tensor]) -> tuple[list[_Seen], int, int | None]:
         """The sources that give this step's per-example norms, the batch, and why none do (an
         index into :data:`REASONS`)."""
-        wanted = {id(p) for p in params}
-        used = [s for s in self._sources if s.calls == 1 and s.grads == 1 and (s.total is not None or s.pair)
-                and all(id(p) in wanted for p in s.parameters)]
+        wanted = None if params is self._parameters else {id(p) for p in params}
+        used = [s for s in self._step.values() if s.calls == 1 and s.grads == 1
+                and (s.total is not None or s.pair is not None)
+                and (wanted is None or all(id(p) in wanted for p in s.source.parameters))]
         if not used:
             return [], self._batch or 0, 4
         batch = self._batch or max(s.examples for s in used)
