@@ -40,6 +40,7 @@ estimate ``tr(Σ)/|G|²`` of the compact summary (dots), the smoothed ``∇1 ove
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import sys
@@ -92,6 +93,7 @@ def cost(argv: list[str]) -> None:
         model = case.make()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay, so every window is alike
         monitors = {"off": GradientMonitor(model, noise_scale=False), "on": GradientMonitor(model)}
+        probe_clock = ProbeClock(monitors["on"].noise)
         writer = SummaryWriter(f"{folder.name}/{name}")
         logs = {key: GradientLog(writer, [optimizer], echo=None) for key in monitors}
         handles = [m.attach() for m in monitors.values()]
@@ -99,8 +101,9 @@ def cost(argv: list[str]) -> None:
         half = tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)
         step_no = [0]
 
-        def step(key: str, k: int) -> tuple[float, float]:
+        def step(key: str, k: int) -> tuple[float, float, float]:
             monitor = monitors[key]
+            probe_clock.seconds = 0.0
             start, cpu = time.perf_counter(), time.process_time()
             with monitor.arm(batch_size=len(batch[0]) // k, accumulation=k):
                 for part in ((batch,) if k == 1 else half):
@@ -109,10 +112,10 @@ def cost(argv: list[str]) -> None:
             optimizer.step()
             optimizer.zero_grad()
             step_no[0] += 1
-            return time.perf_counter() - start, time.process_time() - cpu
+            return time.perf_counter() - start, time.process_time() - cpu, probe_clock.seconds
 
         variants = [("off", 1), ("on", 1), ("off", 2), ("on", 2)]
-        times: dict[tuple[str, int], list[tuple[float, float]]] = {v: [] for v in variants}
+        times: dict[tuple[str, int], list[tuple[float, float, float]]] = {v: [] for v in variants}
         for r in range(-2, args.rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             for v in order:
@@ -127,6 +130,10 @@ def cost(argv: list[str]) -> None:
                 ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
                 print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
                       f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
+            own = sorted(t[2] / t[1] for t in times["on", k])
+            print(f"{name:9s} probe's own CPU time k={k}: {1000 * statistics.median(t[2] for t in times['on', k]):.1f} "
+                  f"ms, {statistics.median(own):.1%} of the logged step (quartiles {own[len(own) // 4]:.1%}-"
+                  f"{own[3 * len(own) // 4]:.1%})")
         sample = logs["on"].noise_scale.value
         print(f"{name:9s} noise scale of its batch: {sample if sample is None else round(sample, 1)}")
         for h in handles:
@@ -135,6 +142,38 @@ def cost(argv: list[str]) -> None:
             log.close()
         writer.close()
     folder.cleanup()
+
+
+class ProbeClock:
+    """The noise probe's own CPU time on a monitor's logged step: this thread's CPU time
+    (``time.thread_time``, which waiting for a core on a shared host does not inflate) inside
+    what the monitor calls of it, wrapped on this one instance: ``arm``, ``saw`` in the monitor's
+    forward hook, what ``saw`` returns in its gradient hook, the hook on the parameters with
+    accumulation (``_each_backward``) and ``collect``. Every source of these models is fed by the
+    monitor (the probe puts no hook of its own in them: asserted at each arm). The clock's own
+    cost per wrapped call is measured once and taken off."""
+
+    def __init__(self, probe: NoiseProbe) -> None:
+        self.seconds, self.overhead, self._probe = 0.0, 0.0, probe
+        for attr in ("arm", "saw", "_each_backward", "collect"):
+            setattr(probe, attr, self._timed(getattr(probe, attr), attr))
+        empty, start = self._timed(lambda: None, ""), time.thread_time()
+        for _ in range(10_000):
+            empty()
+        self.overhead = (time.thread_time() - start) / 10_000
+
+    def _timed(self, call, what: str):  # noqa: ANN001, ANN202
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.thread_time()
+            result = call(*args, **kwargs)
+            if what == "saw" and result is not None:
+                result = self._timed(result, "")
+            elif what == "arm":  # (batch_size, accumulation): with accumulation, one hook on the parameters
+                assert self._probe.hooks == (args[1] > 1), "a source the monitor does not feed: its hooks go untimed"
+            self.seconds += time.thread_time() - start - self.overhead
+            return result
+
+        return timed
 
 
 def probe_alone(case, rounds: int) -> None:  # noqa: ANN001

@@ -81,7 +81,7 @@ from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks.core._shards as _shards
 from lightning_gradhooks.core._checks import check_int
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.core.records import GradientRecord, Key, Kind
 
 #: Random vectors of the sketch of a per-example norm on a 3-D (sequence) input of a Linear.
 SKETCH_VECTORS = 4
@@ -429,27 +429,47 @@ def _squares(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.stack(norms).square().sum()
 
 
+def gradient_squares(record: GradientRecord) -> dict[int, float]:
+    """The squared norms of the parameter gradients a monitor's record holds (its ``norm``
+    statistic; ``inf`` where a gradient is not finite), by ``id`` of the parameter: what
+    :meth:`NoiseProbe.collect` takes as ``squares``. Sharded parameters' pieces are left out."""
+    params, sharded = record.parameters, set(record.sharded)
+    return {id(params[e.name]): math.inf if e.stats.nonfinite else e.stats.norm * e.stats.norm
+            for e in record.entries if e.kind is Kind.PARAM_GRAD and e.name in params and e.name not in sharded}
+
+
+def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) -> float:
+    """``Σ |∇p|²`` over ``params``: from ``squares`` (by ``id``) where it has every one whose
+    gradient is there, else from the gradients (0 where none has one)."""
+    present = [p for p in params if p.grad is not None]
+    if squares is not None and all(id(p) in squares for p in present):
+        return math.fsum(squares[id(p)] for p in present)
+    total = _squares(p.grad for p in present)
+    return 0.0 if total is None else float(total)
+
+
 @torch.no_grad()
-def _pairs_total(sources: list[_Seen]) -> Tensor | None:
-    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, with a
-    few ops per group of layers of one shape (500 layers of one width: about ten ops)."""
-    groups: dict[tuple, list[_Source]] = {}
-    for s in sources:
-        x, d = s.pair
-        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(s)
+def _pairs_total(pairs: list[tuple[Tensor, Tensor, tuple[bool, bool]]]) -> Tensor | None:
+    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
+    their ``(input, output gradient, (weight counted, bias counted))``, with a few ops per group of
+    layers of one shape (500 layers of one width: about ten ops)."""
+    groups: dict[tuple, list[tuple[Tensor, Tensor, tuple[bool, bool]]]] = {}
+    for pair in pairs:
+        x, d, _ = pair
+        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(pair)
     total = None
     for members in groups.values():
-        x = torch.stack([s.pair[0] for s in members]).float()  # (layers, B, in)
-        d = torch.stack([s.pair[1] for s in members]).float()  # (layers, B, out)
+        x = torch.stack([m[0] for m in members]).float()  # (layers, B, in)
+        d = torch.stack([m[1] for m in members]).float()  # (layers, B, out)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
-        flags = {s.counted for s in members}
+        flags = {m[2] for m in members}
         if len(flags) == 1:  # the common case: every layer alike
             weight, bias = flags.pop()
             part = (ds * (xs * weight + bias)).sum()
         else:
-            w = torch.tensor([[float(s.counted[0])] for s in members], device=x.device)
-            b = torch.tensor([[float(s.counted[1])] for s in members], device=x.device)
+            w = torch.tensor([[float(m[2][0])] for m in members], device=x.device)
+            b = torch.tensor([[float(m[2][1])] for m in members], device=x.device)
             part = (ds * (xs * w + b)).sum()
         total = part if total is None else total + part.to(total.device)
     return total
@@ -492,19 +512,27 @@ class _Source:
         #: layers give the estimate, and such a Linear is left out where no exact form is cheaper).
         self.sketch = True
 
-    def seen(self, args: tuple, output: object, step: dict[_Source, _Seen]) -> Callable[[Tensor], None] | None:
-        """Take in one forward of the module into ``step`` (the armed step's layers); returns what
-        to call with its output's gradient (None: nothing is needed from this call)."""
+    def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
+             ) -> Callable[[Tensor], None] | None:
+        """Take in one forward of the module into ``step`` (the armed step's layers: a
+        :class:`_Seen`, a Linear on a 2-D input's ``[input, output gradient]``, or None where the
+        layer gives nothing this step); returns what to call with its output's gradient (None:
+        nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
-        seen = step.get(self)
-        if seen is not None:  # called twice: its examples' gradients are sums over calls; left out
-            seen.calls += 1
+        if self in step:  # called twice: its examples' gradients are sums over calls; left out
+            step[self] = None
             return None
-        seen = step[self] = _Seen(self)
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if x is None or x.dim() < 2 or x.shape[0] < 1:
+            step[self] = None
             return None
+        if self.kind is nn.Linear and x.dim() == 2 and not self.sharded:
+            # [input, output gradient]: no op here, reduced with every such layer's at collect (a
+            # few ops in all); detached: the graph is not held past backward
+            step[self] = pair = [x.detach()]
+            return pair.append
+        seen = step[self] = _Seen(self)
         if self.sharded:
             if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
                 seen.owns_examples = _shards.owns_examples(x)
@@ -512,8 +540,8 @@ class _Source:
             m = self.module
             seen.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
         seen.examples = x.shape[0]
-        if self.kind is nn.Linear and x.dim() == 2:
-            return functools.partial(seen.paired, x)  # no op here; reduced with the others at collect
+        if self.kind is nn.Linear and x.dim() == 2:  # sharded: this rank's local tensors
+            return functools.partial(seen.paired, x)
         with _float32(x):
             saved = self._saved(x.detach())
         return None if saved is None else functools.partial(self._backward, seen, saved)
@@ -583,29 +611,35 @@ class _Source:
 
 
 class _Seen:
-    """What one armed step saw of a source layer: its calls and output gradients, its examples,
+    """What one armed step saw of a source layer called once: its output gradients, its examples,
     and the sum of its examples' squared gradient norms (a device tensor), or, for a Linear on a
-    2-D input, its input and output gradient (small: a row per example), which the probe reduces
-    with every such layer's at once in ``collect``: a few ops in all. A hook of a step already
+    2-D input under sharding, its local input and output gradient. A hook of a step already
     collected writes into a ``_Seen`` the probe no longer holds."""
 
-    __slots__ = ("source", "calls", "grads", "examples", "owns_examples", "counted", "total", "pair")
+    __slots__ = ("source", "grads", "examples", "owns_examples", "counted", "total", "pair")
 
     def __init__(self, source: _Source) -> None:
         self.source = source
-        self.calls, self.grads, self.examples = 1, 0, 0
+        self.grads, self.examples = 0, 0
         #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
         self.owns_examples = True
         #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
         self.counted = (source.weight, source.bias)
         self.total: Tensor | None = None
-        self.pair: tuple[Tensor, Tensor] | None = None
+        self.pair: tuple[Tensor, Tensor, tuple[bool, bool]] | None = None  # (input, output gradient, counted)
+
+    @classmethod
+    def of_pair(cls, source: _Source, pair: list[Tensor]) -> _Seen:
+        """The record of a Linear on a 2-D input from its ``[input, output gradient]``."""
+        seen = cls(source)
+        seen.grads, seen.examples, seen.pair = 1, pair[0].shape[0], (pair[0], pair[1], seen.counted)
+        return seen
 
     def paired(self, x: Tensor, grad: Tensor) -> None:
         self.grads += 1
         if self.source.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
-        self.pair = (x, grad)
+        self.pair = (x, grad, self.counted)
 
 
 class NoiseProbe:
@@ -647,7 +681,7 @@ class NoiseProbe:
         self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
         # The armed step's sources that ran, in the order they ran: a fresh dict each step, so a
         # hook of an earlier step (a graph kept past its collect) writes where nothing reads.
-        self._step: dict[_Source, _Seen] = {}
+        self._step: dict[_Source, _Seen | list | None] = {}
         self._armed = False
         self._batch: int | None = None
         self._accumulation = 1
@@ -762,7 +796,8 @@ class NoiseProbe:
 
     remove = disarm
 
-    def collect(self, parameters: Iterable[Tensor] | None = None) -> NoiseSample | None:
+    def collect(self, parameters: Iterable[Tensor] | None = None,
+                squares: Mapping[int, float] | None = None) -> NoiseSample | None:
         """The step's :class:`NoiseSample`, and disarm; None when not armed.
 
         Call it where the optimizer is about to step (after any gradient clipping's unscale,
@@ -771,6 +806,10 @@ class NoiseProbe:
         Args:
             parameters: the parameters of the optimizer about to step; default: all of the
                 model's trainable parameters.
+            squares: squared norms of the parameters' gradients that the caller has already
+                computed (the monitor's statistics), by ``id`` of the parameter: ``|G_B|²`` is
+                summed from them where every parameter it needs is there (not under sharding),
+                instead of reading the gradients again.
         """
         if not self._armed:
             return None
@@ -782,12 +821,13 @@ class NoiseProbe:
             if self._sharded:
                 return NoiseSample.none(8, "per_example") if k > 1 else self._per_example(params, world)
             if k > 1 or world > 1:
-                return self._two_batches(params, world, k)
-            return self._per_example(params)
+                return self._two_batches(params, world, k, squares)
+            return self._per_example(params, squares=squares)
         finally:
             self.disarm()
 
-    def _two_batches(self, params: list[Tensor], world: int, k: int) -> NoiseSample:
+    def _two_batches(self, params: list[Tensor], world: int, k: int, squares: Mapping[int, float] | None
+                     ) -> NoiseSample:
         source = "+".join(s for s, on in (("accumulation", k > 1), ("data_parallel", world > 1)) if on)
         if self._batch is None:  # before the collective: every rank decides alike
             return NoiseSample.none(0, source)
@@ -812,11 +852,11 @@ class NoiseProbe:
         if not all(reached):
             return NoiseSample.none(2, source, big)
         small_sq = sum(values) / world * k * k  # the micro-batch's loss was divided by k
-        big_sq = _squares(p.grad for p in params)
-        big_sq = 0.0 if big_sq is None else float(big_sq)
+        big_sq = _known_squares(params, squares)
         return self._checked(NoiseSample(small_sq, big_sq, b, big, source))
 
-    def _per_example(self, params: list[Tensor], world: int = 1) -> NoiseSample:
+    def _per_example(self, params: list[Tensor], world: int = 1, squares: Mapping[int, float] | None = None
+                     ) -> NoiseSample:
         """From per-example norms: ``b = 1``, ``B`` the batch. Sharded (``world`` ranks): each rank's
         own examples, or its piece of each, summed over the ranks in the one collective."""
         if not self._sources:
@@ -824,16 +864,17 @@ class NoiseProbe:
         used, batch, why = self._usable(params)
         total = big_sq = None
         if why is None:
-            total = _pairs_total([s for s in used if s.pair is not None])
+            total = _pairs_total([s.pair for s in used if s.pair is not None])
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
             total = sum(t.to(totals[0].device) for t in totals[1:]) + totals[0]
-            grads = [p.grad for s in used for p in s.source.parameters]
+            covered = [p for s in used for p in s.source.parameters]
             if self._sharded:
-                pieces = [_shards.local_piece(g) if g is not None else (None, None) for g in grads]
+                pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None) for p in covered]
                 if any(reason == _shards.PARTIAL for _, reason in pieces):
                     why = 9
-                grads = [piece for piece, _ in pieces]
-            big_sq = _squares(grads)
+                big_sq = _squares(piece for piece, _ in pieces)
+            else:
+                big_sq = _known_squares(covered, squares)
         all_elements = self._elements if params is self._parameters else sum(p.numel() for p in params)
         coverage = sum(s.source.elements for s in used) / all_elements if all_elements else 0.0
         if self._sharded and world > 1:
@@ -841,7 +882,6 @@ class NoiseProbe:
                                 why, coverage, world)
         if why is not None:
             return NoiseSample.none(why, "per_example", batch if why in (5, 6) else math.nan)
-        big_sq = 0.0 if big_sq is None else float(big_sq)
         # Example i's share of .grad is c_i; its gradient of the mean loss is B c_i, so the mean
         # over examples of |G_1|² is B Σ|c_i|².
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
@@ -850,9 +890,10 @@ class NoiseProbe:
         """The sources that give this step's per-example norms, the batch, and why none do (an
         index into :data:`REASONS`)."""
         wanted = None if params is self._parameters else {id(p) for p in params}
-        used = [s for s in self._step.values() if s.calls == 1 and s.grads == 1
-                and (s.total is not None or s.pair is not None)
-                and (wanted is None or all(id(p) in wanted for p in s.source.parameters))]
+        used = [_Seen.of_pair(source, seen) if type(seen) is list else seen for source, seen in self._step.items()
+                if (len(seen) == 2 if type(seen) is list else seen is not None and seen.grads == 1
+                    and (seen.total is not None or seen.pair is not None))
+                and (wanted is None or all(id(p) in wanted for p in source.parameters))]
         if not used:
             return [], self._batch or 0, 4
         batch = self._batch or max(s.examples for s in used)
