@@ -30,13 +30,19 @@ backward pass and at most one collective:
   unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``
   (``8·T·(in+out)``, from a generator of the layer's own, fresh for each example), so that the
   cost never grows with ``T·width²``), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm``
-  (exact: the per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
-  only (:attr:`NoiseSample.coverage`); other layers (convolutions, embeddings, attention's
-  packed projections, batch norm, whose examples are coupled) are left out. A layer called
+  (exact: the per-example sums of ``δ·x̂`` and ``δ``). In a model with normalisation layers, a
+  Linear over a sequence whose exact forms cost more than the sketch is left out: the
+  normalisation layers' per-example norms predict the whole model's noise scale (Gray et al.
+  2024, "Normalization layer per-example gradients are sufficient to predict gradient noise
+  scale in transformers"), at a few element-wise passes over their inputs. The estimate covers
+  the parameters of the layers used only (:attr:`NoiseSample.coverage`); other layers
+  (convolutions, embeddings, attention's packed projections, batch norm, whose examples are
+  coupled) are left out. A layer called
   more than once in a step, or whose parameter another module shares, is left out too.
   On a monitor's logged step, the monitor's own forward and ``grad_output`` hooks feed these
   layers (:meth:`NoiseProbe.saw`): one set of hooks per module; the probe hooks only the layers
-  the monitor leaves out.
+  the monitor leaves out, and ``|G_B|²`` is summed from the monitor's statistics of the
+  parameter gradients (:func:`gradient_squares`).
 
 Sharded parameters (FSDP2's ``fully_shard``, tensor parallelism: ``DTensor`` parameters): each
 rank's per-example norms, from the local tensors its layers see before the reduce-scatter (its
