@@ -16,7 +16,11 @@
     round runs one step of each variant, in an order rotated each round, after two untimed rounds.
     Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
     threads), which a host shared with other work disturbs less. Prints the median of each
-    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks.
+    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks,
+    and the probe's own CPU time on the ``on`` steps (``ProbeClock``: this thread's CPU time inside
+    what the monitor calls of the probe) as a share of the logged step's CPU time: the steadiest
+    figure on a loaded host, where the ``on / off`` ratios swing by more than the probe costs.
+    Runs against another checkout's library as well (``PYTHONPATH=OTHER``): it times the same calls.
 
     ``--probe-alone``: the ``NoiseProbe`` by itself (armed, forward and backward, collected) against
     the bare step, interleaved, process CPU time: the probe's share without the monitor's own cost.
