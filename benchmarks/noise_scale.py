@@ -3,6 +3,7 @@
     python benchmarks/noise_scale.py cost [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1] [--probe-alone]
     python benchmarks/noise_scale.py advice SEED LABEL_NOISE
     python benchmarks/noise_scale.py figure [--out docs/noise_scale.png] [--steps 400] [--every 10]
+    python benchmarks/noise_scale.py heldout [--seeds 0,1]
 
 ``cost``: what the noise scale adds to a logged step, on the three models of many_modules.py.
 
@@ -16,7 +17,11 @@
     round runs one step of each variant, in an order rotated each round, after two untimed rounds.
     Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
     threads), which a host shared with other work disturbs less. Prints the median of each
-    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks.
+    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks,
+    and the probe's own CPU time on the ``on`` steps (``ProbeClock``: this thread's CPU time inside
+    what the monitor calls of the probe) as a share of the logged step's CPU time: the steadiest
+    figure on a loaded host, where the ``on / off`` ratios swing by more than the probe costs.
+    Runs against another checkout's library as well (``PYTHONPATH=OTHER``): it times the same calls.
 
     ``--probe-alone``: the ``NoiseProbe`` by itself (armed, forward and backward, collected) against
     the bare step, interleaved, process CPU time: the probe's share without the monitor's own cost.
@@ -26,6 +31,13 @@ truth does not move (docs/usage.md, "How big should my batch be"); the table's r
 ``advice 0 1``, ``advice 1 4`` and ``advice 2 1``. Prints the exact noise scale of the whole data set (every example's
 gradient, ``torch.func``) and, for one process (per-example norms) and accumulation x4, the
 summary and the sentence of the end of fit.
+
+``heldout``: the per-example estimate on models no choice of the probe was tuned on, against brute
+force over every parameter: a 2-layer GPT-2 LM and a 2-layer BERT classifier from ``transformers``
+(random init, no dropout; synthetic data with a signal and 20 % label noise). 8 batches of 32 at
+fixed weights; every example's gradient by a loop; prints the coverage, the ratio of the summed
+``tr(Σ)`` and ``|G|²`` of the probe's estimates and of the brute force's, and whether they agree
+within the 25 % the tests allow (docs/usage.md).
 
 ``figure``: the figure of docs/usage.md: the noise scale GradHooks logs in a real fit, against
 brute force. A Lightning fit (SGD, lr 0.05, batch 32, no accumulation: per-example norms) of an MLP
@@ -40,6 +52,7 @@ estimate ``tr(Σ)/|G|²`` of the compact summary (dots), the smoothed ``∇1 ove
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import sys
@@ -92,6 +105,7 @@ def cost(argv: list[str]) -> None:
         model = case.make()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay, so every window is alike
         monitors = {"off": GradientMonitor(model, noise_scale=False), "on": GradientMonitor(model)}
+        probe_clock = ProbeClock(monitors["on"].noise)
         writer = SummaryWriter(f"{folder.name}/{name}")
         logs = {key: GradientLog(writer, [optimizer], echo=None) for key in monitors}
         handles = [m.attach() for m in monitors.values()]
@@ -99,8 +113,9 @@ def cost(argv: list[str]) -> None:
         half = tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)
         step_no = [0]
 
-        def step(key: str, k: int) -> tuple[float, float]:
+        def step(key: str, k: int) -> tuple[float, float, float]:
             monitor = monitors[key]
+            probe_clock.seconds = 0.0
             start, cpu = time.perf_counter(), time.process_time()
             with monitor.arm(batch_size=len(batch[0]) // k, accumulation=k):
                 for part in ((batch,) if k == 1 else half):
@@ -109,10 +124,10 @@ def cost(argv: list[str]) -> None:
             optimizer.step()
             optimizer.zero_grad()
             step_no[0] += 1
-            return time.perf_counter() - start, time.process_time() - cpu
+            return time.perf_counter() - start, time.process_time() - cpu, probe_clock.seconds
 
         variants = [("off", 1), ("on", 1), ("off", 2), ("on", 2)]
-        times: dict[tuple[str, int], list[tuple[float, float]]] = {v: [] for v in variants}
+        times: dict[tuple[str, int], list[tuple[float, float, float]]] = {v: [] for v in variants}
         for r in range(-2, args.rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             for v in order:
@@ -127,6 +142,10 @@ def cost(argv: list[str]) -> None:
                 ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
                 print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
                       f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
+            own = sorted(t[2] / t[1] for t in times["on", k])
+            print(f"{name:9s} probe's own CPU time k={k}: {1000 * statistics.median(t[2] for t in times['on', k]):.1f} "
+                  f"ms, {statistics.median(own):.1%} of the logged step (quartiles {own[len(own) // 4]:.1%}-"
+                  f"{own[3 * len(own) // 4]:.1%})")
         sample = logs["on"].noise_scale.value
         print(f"{name:9s} noise scale of its batch: {sample if sample is None else round(sample, 1)}")
         for h in handles:
@@ -135,6 +154,38 @@ def cost(argv: list[str]) -> None:
             log.close()
         writer.close()
     folder.cleanup()
+
+
+class ProbeClock:
+    """The noise probe's own CPU time on a monitor's logged step: this thread's CPU time
+    (``time.thread_time``, which waiting for a core on a shared host does not inflate) inside
+    what the monitor calls of it, wrapped on this one instance: ``arm``, ``saw`` in the monitor's
+    forward hook, what ``saw`` returns in its gradient hook, the hook on the parameters with
+    accumulation (``_each_backward``) and ``collect``. Every source of these models is fed by the
+    monitor (the probe puts no hook of its own in them: asserted at each arm). The clock's own
+    cost per wrapped call is measured once and taken off."""
+
+    def __init__(self, probe: NoiseProbe) -> None:
+        self.seconds, self.overhead, self._probe = 0.0, 0.0, probe
+        for attr in ("arm", "saw", "_each_backward", "collect"):
+            setattr(probe, attr, self._timed(getattr(probe, attr), attr))
+        empty, start = self._timed(lambda: None, ""), time.thread_time()
+        for _ in range(10_000):
+            empty()
+        self.overhead = (time.thread_time() - start) / 10_000
+
+    def _timed(self, call, what: str):  # noqa: ANN001, ANN202
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.thread_time()
+            result = call(*args, **kwargs)
+            if what == "saw" and result is not None:
+                result = self._timed(result, "")
+            elif what == "arm":  # (batch_size, accumulation): with accumulation, one hook on the parameters
+                assert self._probe.hooks == (args[1] > 1), "a source the monitor does not feed: its hooks go untimed"
+            self.seconds += time.thread_time() - start - self.overhead
+            return result
+
+        return timed
 
 
 def probe_alone(case, rounds: int) -> None:  # noqa: ANN001
@@ -306,7 +357,80 @@ def figure(argv: list[str]) -> None:
           f"{sum(v for _, v in smoothed) / len(smoothed) / (sum(truth.values.values()) / len(truth.values)):.2f}")
 
 
-COMMANDS = {"cost": cost, "advice": advice, "figure": figure}
+# -- heldout -----------------------------------------------------------------------------
+def _gpt2(seed: int):  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50, n_positions=32,
+                                     resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 50, (256, 1), generator=g), torch.randint(1, 4, (256, 1), generator=g)
+    x = (start + stride * torch.arange(24)) % 50  # arithmetic sequences, 20 % of the tokens replaced
+    flip = torch.rand(x.shape, generator=g) < 0.2
+    x[flip] = torch.randint(0, 50, (int(flip.sum()),), generator=g)
+    return transformers.GPT2LMHeadModel(config), x, lambda m, xb: m(input_ids=xb, labels=xb).loss
+
+
+def _bert(seed: int):  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0,
+                                     attention_probs_dropout_prob=0, num_labels=3)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 60, (256, 16), generator=g)
+    y = ((x == 5).sum(1) + (x == 7).sum(1) - (x == 9).sum(1)).clamp(-1, 1) + 1  # 20 % of the labels flipped
+    flip = torch.rand(256, generator=g) < 0.2
+    y[flip] = torch.randint(0, 3, (int(flip.sum()),), generator=g)
+    loss = lambda m, xb: m(input_ids=xb[:, :-1], labels=xb[:, -1]).loss  # noqa: E731
+    return transformers.BertForSequenceClassification(config), torch.cat([x, y[:, None]], 1), loss
+
+
+def heldout(argv: list[str]) -> None:
+    """The estimate on held-out transformers against brute force (see the module docstring, ``heldout``)."""
+    parser = argparse.ArgumentParser(prog="noise_scale.py heldout", description=heldout.__doc__)
+    parser.add_argument("--seeds", default="0,1")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+
+    def unbiased(g: torch.Tensor) -> tuple[float, float]:  # (|G|², tr(Σ)) of one batch's per-example gradients
+        mean = g.mean(0)
+        trace = float((g - mean).square().sum() / (len(g) - 1))
+        return float(mean.square().sum()) - trace / len(g), trace
+
+    def ratio(rows: list[tuple[float, float]]) -> float:
+        return sum(t for _, t in rows) / sum(g for g, _ in rows)
+
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name, make in (("gpt2", _gpt2), ("bert", _bert)):
+            model, data, loss = make(seed)
+            probe, ours, exact = NoiseProbe(model), [], []
+            for step in range(8):
+                batch = data[step * 32:(step + 1) * 32]
+                model.zero_grad()
+                probe.arm()
+                loss(model, batch).backward()
+                sample = probe.collect()
+                ours.append(sample.estimates())
+                rows = []
+                for i in range(len(batch)):
+                    model.zero_grad()
+                    loss(model, batch[i:i + 1]).backward()
+                    rows.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                                           for p in model.parameters() if p.requires_grad]).double())
+                exact.append(unbiased(torch.stack(rows)))
+            agree = ratio(ours) / ratio(exact)
+            print(f"{name} seed {seed}: coverage {sample.coverage:.4f}; probe {ratio(ours):.2f}, brute force over "
+                  f"every parameter {ratio(exact):.2f}: {agree:.3f}x ({'within' if abs(agree - 1) <= 0.25 else 'OUTSIDE'} "
+                  "25 %)")
+
+
+COMMANDS = {"cost": cost, "advice": advice, "figure": figure, "heldout": heldout}
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from lightning_gradhooks.core._checks import MAX_BINS, check_bool, check_int
 from lightning_gradhooks.core._text import listed
 from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
-from lightning_gradhooks.core.noise import NoiseProbe
+from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.planning import (
     Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
 )
@@ -652,7 +652,7 @@ class GradientMonitor:
             checked, self._checked = self._checked, []
             record = self._described(self._finish(pending, reducers, checked), reduced)
             if self.noise is not None:
-                record.noise = self.noise.collect(parameters)
+                record.noise = self.noise.collect(parameters, squares=gradient_squares(record))
             return record
         finally:
             self.disarm()  # switches the collector back on

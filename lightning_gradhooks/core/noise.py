@@ -30,13 +30,19 @@ backward pass and at most one collective:
   unbiased random sketch ``E‖Σ_t δ_t (x_t·v)‖²`` over 4 Gaussian vectors ``v``
   (``8·T·(in+out)``, from a generator of the layer's own, fresh for each example), so that the
   cost never grows with ``T·width²``), ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.GroupNorm``
-  (exact: the per-example sums of ``δ·x̂`` and ``δ``). The estimate covers the parameters of those layers
-  only (:attr:`NoiseSample.coverage`); other layers (convolutions, embeddings, attention's
-  packed projections, batch norm, whose examples are coupled) are left out. A layer called
+  (exact: the per-example sums of ``δ·x̂`` and ``δ``). In a model with normalisation layers, a
+  Linear over a sequence whose exact forms cost more than the sketch is left out: the
+  normalisation layers' per-example norms predict the whole model's noise scale (Gray et al.
+  2024, "Normalization layer per-example gradients are sufficient to predict gradient noise
+  scale in transformers"), at a few element-wise passes over their inputs. The estimate covers
+  the parameters of the layers used only (:attr:`NoiseSample.coverage`); other layers
+  (convolutions, embeddings, attention's packed projections, batch norm, whose examples are
+  coupled) are left out. A layer called
   more than once in a step, or whose parameter another module shares, is left out too.
   On a monitor's logged step, the monitor's own forward and ``grad_output`` hooks feed these
   layers (:meth:`NoiseProbe.saw`): one set of hooks per module; the probe hooks only the layers
-  the monitor leaves out.
+  the monitor leaves out, and ``|G_B|²`` is summed from the monitor's statistics of the
+  parameter gradients (:func:`gradient_squares`).
 
 Sharded parameters (FSDP2's ``fully_shard``, tensor parallelism: ``DTensor`` parameters): each
 rank's per-example norms, from the local tensors its layers see before the reduce-scatter (its
@@ -81,7 +87,7 @@ from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks.core._shards as _shards
 from lightning_gradhooks.core._checks import check_int
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.core.records import GradientRecord, Key, Kind
 
 #: Random vectors of the sketch of a per-example norm on a 3-D (sequence) input of a Linear.
 SKETCH_VECTORS = 4
@@ -416,52 +422,81 @@ def _world() -> int:
 
 
 def _squares(tensors: Iterable[Tensor | None]) -> Tensor | None:
-    """The sum of squares of the tensors (float32 or wider), on the first one's device; None if none."""
+    """The sum of squares of the tensors, in float32, on the first one's device; None if none.
+    One ``_foreach_norm`` for all of them: no Python per tensor (``get_total_norm`` loops over
+    them in Python on the CPU: 1000 gradients, 9 against 4 ms)."""
     present = [t for t in tensors if t is not None]
     if not present:
         return None
-    return torch.nn.utils.get_total_norm(present, 2.0, foreach=None).float().square()
+    device = present[0].device
+    norms = torch._foreach_norm(present, 2, dtype=torch.float32)
+    if any(t.device != device for t in present):
+        norms = [n.to(device) for n in norms]
+    return torch.stack(norms).square().sum()
+
+
+def gradient_squares(record: GradientRecord) -> dict[int, float]:
+    """The squared norms of the parameter gradients a monitor's record holds (its ``norm``
+    statistic; ``inf`` where a gradient is not finite), by ``id`` of the parameter: what
+    :meth:`NoiseProbe.collect` takes as ``squares``. Sharded parameters' pieces are left out."""
+    params, sharded = record.parameters, set(record.sharded)
+    return {id(params[e.name]): math.inf if e.stats.nonfinite else e.stats.norm * e.stats.norm
+            for e in record.entries if e.kind is Kind.PARAM_GRAD and e.name in params and e.name not in sharded}
+
+
+def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) -> float:
+    """``Σ |∇p|²`` over ``params``: from ``squares`` (by ``id``) where it has every one whose
+    gradient is there, else from the gradients (0 where none has one)."""
+    present = [p for p in params if p.grad is not None]
+    if squares is not None and all(id(p) in squares for p in present):
+        return math.fsum(squares[id(p)] for p in present)
+    total = _squares(p.grad for p in present)
+    return 0.0 if total is None else float(total)
 
 
 @torch.no_grad()
-def _pairs_total(sources: list[_Source]) -> Tensor | None:
-    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, with a
-    few ops per group of layers of one shape (500 layers of one width: about ten ops)."""
-    groups: dict[tuple, list[_Source]] = {}
-    for s in sources:
-        x, d = s.pair
-        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(s)
+def _pairs_total(pairs: list[tuple[Tensor, Tensor, tuple[bool, bool]]]) -> Tensor | None:
+    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
+    their ``(input, output gradient, (weight counted, bias counted))``, with a few ops per group of
+    layers of one shape (500 layers of one width: about ten ops)."""
+    groups: dict[tuple, list[tuple[Tensor, Tensor, tuple[bool, bool]]]] = {}
+    for pair in pairs:
+        x, d, _ = pair
+        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(pair)
     total = None
     for members in groups.values():
-        x = torch.stack([s.pair[0] for s in members]).float()  # (layers, B, in)
-        d = torch.stack([s.pair[1] for s in members]).float()  # (layers, B, out)
+        x = torch.stack([m[0] for m in members]).float()  # (layers, B, in)
+        d = torch.stack([m[1] for m in members]).float()  # (layers, B, out)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
-        flags = {s.counted for s in members}
+        flags = {m[2] for m in members}
         if len(flags) == 1:  # the common case: every layer alike
             weight, bias = flags.pop()
             part = (ds * (xs * weight + bias)).sum()
         else:
-            w = torch.tensor([[float(s.counted[0])] for s in members], device=x.device)
-            b = torch.tensor([[float(s.counted[1])] for s in members], device=x.device)
+            w = torch.tensor([[float(m[2][0])] for m in members], device=x.device)
+            b = torch.tensor([[float(m[2][1])] for m in members], device=x.device)
             part = (ds * (xs * w + b)).sum()
         total = part if total is None else total + part.to(total.device)
     return total
 
 
-def _linear_form(positions: int, features_in: int, features_out: int) -> str:
+def _linear_form(positions: int, features_in: int, features_out: int, sketch: bool = True) -> str | None:
     """The cheapest way to the per-example ``‖Σ_t δ_t x_tᵀ‖²`` of a Linear over a sequence, by
     multiply-adds per example: each example's weight gradient (``T·in·out``), the Gram form
     ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or the sketch over
-    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost."""
+    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost.
+    Without ``sketch`` (a model with normalisation layers, which give the estimate instead), None
+    where an exact form costs more than the sketch would: the layer is left out."""
     t, width = positions, features_in + features_out
     costs = {"gram": t * t * width, "direct": t * features_in * features_out, "sketch": 2 * SKETCH_VECTORS * t * width}
-    return min(costs, key=lambda form: (costs[form], form == "sketch"))
+    form = min(costs, key=lambda form: (costs[form], form == "sketch"))
+    return form if sketch or form != "sketch" else None
 
 
 class _Source:
-    """One per-example source layer: what one forward and its output's gradient give, and the
-    sum of its examples' squared gradient norms (a device tensor) on the armed step.
+    """One per-example source layer, as it is for every step; what one armed step's forward and
+    output gradient give is a :class:`_Seen`, made at the layer's first forward of the step.
 
     Under sharding (FSDP2's ``fully_shard``, tensor parallelism), it sees this rank's local
     tensors: its own examples (FSDP2), or this rank's piece of each example's gradient (tensor
@@ -475,46 +510,47 @@ class _Source:
         bias = getattr(module, "bias", None)
         self.bias = bias is not None and bias.requires_grad
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
+        self.elements = sum(p.numel() for p in self.parameters)
         self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
         #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
         self.sharded = False
-        self.reset()
+        #: Whether a Linear over a sequence may take the sketch (False: the model's normalisation
+        #: layers give the estimate, and such a Linear is left out where no exact form is cheaper).
+        self.sketch = True
 
-    def reset(self) -> None:
-        self.calls = 0
-        self.grads = 0
-        self.examples = 0
-        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
-        self.owns_examples = True
-        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
-        self.counted = (self.weight, self.bias)
-        self.total: Tensor | None = None
-        # a Linear on a 2-D input keeps its input and output gradient (small: a row per example)
-        # for the probe to reduce every such layer at once in `collect`: a few ops in all
-        self.pair: tuple[Tensor, Tensor] | None = None
-
-    def seen(self, args: tuple, output: object) -> Callable[[Tensor], None] | None:
-        """Take in one forward of the module; returns what to call with its output's gradient
-        (None: nothing is needed from this call)."""
+    def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
+             ) -> Callable[[Tensor], None] | None:
+        """Take in one forward of the module into ``step`` (the armed step's layers: a
+        :class:`_Seen`, a Linear on a 2-D input's ``[input, output gradient]``, or None where the
+        layer gives nothing this step); returns what to call with its output's gradient (None:
+        nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
-        self.calls += 1
+        if self in step:  # called twice: its examples' gradients are sums over calls; left out
+            step[self] = None
+            return None
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        if self.calls > 1 or x is None or x.dim() < 2 or x.shape[0] < 1:
-            return None  # called twice: its examples' gradients are sums over calls; left out
+        if x is None or x.dim() < 2 or x.shape[0] < 1:
+            step[self] = None
+            return None
+        if self.kind is nn.Linear and x.dim() == 2 and not self.sharded:
+            # [input, output gradient]: no op here, reduced with every such layer's at collect (a
+            # few ops in all); detached: the graph is not held past backward
+            step[self] = pair = [x.detach()]
+            return pair.append
+        seen = step[self] = _Seen(self)
         if self.sharded:
             if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
-                self.owns_examples = _shards.owns_examples(x)
+                seen.owns_examples = _shards.owns_examples(x)
                 x = x.to_local()
             m = self.module
-            self.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
-        self.examples = x.shape[0]
-        if self.kind is nn.Linear and x.dim() == 2:
-            saved = ("pair",)  # no op here; reduced with the others at collect
-        else:
-            with _float32(x):
-                saved = self._saved(x.detach())
-        return lambda grad: self._backward(grad, saved, x)
+            seen.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
+        seen.examples = x.shape[0]
+        if self.kind is nn.Linear and x.dim() == 2:  # sharded: this rank's local tensors
+            return functools.partial(seen.paired, x)
+        with _float32(x):
+            saved = self._saved(x.detach())
+        return None if saved is None else functools.partial(self._backward, seen, saved)
 
     def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
         """Gaussian vectors of the sketch, ``(examples, features, SKETCH_VECTORS)``: fresh ones for
@@ -524,15 +560,16 @@ class _Source:
             generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
         return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
 
-    def _saved(self, x: Tensor) -> tuple:
-        """What the backward needs of the input, as small as it can be."""
+    def _saved(self, x: Tensor) -> tuple | None:
+        """What the backward needs of the input, as small as it can be (None: nothing, a sequence
+        Linear left to the normalisation layers)."""
         m = self.module
         if self.kind is nn.Linear:
             x = x.flatten(1, -2).float()  # (B, positions, in)
-            form = _linear_form(x.shape[1], x.shape[2], m.out_features)
+            form = _linear_form(x.shape[1], x.shape[2], m.out_features, self.sketch)
             if form == "sketch":
                 return ("sketch", torch.bmm(x, self._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
-            return (form, x)
+            return None if form is None else (form, x)
         if self.kind is nn.LayerNorm:
             return ("normed", F.layer_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
         if self.kind is nn.RMSNorm:
@@ -540,20 +577,18 @@ class _Source:
         # GroupNorm: (B, C, *) normalised per example and group; per-channel weight and bias
         return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
 
-    def _backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
-        with _float32(grad):
-            self._reduce_backward(grad, saved, x)
-
-    def _reduce_backward(self, grad: Tensor, saved: tuple, x: Tensor) -> None:
-        self.grads += 1
+    def _backward(self, seen: _Seen, saved: tuple, grad: Tensor) -> None:
+        seen.grads += 1
         if self.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
-        if saved[0] == "pair":
-            self.pair = (x, grad)
-            return
-        how, d = saved[0], grad.detach().float()
-        b = d.shape[0]
-        weight, bias = self.counted
+        with _float32(grad):
+            seen.total = self._total(grad.detach().float(), saved, seen.counted)
+
+    @staticmethod
+    def _total(d: Tensor, saved: tuple, counted: tuple[bool, bool]) -> Tensor:
+        """The sum over the examples of their squared gradient norms, from the output's gradient ``d``."""
+        how, b = saved[0], d.shape[0]
+        weight, bias = counted
         total = d.new_zeros(())
         if how in ("sketch", "gram", "direct"):  # weight: ‖Σ_t δ_t x_tᵀ‖² per example; bias: ‖Σ_t δ_t‖²
             d = d.flatten(1, -2)  # (B, positions, out)
@@ -578,7 +613,39 @@ class _Source:
                 total = (d * saved[1]).reshape(shape).sum(2).square().sum()
             if bias:
                 total = total + d.reshape(shape).sum(2).square().sum()
-        self.total = total
+        return total
+
+
+class _Seen:
+    """What one armed step saw of a source layer called once: its output gradients, its examples,
+    and the sum of its examples' squared gradient norms (a device tensor), or, for a Linear on a
+    2-D input under sharding, its local input and output gradient. A hook of a step already
+    collected writes into a ``_Seen`` the probe no longer holds."""
+
+    __slots__ = ("source", "grads", "examples", "owns_examples", "counted", "total", "pair")
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+        self.grads, self.examples = 0, 0
+        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
+        self.owns_examples = True
+        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
+        self.counted = (source.weight, source.bias)
+        self.total: Tensor | None = None
+        self.pair: tuple[Tensor, Tensor, tuple[bool, bool]] | None = None  # (input, output gradient, counted)
+
+    @classmethod
+    def of_pair(cls, source: _Source, pair: list[Tensor]) -> _Seen:
+        """The record of a Linear on a 2-D input from its ``[input, output gradient]``."""
+        seen = cls(source)
+        seen.grads, seen.examples, seen.pair = 1, pair[0].shape[0], (pair[0], pair[1], seen.counted)
+        return seen
+
+    def paired(self, x: Tensor, grad: Tensor) -> None:
+        self.grads += 1
+        if self.source.sharded and _shards.is_dtensor(grad):
+            grad = grad.to_local()
+        self.pair = (x, grad, self.counted)
 
 
 class NoiseProbe:
@@ -618,9 +685,10 @@ class NoiseProbe:
         self._looked_up = False
         self._handles: list[RemovableHandle] = []
         self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
-        self._touched: list[_Source] = []  # the sources that ran since arming: reset by disarm
+        # The armed step's sources that ran, in the order they ran: a fresh dict each step, so a
+        # hook of an earlier step (a graph kept past its collect) writes where nothing reads.
+        self._step: dict[_Source, _Seen | list | None] = {}
         self._armed = False
-        self._armings = 0  # tells a hook of an earlier armed step from one of this step
         self._batch: int | None = None
         self._accumulation = 1
         self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
@@ -646,11 +714,15 @@ class NoiseProbe:
         ]
         self._sources = [s for s in sources if s.parameters]
         self._parameters = [p for p in self._model.parameters() if p.requires_grad]
+        self._elements = sum(p.numel() for p in self._parameters)
         # FSDP2 or tensor parallelism: per-example norms on each rank's local tensors (the local
         # gradient before the reduce-scatter is no leaf the hooks of the parameters can see)
         self._sharded = any(_shards.is_dtensor(p) for p in self._parameters)
+        # A model with normalisation layers: they give the estimate (Gray et al. 2024), and a
+        # Linear over a sequence is covered only where an exact form costs no more than the sketch.
+        sketch = not any(s.kind is not nn.Linear for s in self._sources)
         for source in self._sources:
-            source.sharded = self._sharded
+            source.sharded, source.sketch = self._sharded, sketch
 
     @property
     def sources(self) -> list[str]:
@@ -684,7 +756,6 @@ class NoiseProbe:
         self.disarm()
         self._look_up()
         self._armed = True
-        self._armings += 1
         self._batch, self._accumulation = batch_size, accumulation
         self._small, self._backwards = None, 0
         if (accumulation > 1 or _world() > 1) and not self._sharded:
@@ -703,24 +774,13 @@ class NoiseProbe:
         call with the gradient of ``output`` in backward; None when the probe needs nothing of it
         (not a source, not armed for per-example norms, a second call)."""
         source = self._fed.get(id(module))
-        return None if source is None else self._seen(source, args, output)
+        return None if source is None else source.seen(args, output, self._step)
 
     def _forward(self, source: _Source, module: nn.Module, args: tuple, output: object) -> None:
         """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
-        backward = self._seen(source, args, output)
+        backward = source.seen(args, output, self._step)
         if backward is not None:
             output.register_hook(backward)
-
-    def _seen(self, source: _Source, args: tuple, output: object) -> Callable[[Tensor], None] | None:
-        fresh = source.calls == 0
-        backward = source.seen(args, output)
-        if fresh and source.calls:
-            self._touched.append(source)  # reset by disarm
-        if backward is None:
-            return None
-        armings = self._armings
-        # The hook goes with the graph; a backward after disarming finds it stale.
-        return lambda grad: backward(grad) if self._armings == armings else None
 
     def _each_backward(self, grads: Sequence[Tensor | None]) -> None:
         """The squared norm of one backward's gradient (one micro-batch's, on this rank), summed
@@ -734,19 +794,16 @@ class NoiseProbe:
     def disarm(self) -> None:
         """Take every hook out and drop what was measured."""
         self._armed = False
-        self._armings += 1
-        self._fed = {}
+        self._fed, self._step = {}, {}
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
         self._small, self._backwards = None, 0
-        touched, self._touched = self._touched, []
-        for source in touched:
-            source.reset()
 
     remove = disarm
 
-    def collect(self, parameters: Iterable[Tensor] | None = None) -> NoiseSample | None:
+    def collect(self, parameters: Iterable[Tensor] | None = None,
+                squares: Mapping[int, float] | None = None) -> NoiseSample | None:
         """The step's :class:`NoiseSample`, and disarm; None when not armed.
 
         Call it where the optimizer is about to step (after any gradient clipping's unscale,
@@ -755,6 +812,10 @@ class NoiseProbe:
         Args:
             parameters: the parameters of the optimizer about to step; default: all of the
                 model's trainable parameters.
+            squares: squared norms of the parameters' gradients that the caller has already
+                computed (the monitor's statistics), by ``id`` of the parameter: ``|G_B|²`` is
+                summed from them where every parameter it needs is there (not under sharding),
+                instead of reading the gradients again.
         """
         if not self._armed:
             return None
@@ -766,12 +827,13 @@ class NoiseProbe:
             if self._sharded:
                 return NoiseSample.none(8, "per_example") if k > 1 else self._per_example(params, world)
             if k > 1 or world > 1:
-                return self._two_batches(params, world, k)
-            return self._per_example(params)
+                return self._two_batches(params, world, k, squares)
+            return self._per_example(params, squares=squares)
         finally:
             self.disarm()
 
-    def _two_batches(self, params: list[Tensor], world: int, k: int) -> NoiseSample:
+    def _two_batches(self, params: list[Tensor], world: int, k: int, squares: Mapping[int, float] | None
+                     ) -> NoiseSample:
         source = "+".join(s for s, on in (("accumulation", k > 1), ("data_parallel", world > 1)) if on)
         if self._batch is None:  # before the collective: every rank decides alike
             return NoiseSample.none(0, source)
@@ -796,11 +858,11 @@ class NoiseProbe:
         if not all(reached):
             return NoiseSample.none(2, source, big)
         small_sq = sum(values) / world * k * k  # the micro-batch's loss was divided by k
-        big_sq = _squares(p.grad for p in params)
-        big_sq = 0.0 if big_sq is None else float(big_sq)
+        big_sq = _known_squares(params, squares)
         return self._checked(NoiseSample(small_sq, big_sq, b, big, source))
 
-    def _per_example(self, params: list[Tensor], world: int = 1) -> NoiseSample:
+    def _per_example(self, params: list[Tensor], world: int = 1, squares: Mapping[int, float] | None = None
+                     ) -> NoiseSample:
         """From per-example norms: ``b = 1``, ``B`` the batch. Sharded (``world`` ranks): each rank's
         own examples, or its piece of each, summed over the ranks in the one collective."""
         if not self._sources:
@@ -808,33 +870,36 @@ class NoiseProbe:
         used, batch, why = self._usable(params)
         total = big_sq = None
         if why is None:
-            total = _pairs_total([s for s in used if s.pair is not None])
+            total = _pairs_total([s.pair for s in used if s.pair is not None])
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
             total = sum(t.to(totals[0].device) for t in totals[1:]) + totals[0]
-            pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None)
-                      for s in used for p in s.parameters]
-            if any(reason == _shards.PARTIAL for _, reason in pieces):
-                why = 9
-            big_sq = _squares(piece for piece, _ in pieces)
-        covered = [p for s in used for p in s.parameters]
-        all_elements = sum(p.numel() for p in params)
-        coverage = sum(p.numel() for p in covered) / all_elements if all_elements else 0.0
+            covered = [p for s in used for p in s.source.parameters]
+            if self._sharded:
+                pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None) for p in covered]
+                if any(reason == _shards.PARTIAL for _, reason in pieces):
+                    why = 9
+                big_sq = _squares(piece for piece, _ in pieces)
+            else:
+                big_sq = _known_squares(covered, squares)
+        all_elements = self._elements if params is self._parameters else sum(p.numel() for p in params)
+        coverage = sum(s.source.elements for s in used) / all_elements if all_elements else 0.0
         if self._sharded and world > 1:
             return self._pooled(total, big_sq, batch, min(s.owns_examples for s in used) if used else False,
                                 why, coverage, world)
         if why is not None:
             return NoiseSample.none(why, "per_example", batch if why in (5, 6) else math.nan)
-        big_sq = 0.0 if big_sq is None else float(big_sq)
         # Example i's share of .grad is c_i; its gradient of the mean loss is B c_i, so the mean
         # over examples of |G_1|² is B Σ|c_i|².
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
 
-    def _usable(self, params: list[Tensor]) -> tuple[list[_Source], int, int | None]:
+    def _usable(self, params: list[Tensor]) -> tuple[list[_Seen], int, int | None]:
         """The sources that give this step's per-example norms, the batch, and why none do (an
         index into :data:`REASONS`)."""
-        wanted = {id(p) for p in params}
-        used = [s for s in self._sources if s.calls == 1 and s.grads == 1 and (s.total is not None or s.pair)
-                and all(id(p) in wanted for p in s.parameters)]
+        wanted = None if params is self._parameters else {id(p) for p in params}
+        used = [_Seen.of_pair(source, seen) if type(seen) is list else seen for source, seen in self._step.items()
+                if (len(seen) == 2 if type(seen) is list else seen is not None and seen.grads == 1
+                    and (seen.total is not None or seen.pair is not None))
+                and (wanted is None or all(id(p) in wanted for p in source.parameters))]
         if not used:
             return [], self._batch or 0, 4
         batch = self._batch or max(s.examples for s in used)

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import warnings
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -238,6 +239,34 @@ def test_a_linear_over_a_sequence_takes_its_cheapest_form(form, features_in, fea
         assert ours == [pytest.approx(e, rel=1e-4) for e in exact]
 
 
+def test_with_normalisation_layers_a_linear_over_a_long_sequence_is_left_to_them():
+    # Gray et al. (2024): the normalisation layers' per-example norms give the estimate. A Linear
+    # over a sequence whose exact forms cost more than the sketch is left out (the sketch stays for
+    # models without such layers), an exact one that costs no more is kept; the coverage says so.
+    assert noise._linear_form(12, 16, 32, sketch=False) is None and noise._linear_form(12, 16, 32) == "sketch"
+    assert noise._linear_form(5, 16, 32, sketch=False) == "gram" and noise._linear_form(12, 32, 1, sketch=False) == "direct"
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(64, 12, 16, generator=g)
+    y = x[..., 0] + torch.randn(64, 12, generator=g)
+
+    def loss(out, target):  # noqa: ANN001, ANN202
+        return mse(out.squeeze(-1), target)
+
+    probe, covered = NoiseProbe(model), {"1.weight", "1.bias", "3.weight", "3.bias"}
+    for step in range(2):
+        xb, yb = x[step * 32:(step + 1) * 32], y[step * 32:(step + 1) * 32]
+        model.zero_grad()
+        probe.arm()
+        loss(model(xb), yb).backward()
+        sample = probe.collect()
+        assert sample.estimates() == pytest.approx(batch_truth(flat(per_example(model, loss, xb, yb), covered)),
+                                                   rel=1e-4)
+    assert sample.coverage == pytest.approx(sum(p.numel() for n, p in model.named_parameters() if n in covered)
+                                            / sum(p.numel() for p in model.parameters()))
+
+
 @pytest.mark.parametrize("include", [None, ["0", "1"]])
 def test_a_logged_step_puts_one_set_of_hooks_in_each_module(include):
     # The monitor's forward hook and grad_output hook feed the probe's per-example layers; the
@@ -261,7 +290,10 @@ def test_a_logged_step_puts_one_set_of_hooks_in_each_module(include):
                 mse(model(x), y).backward()
                 sample = monitor.collect().noise
             model.zero_grad()
-            assert sample == expected  # the same numbers, whoever's hooks fed the probe
+            # the same numbers, whoever's hooks fed the probe; |G_B|² summed from the monitor's own
+            # statistics of the parameter gradients where it has them all (float32 round-off)
+            assert sample == replace(expected, big_sq=sample.big_sq)
+            assert sample.big_sq == pytest.approx(expected.big_sq, rel=1e-6)
         monitor.arm_noise()  # a rank that logs nothing this step: the probe hooks its layers itself
         assert monitor.noise.hooks == 3 and [len(m._forward_hooks) for m in model] == [1, 1, 0, 1]
         mse(model(x), y).backward()
