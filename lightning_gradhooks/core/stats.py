@@ -378,6 +378,83 @@ def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     return counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
 
 
+# -- the same numbers without a compiler -----------------------------------------------------
+# Run as eager ops, the row functions above cost a pass (and a temporary) per op: 40-80 reads of
+# each gradient. Where nothing compiles, these give the same rows from a few vectorised passes over
+# cache-sized chunks of rows, on the rows that are whole and finite; the others (the padded last
+# row of a tensor, a row holding NaN or Inf) are few, and the row functions run on them as they
+# are. Telling them apart reads one value list to the host per block (free on the CPU, one wait
+# for the device elsewhere).
+
+
+def _chunk_rows(device: torch.device) -> int:
+    """Rows per chunk of the eager sequence: a cache-sized block on the CPU, a batch elsewhere."""
+    return max(1, SIZES.get(device.type, DEVICE_SIZES).block // ROW)
+
+
+def eager_moments(x: Tensor) -> Tensor:
+    """:func:`row_moments` of ``x`` without a compiler: per whole, finite row, the minimum and
+    maximum (which also find the rows that are not: NaN or Inf make them so), the sum (the pivot),
+    the elements minus the pivot written once into a chunk-sized buffer, their sum and norm, and
+    the zero count; the other rows by :func:`row_moments` itself."""
+    compute = _compute_dtype(x.dtype)
+    low, high = x.amin(1), x.amax(1)
+    bad = (low.isfinite() & high.isfinite()).logical_not_().nonzero().view(-1)  # one read to the host
+    if len(bad) == len(x):
+        return _kernels.rows_at_a_time(row_moments, x)
+    step = _chunk_rows(x.device)
+    work = torch.empty(min(step, len(x)), x.shape[1], dtype=compute, device=x.device)
+    columns: list[list[Tensor]] = [[], [], [], []]
+    for r in range(0, len(x), step):
+        chunk = x[r : r + step]
+        w = work[: len(chunk)]
+        pivot = chunk.sum(1, dtype=compute).div_(x.shape[1])
+        shifted = torch.sub(chunk, pivot[:, None], out=w)
+        for column, value in zip(columns, (pivot, shifted.sum(1), torch.linalg.vector_norm(shifted, dim=1).square_(),
+                                           torch.eq(chunk, 0, out=w).sum(1))):
+            column.append(value)
+    pivot, shifted, squares, zeros = (_joined(c) for c in columns)
+    count = torch.full_like(pivot, x.shape[1])
+    out = torch.stack([count, pivot, shifted, squares, zeros, low.to(compute), high.to(compute)], 1)
+    if len(bad):
+        out.index_copy_(0, bad, _kernels.rows_at_a_time(row_moments, x.index_select(0, bad)))
+    return out
+
+
+def eager_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
+    """:func:`row_histograms` of ``x`` without a compiler: the bin positions by the same
+    arithmetic, truncated to integers and counted with one ``index_add`` per chunk of rows, for
+    the whole and finite rows (``ranges[:, 3]``, the row's finite count, is the row's width); the
+    other rows by :func:`row_histograms` itself."""
+    bad = (ranges[:, 3] < x.shape[1]).nonzero().view(-1)  # one read to the host
+    if len(bad) == len(x):
+        return _kernels.rows_at_a_time(row_histograms, x, ranges, bins=bins)
+    step, device = _chunk_rows(x.device), x.device
+    work = torch.empty(min(step, len(x)), x.shape[1], dtype=ranges.dtype, device=device)
+    index = torch.empty(work.shape, dtype=torch.int32, device=device)
+    table = torch.zeros(len(x) * (bins + 1), dtype=torch.int32, device=device)
+    offsets = torch.arange(0, len(x) * (bins + 1), bins + 1, dtype=torch.int32, device=device)[:, None]
+    ones = _ones(device).expand(index.numel())
+    marked = bad.tolist()
+    for r in range(0, len(x), step):
+        chunk, rows = x[r : r + step], ranges[r : r + step]
+        position = torch.sub(chunk, rows[:, 0:1], out=work[: len(chunk)]).mul_(rows[:, 1:2]).mul_(rows[:, 2:3])
+        inside = [b - r for b in marked if r <= b < r + len(chunk)]
+        if inside:  # NaN or Inf positions: counted below, out of the way here
+            position.index_fill_(0, torch.tensor(inside, device=device), bins)
+        at = index[: len(chunk)].copy_(position).add_(offsets[r : r + len(chunk)])
+        table.index_add_(0, at.view(-1), ones[: at.numel()])
+    counts = table.view(len(x), bins + 1)
+    if len(bad):
+        counts.index_copy_(0, bad, _kernels.rows_at_a_time(row_histograms, x.index_select(0, bad), ranges.index_select(0, bad), bins=bins))
+    return counts
+
+
+@functools.lru_cache(maxsize=16)
+def _ones(device: torch.device) -> Tensor:
+    return torch.ones(1, dtype=torch.int32, device=device)
+
+
 def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True
 ) -> tuple[Tensor, Tensor | None]:
@@ -400,7 +477,7 @@ def reduce_batch(
     layout = _layout(tuple(t.numel() for t in tensors), device, SIZES.get(device.type, DEVICE_SIZES).block)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
-    per_row = _joined([_kernels.run(row_moments, compiled, block) for block in blocks])
+    per_row = _joined([_kernels.run(row_moments, eager_moments, compiled, block) for block in blocks])
     finite, pivot, shifted, squares, zeros = per_row[:, :5].to(f64).unbind(1)
     row_mean = pivot + shifted / finite.clamp(min=1)
     row_spread = squares - shifted * shifted / finite.clamp(min=1)  # sum of squares about the row's mean
@@ -420,10 +497,12 @@ def reduce_batch(
         return moments, None
     # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
     # stack), so the shrunk scale keeps every finite element below `bins`.
-    ranges = torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of].contiguous()
+    ranges = torch.cat([torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of],
+                        per_row[:, :1]], 1)
     first, counts = 0, []
     for block in blocks:  # the second read
-        counts.append(_kernels.run(row_histograms, compiled, block, ranges[first : first + len(block)], bins=bins))
+        counts.append(_kernels.run(row_histograms, eager_histograms, compiled, block, ranges[first : first + len(block)],
+                                   bins=bins))
         first += len(block)
     table = torch.zeros(m, bins + 1, dtype=f64, device=device).index_add_(0, row_of, _joined(counts).to(f64))
     return moments, table[:, :bins]
