@@ -424,9 +424,10 @@ def eager_moments(x: Tensor) -> Tensor:
 def eager_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     """:func:`row_histograms` of ``x`` without a compiler: the bin positions by the same
     arithmetic, truncated to integers and counted with one ``index_add`` per chunk of rows, for
-    the whole and finite rows (``ranges[:, 3]``, the row's finite count, is the row's width); the
-    other rows by :func:`row_histograms` itself."""
-    bad = (ranges[:, 3] < x.shape[1]).nonzero().view(-1)  # one read to the host
+    the rows that are whole and finite (``ranges[:, 3]``, the row's finite count, is the row's
+    width) and whose first factor is 1; the others (a padded or non-finite row, a denormal span)
+    by :func:`row_histograms` itself."""
+    bad = ((ranges[:, 3] < x.shape[1]) | (ranges[:, 1] != 1.0)).nonzero().view(-1)  # one read to the host
     if len(bad) == len(x):
         return _kernels.rows_at_a_time(row_histograms, x, ranges, bins=bins)
     step, device = _chunk_rows(x.device), x.device
@@ -438,7 +439,7 @@ def eager_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     marked = bad.tolist()
     for r in range(0, len(x), step):
         chunk, rows = x[r : r + step], ranges[r : r + step]
-        position = torch.sub(chunk, rows[:, 0:1], out=work[: len(chunk)]).mul_(rows[:, 1:2]).mul_(rows[:, 2:3])
+        position = torch.sub(chunk, rows[:, 0:1], out=work[: len(chunk)]).mul_(rows[:, 2:3])  # times 1
         inside = [b - r for b in marked if r <= b < r + len(chunk)]
         if inside:  # NaN or Inf positions: counted below, out of the way here
             position.index_fill_(0, torch.tensor(inside, device=device), bins)
