@@ -2,14 +2,18 @@
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, one source of torch ops on every device, that reads no value to the host until
-:meth:`Reducer.finish` brings every result over in one transfer. Gradients are gathered into
+:meth:`Reducer.finish` brings every result over in one transfer (without a compiler, which rows
+are whole and finite too: see below). Gradients are gathered into
 batches (a bigger tensor is a batch of its own), because on accelerators the launch count, not
 the bytes, is what costs; each batch is laid out in rows of :data:`ROW` elements and each
 gradient is read at most twice: once for the moments of its rows (:func:`row_moments`), once
 for its histogram (:func:`row_histograms`). The two row functions are compiled by
 ``torch.compile`` into one kernel each (C++ on the CPU, Triton on GPUs) where a compiler is
-there, with a fixed set of shapes, and run as the same torch ops eagerly elsewhere
-(:mod:`lightning_gradhooks.core._kernels`). Only the sizes depend on the device (:data:`SIZES`).
+there, with a fixed set of shapes (:mod:`lightning_gradhooks.core._kernels`). Where nothing
+compiles, :func:`eager_moments` and :func:`eager_histograms` give the same numbers from a few
+vectorised passes over cache-sized chunks of the rows that are whole and finite (the compiled
+source, run as it is, would pass over the rows once per op). Only the sizes depend on the device
+(:data:`SIZES`).
 
 The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
 finite minimum and maximum, zero count);
@@ -159,7 +163,8 @@ class Reducer:
         scratch: where batches are copied into; pass the same one every step to reuse its
             buffers (by default each reducer has its own).
         compiled: reduce with kernels compiled by ``torch.compile`` where a compiler is there
-            (:mod:`lightning_gradhooks.core._kernels`); False: the same torch ops, eagerly.
+            (:mod:`lightning_gradhooks.core._kernels`); False: the eager sequence that gives the
+            same numbers (:func:`eager_moments`, :func:`eager_histograms`).
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer. A tensor that may still change after it is added (a module's output,
@@ -366,7 +371,8 @@ def row_moments(x: Tensor) -> Tensor:
 def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     """Per row of ``x`` (rows, width): the counts of its finite elements in ``bins`` equal bins,
     each row over the range of its tensor (``ranges``: per row the tensor's minimum and the two
-    factors of :func:`_bin_scale`), and in an extra last bin the rest, as int32 ``(rows, bins + 1)``.
+    factors of :func:`_bin_scale`, then the row's finite count, which :func:`eager_histograms`
+    reads), and in an extra last bin the rest, as int32 ``(rows, bins + 1)``.
 
     The second read of a gradient. Each row counts into its own counters (a scatter along the
     row): no counter is shared by rows, so compiled code needs no atomics across rows.
@@ -460,15 +466,17 @@ def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of
-    ops per block, without reading a value to the host.
+    ops per block (per cache-sized chunk, eager on the CPU), without reading a value to the host
+    where compiled.
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
     with NaN: the rows of big tensors read in place, the rest copied into one block. Each block is
     read at most twice: once for the moments of each row (:func:`row_moments`), combined into
     those of each tensor with ``index_add`` (in float64; the variances of the rows by Chan's
     formula), and, for histograms, once more (:func:`row_histograms`). Both row functions are
-    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks.core._kernels`),
-    eager torch ops otherwise.
+    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks.core._kernels`);
+    otherwise :func:`eager_moments` and :func:`eager_histograms` run, which read to the host which
+    rows are whole and finite, once per block and pass.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
