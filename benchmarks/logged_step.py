@@ -210,7 +210,8 @@ def main() -> None:
     parser.add_argument("--variants", default="bare,logged,logged_tb",
                         help="comma-separated, starting with bare (default: %(default)s)")
     parser.add_argument("--ref", default=None, metavar="DIR", help="also run `logged` with the checkout in DIR")
-    parser.add_argument("--ref-variant", default="logged", help="what the checkout of --ref runs (default: %(default)s)")
+    parser.add_argument("--ref-variant", default="logged",
+                        help="what the checkout of --ref runs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in each window (default: torch's)")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall time, or the process's CPU time")
     parser.add_argument("--offload", action="store_true", help="also run the bare step under save_on_disk")

@@ -443,13 +443,14 @@ def eager_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
         low, scale = rows[:, 0:1].expand_as(chunk), rows[:, 2:3].expand_as(chunk)  # expanded: faster than broadcast
         position = torch.sub(chunk, low, out=work[: len(chunk)]).mul_(scale)  # the first factor is 1
         inside = [b - r for b in marked if r <= b < r + len(chunk)]
-        if inside:  # NaN or Inf positions: counted below, out of the way here
+        if inside:  # NaN or Inf positions, or another first factor: counted below, out of the way here
             position.index_fill_(0, torch.tensor(inside, device=device), bins)
         at = index[: len(chunk)].copy_(position).add_(offsets[r : r + len(chunk)])
         table.index_add_(0, at.view(-1), ones[: at.numel()])
     counts = table.view(len(x), bins + 1)
     if len(bad):
-        counts.index_copy_(0, bad, _kernels.rows_at_a_time(row_histograms, x.index_select(0, bad), ranges.index_select(0, bad), bins=bins))
+        others = _kernels.rows_at_a_time(row_histograms, x.index_select(0, bad), ranges.index_select(0, bad), bins=bins)
+        counts.index_copy_(0, bad, others)
     return counts
 
 
@@ -501,13 +502,14 @@ def reduce_batch(
     if bins is None:
         return moments, None
     # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-    # stack), so the shrunk scale keeps every finite element below `bins`.
+    # stack), so the shrunk scale keeps every finite element below `bins`. Per row: the tensor's
+    # minimum, the two factors, and the row's finite count (which the eager sequence reads).
     ranges = torch.cat([torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of],
                         per_row[:, :1]], 1)
     first, counts = 0, []
     for block in blocks:  # the second read
-        counts.append(_kernels.run(row_histograms, eager_histograms, compiled, block, ranges[first : first + len(block)],
-                                   bins=bins))
+        rows = ranges[first : first + len(block)]
+        counts.append(_kernels.run(row_histograms, eager_histograms, compiled, block, rows, bins=bins))
         first += len(block)
     table = torch.zeros(m, bins + 1, dtype=f64, device=device).index_add_(0, row_of, _joined(counts).to(f64))
     return moments, table[:, :bins]

@@ -363,8 +363,8 @@ def _harder(dtype: torch.dtype) -> list[torch.Tensor]:
     holes = torch.randn(BIG, generator=g)
     holes[700], holes[-1], holes[3 * SIZES["cpu"].block + 5] = float("nan"), float("inf"), float("-inf")
     relu = torch.randn(5000, generator=g) * (torch.rand(5000, generator=g) > 0.5)
-    extra = (holes, torch.full((SIZES["cpu"].block,), float("nan")), torch.linspace(0, 1, 3000) * 1e-42, torch.full((2048,), 0.1),
-             torch.full((70,), -2.5), relu, torch.randn(1024, generator=g) * 1e-30)
+    extra = (holes, torch.full((SIZES["cpu"].block,), float("nan")), torch.linspace(0, 1, 3000) * 1e-42,
+             torch.full((2048,), 0.1), torch.full((70,), -2.5), relu, torch.randn(1024, generator=g) * 1e-30)
     return _awkward(dtype) + [t.to(dtype) for t in extra]
 
 
