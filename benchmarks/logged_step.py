@@ -3,6 +3,8 @@ on the CPU or a GPU.
 
     python benchmarks/logged_step.py [--device cpu|cuda] [--models resnet18,mlp500,encoder]
         [--variants "bare,logged,logged_tb"] [--rounds 5] [--steps 5] [--ref DIR] [--offload]
+    python benchmarks/logged_step.py --models resnet18 --variants bare,armed,armed_eager --threads 1 --clock cpu \
+        [--ref DIR --ref-variant armed]    # the statistics compiled, eager, and another checkout's
 
 Models: ``resnet18``, ``mlp500`` and ``encoder`` of many_modules.py; ``resnet50`` and ``gpt2``
 (GPT-2 small, 12 x 768, built by transformers from its config: no download). A plain loop, SGD,
@@ -15,11 +17,14 @@ the same batch every step. Variants, each window in a fresh process, interleaved
 - ``logged_grads``, ``logged_outputs``: ``logged`` without the forward statistics (output
   statistics and attention logits), or with the output statistics alone: what the forward pass
   adds to a logged step (``--variants bare,logged_grads,logged_outputs,logged``);
+- ``armed``, ``armed_eager``: ``GradientMonitor.arm`` and ``collect`` with nothing written, the
+  statistics compiled (``compile_statistics=True``, the default) or not (``False``: the eager
+  sequence that runs where no compiler is);
 - ``logged_tb``: the same, each step's event written through the SummaryWriter's own
   file writer instead (TensorBoard's pure-Python CRC-32C, in its writer thread): the cost of
   leaving the writing to TensorBoard;
-- ``logged@ref`` (with ``--ref DIR``): ``logged`` with the library of the checkout in DIR (main
-  before this change replaced TensorBoard's checksum function for the whole process);
+- ``logged@ref`` (with ``--ref DIR``): ``logged`` (or ``--ref-variant``) with the library of the
+  checkout in DIR;
 - with ``--offload``: ``offload``, the bare step under ``save_on_disk(threshold_bytes=1 MiB)``.
 
 A window is 2 untimed steps, then ``--steps`` steps timed together up to ``writer.flush()``
@@ -27,7 +32,9 @@ A window is 2 untimed steps, then ``--steps`` steps timed together up to ``write
 ``torch.cuda.synchronize()``. Reported: the median over rounds of the window's mean step, its
 ratio to ``bare`` (median of per-round ratios), for logged variants what a logged step adds per
 watched module in µs (median of per-round figures), the event-file bytes per step (all files), and
-on a GPU the peak ``torch.cuda.max_memory_allocated`` of the window. Each window's time is printed
+on a GPU the peak ``torch.cuda.max_memory_allocated`` of the window. ``--clock cpu`` times the
+process's CPU time instead of wall time (with ``--threads 1``, the work itself, steadier on a
+shared machine). Each window's time is printed
 as it comes, so a run stopped by a time limit still shows what it measured.
 
 ``--write-only``: the time of writing one logged step's event alone (the same scalars,
@@ -104,12 +111,17 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_gradhooks.offload import save_on_disk
 
     variant, device = args.worker, args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model, batch, loss_fn = make_case(args.model, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     folder = tempfile.mkdtemp()
     writer = SummaryWriter(folder)
     logged = variant.startswith("logged")
-    monitor = GradientMonitor(model, **FORWARD_OPTIONS.get(variant, {})) if logged else None
+    monitor = GradientMonitor(model, **FORWARD_OPTIONS.get(variant, {})) if logged or variant == "armed" else None
+    if variant == "armed_eager":
+        monitor = GradientMonitor(model, compile_statistics=False)
     if variant == "logged_tb":
         from lightning_gradhooks.log import _tensorboard
 
@@ -139,6 +151,8 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         if log is not None:
             log.write(monitor.collect(), i)
+        elif monitor is not None:
+            monitor.collect()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -152,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
     sync()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0 = clock()
     if args.write_only and log is None:
         pass  # bare: nothing to write
     elif args.write_only:  # one step's event, written again and again
@@ -165,14 +179,14 @@ def worker(args: argparse.Namespace) -> None:
         metrics = scalar_metrics(record, log.statistics, set())
         stats = step_summary(record)
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         for i in range(2, 2 + args.steps):
             log_module.write_step(writer, metrics, record, i, stats)
     else:
         for i in range(2, 2 + args.steps):
             step(i)
     sync()
-    mean = (time.perf_counter() - t0) / args.steps
+    mean = (clock() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if log is not None:
         log.close()
@@ -196,6 +210,10 @@ def main() -> None:
     parser.add_argument("--variants", default="bare,logged,logged_tb",
                         help="comma-separated, starting with bare (default: %(default)s)")
     parser.add_argument("--ref", default=None, metavar="DIR", help="also run `logged` with the checkout in DIR")
+    parser.add_argument("--ref-variant", default="logged",
+                        help="what the checkout of --ref runs (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in each window (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall time, or the process's CPU time")
     parser.add_argument("--offload", action="store_true", help="also run the bare step under save_on_disk")
     parser.add_argument("--write-only", action="store_true",
                         help="time only the writing of one logged step's event (scalars, histograms, summary), "
@@ -213,19 +231,21 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device here")
     runs = [(v, None) for v in args.variants.split(",")]
-    runs += [("logged", args.ref)] if args.ref else []
+    runs += [(args.ref_variant, args.ref)] if args.ref else []
     runs += [("offload", None)] if args.offload else []
     if runs[0] != ("bare", None):
         raise SystemExit(f"--variants expected to start with bare, got {args.variants!r}")
     label = lambda variant, repo: f"{variant}@ref" if repo else variant  # noqa: E731
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {args.device}; {os.cpu_count()} logical CPUs" + (f"; ref {args.ref}" if args.ref else ""))
+    print(f"device: {args.device}; {os.cpu_count()} logical CPUs; {args.threads or 'default'} torch threads; "
+          f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}" + (f"; ref {args.ref}" if args.ref else ""))
     for model in args.models.split(","):
         results: dict[str, list[dict]] = {label(v, r): [] for v, r in runs}
         for _ in range(args.rounds):
             for variant, repo in runs:
                 cmd = [sys.executable, __file__, "--worker", variant, "--model", model, "--device", args.device,
-                       "--steps", str(args.steps), *(["--repo", repo] if repo else []),
+                       "--steps", str(args.steps), "--threads", str(args.threads), "--clock", args.clock,
+                       *(["--repo", repo] if repo else []),
                        *(["--write-only"] if args.write_only else [])]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:

@@ -206,7 +206,7 @@ class Loop:
         self.model.load_state_dict(state)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.monitor = GradientMonitor(self.model)
-        self.eager = GradientMonitor(self.model, compile_statistics=False)  # the same torch ops, uncompiled
+        self.eager = GradientMonitor(self.model, compile_statistics=False)  # the eager sequence, nothing compiled
         assert len(self.monitor.modules) == case.modules, (case.name, len(self.monitor.modules))
 
     def step(self, variant: Variant) -> float:

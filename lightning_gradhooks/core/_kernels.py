@@ -7,7 +7,8 @@ process compiles one kernel per function and dtype whatever the model (and a sec
 tensor's dtype or the bin count changes); the compiled code is reused by every monitor, and
 Inductor's on-disk cache makes the next process's compile quick. Elsewhere (Windows, no Inductor,
 no compiler, ``torch.compile`` disabled by the user with ``TORCH_COMPILE_DISABLE=1`` or
-``torch._dynamo.config.disable``, or a compile that raises) the same function runs eagerly, and
+``torch._dynamo.config.disable``, or a compile that raises) an eager counterpart runs instead (the
+same numbers from fewer, bigger ops: :mod:`~lightning_gradhooks.core.stats`), and
 the ``lightning_gradhooks`` logger says so once at INFO; it also says, once per process at INFO,
 that the first compile begins and how long it usually takes. Nothing here changes a ``torch.compile``
 or Dynamo setting: options are per call.
@@ -27,7 +28,8 @@ from torch import Tensor
 
 log = logging.getLogger("lightning_gradhooks")
 
-#: Rows per eager call: the eager ops write temporaries of this many rows (4 MiB in float32).
+#: Rows per call of a compiled source run eagerly (:func:`rows_at_a_time`): its ops write
+#: temporaries of this many rows (4 MiB in float32).
 EAGER_ROWS = 1024
 
 # Process-wide: the compiled function per (function, device type), or the function itself where
@@ -81,10 +83,13 @@ def _compile(function: Callable) -> Callable:
     return torch.compile(function, fullgraph=True)
 
 
-def run(function: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tensor, **constants: int) -> Tensor:
+def run(function: Callable[..., Tensor], eager: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tensor,
+        **constants: int) -> Tensor:
     """``function(x, *rows, **constants)`` on a block ``x`` of shape ``(rows, width)`` (and
-    per-row tensors ``rows``): compiled where possible if ``compiled`` (and no dispatch or function
-    mode of the caller's is active), else eagerly a few rows at a time. The first dimension is dynamic: every block shape shares one compiled kernel.
+    per-row tensors ``rows``), compiled where possible if ``compiled`` (and no dispatch or function
+    mode of the caller's is active); else ``eager(x, *rows, **constants)``: the same numbers from
+    a sequence of ops that is fast without a compiler. The first dimension is dynamic: every
+    block shape shares one compiled kernel.
     """
     with torch.no_grad():  # one guard set whether called in backward or after it
         if compiled and not _modes_active():
@@ -95,9 +100,14 @@ def run(function: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tenso
                 except Exception as error:  # a compiler that fails: eager from now on, said once
                     _compiled[function, x.device.type] = function
                     _say(f"torch.compile raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-        parts = [function(x[r : r + EAGER_ROWS], *(t[r : r + EAGER_ROWS] for t in rows), **constants)
-                 for r in range(0, len(x), EAGER_ROWS)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return eager(x, *rows, **constants)
+
+
+def rows_at_a_time(function: Callable[..., Tensor], x: Tensor, *rows: Tensor, **constants: int) -> Tensor:
+    """``function`` (a compiled source) run as it is, eagerly, :data:`EAGER_ROWS` rows at a time."""
+    parts = [function(x[r : r + EAGER_ROWS], *(t[r : r + EAGER_ROWS] for t in rows), **constants)
+             for r in range(0, len(x), EAGER_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _modes_active() -> bool:

@@ -198,7 +198,7 @@ class GradientMonitor:
             by default).
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
-            there; False: the same torch ops, run eagerly (slower; no compile at the first logged
+            there; False: eager ops that give the same numbers (slower; no compile at the first logged
             step). Where compiling is unavailable the eager ops run anyway, said once at INFO.
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),

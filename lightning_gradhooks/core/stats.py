@@ -2,14 +2,18 @@
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, one source of torch ops on every device, that reads no value to the host until
-:meth:`Reducer.finish` brings every result over in one transfer. Gradients are gathered into
+:meth:`Reducer.finish` brings every result over in one transfer (without a compiler, which rows
+are whole and finite too: see below). Gradients are gathered into
 batches (a bigger tensor is a batch of its own), because on accelerators the launch count, not
 the bytes, is what costs; each batch is laid out in rows of :data:`ROW` elements and each
 gradient is read at most twice: once for the moments of its rows (:func:`row_moments`), once
 for its histogram (:func:`row_histograms`). The two row functions are compiled by
 ``torch.compile`` into one kernel each (C++ on the CPU, Triton on GPUs) where a compiler is
-there, with a fixed set of shapes, and run as the same torch ops eagerly elsewhere
-(:mod:`lightning_gradhooks.core._kernels`). Only the sizes depend on the device (:data:`SIZES`).
+there, with a fixed set of shapes (:mod:`lightning_gradhooks.core._kernels`). Where nothing
+compiles, :func:`eager_moments` and :func:`eager_histograms` give the same numbers from a few
+vectorised passes over cache-sized chunks of the rows that are whole and finite (the compiled
+source, run as it is, would pass over the rows once per op). Only the sizes depend on the device
+(:data:`SIZES`).
 
 The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
 finite minimum and maximum, zero count);
@@ -159,7 +163,8 @@ class Reducer:
         scratch: where batches are copied into; pass the same one every step to reuse its
             buffers (by default each reducer has its own).
         compiled: reduce with kernels compiled by ``torch.compile`` where a compiler is there
-            (:mod:`lightning_gradhooks.core._kernels`); False: the same torch ops, eagerly.
+            (:mod:`lightning_gradhooks.core._kernels`); False: the eager sequence that gives the
+            same numbers (:func:`eager_moments`, :func:`eager_histograms`).
 
     Call :meth:`add` for every tensor, then :meth:`finish` once: it reads everything to the
     host in one transfer. A tensor that may still change after it is added (a module's output,
@@ -377,7 +382,8 @@ def row_moments(x: Tensor) -> Tensor:
 def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     """Per row of ``x`` (rows, width): the counts of its finite elements in ``bins`` equal bins,
     each row over the range of its tensor (``ranges``: per row the tensor's minimum and the two
-    factors of :func:`_bin_scale`), and in an extra last bin the rest, as int32 ``(rows, bins + 1)``.
+    factors of :func:`_bin_scale`, then the row's finite count, which :func:`eager_histograms`
+    reads), and in an extra last bin the rest, as int32 ``(rows, bins + 1)``.
 
     The second read of a gradient. Each row counts into its own counters (a scatter along the
     row): no counter is shared by rows, so compiled code needs no atomics across rows.
@@ -389,19 +395,96 @@ def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     return counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
 
 
+# -- the same numbers without a compiler -----------------------------------------------------
+# Run as eager ops, the row functions above cost a pass (and a temporary) per op: 40-80 reads of
+# each gradient. Where nothing compiles, these give the same rows from a few vectorised passes over
+# cache-sized chunks of rows, on the rows that are whole and finite; the others (the padded last
+# row of a tensor, a row holding NaN or Inf) are few, and the row functions run on them as they
+# are. Telling them apart reads one value list to the host per block (free on the CPU, one wait
+# for the device elsewhere).
+
+
+def _chunk_rows(device: torch.device) -> int:
+    """Rows per chunk of the eager sequence: a cache-sized block on the CPU, a batch elsewhere."""
+    return max(1, SIZES.get(device.type, DEVICE_SIZES).block // ROW)
+
+
+def eager_moments(x: Tensor) -> Tensor:
+    """:func:`row_moments` of ``x`` without a compiler: per chunk of rows, the minimum and maximum
+    (NaN or Inf in a row shows in them), the sum (the pivot), the elements minus the pivot written
+    once into a chunk-sized buffer, their sum and norm, and the zero count; then the rows that are
+    not whole and finite again, by :func:`row_moments` itself."""
+    compute = _compute_dtype(x.dtype)
+    step = _chunk_rows(x.device)
+    work = torch.empty(min(step, len(x)), x.shape[1], dtype=compute, device=x.device)
+    chunks = []
+    for r in range(0, len(x), step):
+        chunk = x[r : r + step]
+        w = work[: len(chunk)]
+        pivot = chunk.sum(1, dtype=compute).div_(x.shape[1])
+        shifted = torch.sub(chunk, pivot[:, None].expand_as(chunk), out=w)  # expanded: faster than broadcast
+        chunks.append((pivot, shifted.sum(1), torch.linalg.vector_norm(shifted, dim=1).square_(),
+                       torch.eq(chunk, 0, out=w).sum(1), chunk.amin(1).to(compute), chunk.amax(1).to(compute)))
+    pivot, shifted, squares, zeros, low, high = (_joined(list(c)) for c in zip(*chunks))
+    out = torch.stack([torch.full_like(pivot, x.shape[1]), pivot, shifted, squares, zeros, low, high], 1)
+    bad = (low.isfinite() & high.isfinite()).logical_not_().nonzero().view(-1)  # one read to the host
+    if len(bad):
+        out.index_copy_(0, bad, _kernels.rows_at_a_time(row_moments, x.index_select(0, bad)))
+    return out
+
+
+def eager_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
+    """:func:`row_histograms` of ``x`` without a compiler: the bin positions by the same
+    arithmetic, truncated to integers and counted with one ``index_add`` per chunk of rows, for
+    the rows that are whole and finite (``ranges[:, 3]``, the row's finite count, is the row's
+    width) and whose first factor is 1; the others (a padded or non-finite row, a denormal span)
+    by :func:`row_histograms` itself."""
+    bad = ((ranges[:, 3] < x.shape[1]) | (ranges[:, 1] != 1.0)).nonzero().view(-1)  # one read to the host
+    if len(bad) == len(x):
+        return _kernels.rows_at_a_time(row_histograms, x, ranges, bins=bins)
+    step, device = _chunk_rows(x.device), x.device
+    work = torch.empty(min(step, len(x)), x.shape[1], dtype=ranges.dtype, device=device)
+    index = torch.empty(work.shape, dtype=torch.int32, device=device)
+    table = torch.zeros(len(x) * (bins + 1), dtype=torch.int32, device=device)
+    offsets = torch.arange(0, len(x) * (bins + 1), bins + 1, dtype=torch.int32, device=device)[:, None]
+    ones = _ones(device).expand(index.numel())
+    marked = bad.tolist()
+    for r in range(0, len(x), step):
+        chunk, rows = x[r : r + step], ranges[r : r + step]
+        low, scale = rows[:, 0:1].expand_as(chunk), rows[:, 2:3].expand_as(chunk)  # expanded: faster than broadcast
+        position = torch.sub(chunk, low, out=work[: len(chunk)]).mul_(scale)  # the first factor is 1
+        inside = [b - r for b in marked if r <= b < r + len(chunk)]
+        if inside:  # NaN or Inf positions, or another first factor: counted below, out of the way here
+            position.index_fill_(0, torch.tensor(inside, device=device), bins)
+        at = index[: len(chunk)].copy_(position).add_(offsets[r : r + len(chunk)])
+        table.index_add_(0, at.view(-1), ones[: at.numel()])
+    counts = table.view(len(x), bins + 1)
+    if len(bad):
+        others = _kernels.rows_at_a_time(row_histograms, x.index_select(0, bad), ranges.index_select(0, bad), bins=bins)
+        counts.index_copy_(0, bad, others)
+    return counts
+
+
+@functools.lru_cache(maxsize=16)
+def _ones(device: torch.device) -> Tensor:
+    return torch.ones(1, dtype=torch.int32, device=device)
+
+
 def reduce_batch(
     tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of
-    ops per block, without reading a value to the host.
+    ops per block (per cache-sized chunk, eager on the CPU), without reading a value to the host
+    where compiled.
 
     The tensors are laid out in rows (:func:`_layout`), each tensor on rows of its own, padded
     with NaN: the rows of big tensors read in place, the rest copied into one block. Each block is
     read at most twice: once for the moments of each row (:func:`row_moments`), combined into
     those of each tensor with ``index_add`` (in float64; the variances of the rows by Chan's
     formula), and, for histograms, once more (:func:`row_histograms`). Both row functions are
-    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks.core._kernels`),
-    eager torch ops otherwise.
+    compiled where ``compiled`` and a compiler allow (:mod:`lightning_gradhooks.core._kernels`);
+    otherwise :func:`eager_moments` and :func:`eager_histograms` run, which read to the host which
+    rows are whole and finite, once per block and pass.
 
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
@@ -411,7 +494,7 @@ def reduce_batch(
     layout = _layout(tuple(t.numel() for t in tensors), device, SIZES.get(device.type, DEVICE_SIZES).block)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
-    per_row = _joined([_kernels.run(row_moments, compiled, block) for block in blocks])
+    per_row = _joined([_kernels.run(row_moments, eager_moments, compiled, block) for block in blocks])
     finite, pivot, shifted, squares, zeros = per_row[:, :5].to(f64).unbind(1)
     row_mean = pivot + shifted / finite.clamp(min=1)
     row_spread = squares - shifted * shifted / finite.clamp(min=1)  # sum of squares about the row's mean
@@ -430,11 +513,14 @@ def reduce_batch(
     if bins is None:
         return moments, None
     # (x - low) / span lies in [0, 1] however tiny the span (denormal gradients of a deep
-    # stack), so the shrunk scale keeps every finite element below `bins`.
-    ranges = torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of].contiguous()
+    # stack), so the shrunk scale keeps every finite element below `bins`. Per row: the tensor's
+    # minimum, the two factors, and the row's finite count (which the eager sequence reads).
+    ranges = torch.cat([torch.cat([low[None], _bin_scale(high.double() - low.double(), bins, reduced)]).T[row_of],
+                        per_row[:, :1]], 1)
     first, counts = 0, []
     for block in blocks:  # the second read
-        counts.append(_kernels.run(row_histograms, compiled, block, ranges[first : first + len(block)], bins=bins))
+        rows = ranges[first : first + len(block)]
+        counts.append(_kernels.run(row_histograms, eager_histograms, compiled, block, rows, bins=bins))
         first += len(block)
     table = torch.zeros(m, bins + 1, dtype=f64, device=device).index_add_(0, row_of, _joined(counts).to(f64))
     return moments, table[:, :bins]

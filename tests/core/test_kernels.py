@@ -1,5 +1,6 @@
-"""_kernels.py: a row function run eagerly a block of rows at a time, or compiled (one kernel for
-every row count, a lone row included); why a compile cannot happen. (The fallbacks of a compile
+"""_kernels.py: a row function compiled (one kernel for every row count, a lone row included), or
+its eager counterpart; a compiled source run eagerly a block of rows at a time; why a compile
+cannot happen. (The fallbacks of a compile
 that raises or is unavailable: test_stats.py.)"""
 
 import pytest
@@ -13,7 +14,21 @@ def scaled(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:
     return x.pow(power).sum(1) * scale
 
 
-def test_eager_runs_go_a_block_of_rows_at_a_time_with_their_per_row_tensors_and_constants():
+def test_run_without_compiling_calls_the_eager_counterpart_with_the_whole_block():
+    calls = []
+
+    def eager(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:
+        calls.append((len(x), len(scale), power))
+        return scaled(x, scale, power=power)
+
+    x, scale = torch.randn(7, 5), torch.rand(7)
+    got = _kernels.run(scaled, eager, False, x, scale, power=2)
+    assert calls == [(7, 7, 2)]
+    torch.testing.assert_close(got, scaled(x, scale, power=2))
+    assert not got.requires_grad
+
+
+def test_a_compiled_source_runs_eagerly_a_block_of_rows_at_a_time_with_its_per_row_tensors_and_constants():
     blocks = []
 
     def recorded(x: torch.Tensor, scale: torch.Tensor, *, power: int) -> torch.Tensor:
@@ -22,10 +37,9 @@ def test_eager_runs_go_a_block_of_rows_at_a_time_with_their_per_row_tensors_and_
 
     rows = 2 * _kernels.EAGER_ROWS + 3
     x, scale = torch.randn(rows, 5), torch.rand(rows)
-    got = _kernels.run(recorded, False, x, scale, power=2)
+    got = _kernels.rows_at_a_time(recorded, x, scale, power=2)
     assert blocks == [(_kernels.EAGER_ROWS, _kernels.EAGER_ROWS)] * 2 + [(3, 3)]
     torch.testing.assert_close(got, scaled(x, scale, power=2))
-    assert not got.requires_grad
 
 
 class Ops(TorchDispatchMode):
@@ -41,7 +55,7 @@ class Ops(TorchDispatchMode):
 def test_under_a_dispatch_mode_of_the_callers_the_eager_ops_run_where_it_sees_them():
     x, scale = torch.randn(4, 3), torch.ones(4)
     with Ops() as mode:
-        got = _kernels.run(scaled, True, x, scale, power=3)
+        got = _kernels.run(scaled, scaled, True, x, scale, power=3)
     assert "pow.Tensor_Scalar" in mode.ops and "mul.Tensor" in mode.ops
     torch.testing.assert_close(got, scaled(x, scale, power=3))
 
@@ -52,8 +66,8 @@ def test_a_compiled_run_agrees_with_the_eager_one_for_a_lone_row_too(rows):
     # row_moments: the kernel the monitor compiles anyway, once per process.
     x = torch.randn(rows, 33)
     x[0, 0] = float("nan")
-    torch.testing.assert_close(_kernels.run(stats.row_moments, True, x), _kernels.run(stats.row_moments, False, x),
-                               equal_nan=True)
+    torch.testing.assert_close(_kernels.run(stats.row_moments, stats.eager_moments, True, x),
+                               _kernels.run(stats.row_moments, stats.eager_moments, False, x), equal_nan=True)
 
 
 def test_unavailable_says_why_torch_compile_cannot_be_used(monkeypatch):
