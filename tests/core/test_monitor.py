@@ -610,8 +610,10 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             # Every module, parameterless ones included, in the order their forward ends; the
             # weights and the inputs too. A tensor is summed once: the root's output is the last
             # module's, and an input that is the output of the module before it is not summed
-            # again (a view made to read grad_input is a tensor of its own: "2").
-            assert forward == ["0", "1", "2", "3", "4"]
+            # again (a view made to read grad_input is a tensor of its own: "2"). A watched
+            # module's outputs are read from their statistics (kind "output"): an entry only
+            # where they hold NaN/Inf (not "0", whose output is finite).
+            assert forward == ["1", "2", "3", "4"]
             assert [e.name for e in record.entries if e.kind == "forward_input"] in (["0"], ["0", "2"])
             assert [e.kind for e in record.entries if e.kind != "output"][:3] == ["weights", "forward_input", "forward"]
             assert (first.kind, first.name) == ("forward", "2")
