@@ -447,26 +447,52 @@ def gradient_squares(record: GradientRecord) -> dict[int, float]:
 def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) -> float:
     """``Σ |∇p|²`` over ``params``: from ``squares`` (by ``id``) where it has every one whose
     gradient is there, else from the gradients (0 where none has one)."""
-    present = [p for p in params if p.grad is not None]
-    if squares is not None and all(id(p) in squares for p in present):
-        return math.fsum(squares[id(p)] for p in present)
-    total = _squares(p.grad for p in present)
+    if squares is not None:  # the parameters it lacks (none, commonly: no `.grad` read) have no gradient
+        ids = [id(p) for p in params]
+        if all(params[i].grad is None for i, key in enumerate(ids) if key not in squares):
+            return math.fsum([squares[key] for key in ids if key in squares])
+    total = _squares(p.grad for p in params if p.grad is not None)
     return 0.0 if total is None else float(total)
 
 
+#: The most bytes of stacks :func:`_pairs_total` keeps between logged steps on the CPU.
+KEPT_STACKS = 64 << 20
+
+
 @torch.no_grad()
-def _pairs_total(pairs: list[tuple[Tensor, Tensor, tuple[bool, bool]]]) -> Tensor | None:
+def _pairs_total(pairs: list[tuple[Tensor, Tensor, tuple[bool, bool]]], kept: dict[tuple, Tensor]
+                 ) -> Tensor | None:
     """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
     their ``(input, output gradient, (weight counted, bias counted))``, with a few ops per group of
-    layers of one shape (500 layers of one width: about ten ops)."""
+    layers of one shape (500 layers of one width: about ten ops).
+
+    The stacks of a group go into buffers of ``kept`` (by group and side), which it updates to
+    hold this step's, on the CPU and up to :data:`KEPT_STACKS` bytes in all: a fresh allocation of
+    a few MiB page-faults on every logged step there (500 × 32 × 64: 5.5 against 1.4 ms for the
+    two stacks); a GPU's caching allocator reuses the block itself, so none is held there."""
     groups: dict[tuple, list[tuple[Tensor, Tensor, tuple[bool, bool]]]] = {}
     for pair in pairs:
         x, d, _ = pair
         groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(pair)
-    total = None
-    for members in groups.values():
-        x = torch.stack([m[0] for m in members]).float()  # (layers, B, in)
-        d = torch.stack([m[1] for m in members]).float()  # (layers, B, out)
+    total, room, previous = None, KEPT_STACKS, dict(kept)
+    kept.clear()
+
+    def stacked(key: tuple, tensors: list[Tensor]) -> Tensor:
+        nonlocal room
+        first = tensors[0]
+        size = len(tensors) * first.numel() * first.element_size()
+        if first.device.type != "cpu" or size > room:
+            return torch.stack(tensors)
+        room -= size
+        buffer = previous.get(key)
+        if buffer is None or buffer.shape != (len(tensors), *first.shape) or buffer.dtype != first.dtype:
+            buffer = first.new_empty((len(tensors), *first.shape))
+        kept[key] = buffer
+        return torch.stack(tensors, out=buffer)
+
+    for group, members in groups.items():
+        x = stacked((group, 0), [m[0] for m in members]).float()  # (layers, B, in)
+        d = stacked((group, 1), [m[1] for m in members]).float()  # (layers, B, out)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
         flags = {m[2] for m in members}
@@ -510,6 +536,8 @@ class _Source:
         bias = getattr(module, "bias", None)
         self.bias = bias is not None and bias.requires_grad
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
+        #: Whether (weight, bias) count: what a Linear on a 2-D input's ``[input, output gradient]`` gives.
+        self.counted = (self.weight, self.bias)
         self.elements = sum(p.numel() for p in self.parameters)
         self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
         #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
@@ -630,16 +658,9 @@ class _Seen:
         #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
         self.owns_examples = True
         #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
-        self.counted = (source.weight, source.bias)
+        self.counted = source.counted
         self.total: Tensor | None = None
         self.pair: tuple[Tensor, Tensor, tuple[bool, bool]] | None = None  # (input, output gradient, counted)
-
-    @classmethod
-    def of_pair(cls, source: _Source, pair: list[Tensor]) -> _Seen:
-        """The record of a Linear on a 2-D input from its ``[input, output gradient]``."""
-        seen = cls(source)
-        seen.grads, seen.examples, seen.pair = 1, pair[0].shape[0], (pair[0], pair[1], seen.counted)
-        return seen
 
     def paired(self, x: Tensor, grad: Tensor) -> None:
         self.grads += 1
@@ -693,6 +714,7 @@ class NoiseProbe:
         self._accumulation = 1
         self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
         self._backwards = 0  # ... over this many backward passes (micro-batches)
+        self._stacks: dict[tuple, Tensor] = {}  # the stacks of per-example inputs, reused (_pairs_total)
         #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
         self.collectives = 0
 
@@ -800,7 +822,10 @@ class NoiseProbe:
             handle.remove()
         self._small, self._backwards = None, 0
 
-    remove = disarm
+    def remove(self) -> None:
+        """:meth:`disarm`, and drop the buffers kept between logged steps."""
+        self.disarm()
+        self._stacks = {}
 
     def collect(self, parameters: Iterable[Tensor] | None = None,
                 squares: Mapping[int, float] | None = None) -> NoiseSample | None:
@@ -867,13 +892,15 @@ class NoiseProbe:
         own examples, or its piece of each, summed over the ranks in the one collective."""
         if not self._sources:
             return NoiseSample.none(3, "per_example")
-        used, batch, why = self._usable(params)
+        used, pairs, batch, why = self._usable(params)
+        sources = [source for source, _ in pairs] + [s.source for s in used]
         total = big_sq = None
         if why is None:
-            total = _pairs_total([s.pair for s in used if s.pair is not None])
+            total = _pairs_total([(pair[0], pair[1], source.counted) for source, pair in pairs]
+                                 + [s.pair for s in used if s.pair is not None], self._stacks)
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
             total = sum(t.to(totals[0].device) for t in totals[1:]) + totals[0]
-            covered = [p for s in used for p in s.source.parameters]
+            covered = [p for source in sources for p in source.parameters]
             if self._sharded:
                 pieces = [_shards.local_piece(p.grad) if p.grad is not None else (None, None) for p in covered]
                 if any(reason == _shards.PARTIAL for _, reason in pieces):
@@ -882,9 +909,9 @@ class NoiseProbe:
             else:
                 big_sq = _known_squares(covered, squares)
         all_elements = self._elements if params is self._parameters else sum(p.numel() for p in params)
-        coverage = sum(s.source.elements for s in used) / all_elements if all_elements else 0.0
+        coverage = sum(source.elements for source in sources) / all_elements if all_elements else 0.0
         if self._sharded and world > 1:
-            return self._pooled(total, big_sq, batch, min(s.owns_examples for s in used) if used else False,
+            return self._pooled(total, big_sq, batch, all(s.owns_examples for s in used) if sources else False,
                                 why, coverage, world)
         if why is not None:
             return NoiseSample.none(why, "per_example", batch if why in (5, 6) else math.nan)
@@ -892,21 +919,25 @@ class NoiseProbe:
         # over examples of |G_1|² is B Σ|c_i|².
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
 
-    def _usable(self, params: list[Tensor]) -> tuple[list[_Seen], int, int | None]:
-        """The sources that give this step's per-example norms, the batch, and why none do (an
-        index into :data:`REASONS`)."""
+    def _usable(self, params: list[Tensor]
+                ) -> tuple[list[_Seen], list[tuple[_Source, list[Tensor]]], int, int | None]:
+        """The sources that give this step's per-example norms: their records, and the Linear
+        layers on 2-D inputs with their ``[input, output gradient]`` (kept apart: no object per
+        layer); the batch, and why none do (an index into :data:`REASONS`)."""
         wanted = None if params is self._parameters else {id(p) for p in params}
-        used = [_Seen.of_pair(source, seen) if type(seen) is list else seen for source, seen in self._step.items()
-                if (len(seen) == 2 if type(seen) is list else seen is not None and seen.grads == 1
-                    and (seen.total is not None or seen.pair is not None))
-                and (wanted is None or all(id(p) in wanted for p in source.parameters))]
-        if not used:
-            return [], self._batch or 0, 4
-        batch = self._batch or max(s.examples for s in used)
+        step = self._step.items() if wanted is None else [
+            (source, seen) for source, seen in self._step.items() if all(id(p) in wanted for p in source.parameters)]
+        pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 2]
+        used = [seen for _, seen in step if type(seen) is _Seen and seen.grads == 1
+                and (seen.total is not None or seen.pair is not None)]
+        if not used and not pairs:
+            return [], [], self._batch or 0, 4
+        batch = self._batch or max([s.examples for s in used] + [pair[0].shape[0] for _, pair in pairs])
         used = [s for s in used if s.examples == batch]
-        if not used:
-            return [], batch, 5
-        return used, batch, 6 if batch < 2 else None
+        pairs = [(source, pair) for source, pair in pairs if pair[0].shape[0] == batch]
+        if not used and not pairs:
+            return [], [], batch, 5
+        return used, pairs, batch, 6 if batch < 2 else None
 
     def _pooled(self, total: Tensor | None, big_sq: Tensor | None, batch: int, owns: bool, why: int | None,
                 coverage: float, world: int) -> NoiseSample:
