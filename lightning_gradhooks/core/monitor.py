@@ -416,8 +416,8 @@ class GradientMonitor:
         """Memory the monitor keeps between logged steps to reduce the next one into, on the
         gradients' devices: buffers of at most :data:`~lightning_gradhooks.core.stats.SCRATCH_KEPT`
         elements each (a fresh buffer of megabytes costs more in page faults than its
-        reduction). Freed when the hooks are removed."""
-        return self._scratch.nbytes
+        reduction), the noise probe's included. Freed when the hooks are removed."""
+        return self._scratch.nbytes + (0 if self.noise is None else self.noise.scratch_bytes)
 
     @property
     def pending(self) -> bool:

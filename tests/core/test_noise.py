@@ -203,6 +203,11 @@ def test_per_example_norms_against_brute_force(name):
     else:  # every parameter covered
         assert sample.coverage == 1.0
     assert ours == [pytest.approx(e, rel=1e-4) for e in exact]  # exact: short sequences take the Gram form
+    # the stacks of the Linear layers' inputs and output gradients reuse buffers, freed at remove()
+    assert probe.scratch_bytes == (0 if name == "block" else 32 * 4 * sum(
+        m.in_features + m.out_features for m in model.modules() if isinstance(m, nn.Linear)))
+    probe.remove()
+    assert probe.scratch_bytes == 0
 
     def ratio(rows):  # noqa: ANN001, ANN202
         return sum(t for _, t in rows) / sum(g for g, _ in rows)
