@@ -161,20 +161,21 @@ class Layout:
         self.module_names = list(ids)
         self._by_name: dict[str, list[int]] | None = None
         self._kinds: dict[str, np.ndarray] = {}
+        self._is_kind: dict[str, np.ndarray] = {}
         # Each parameter gradient's parameter entry (the same label), -1 where none.
         of_label = {self.names[i]: i for i in self.params.tolist()}
         self.param_of = np.array([of_label.get(self.names[i], -1) for i in self.param_grads.tolist()], dtype=np.int64)
         self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
-        self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._where: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
         self.offsets = np.zeros(1, dtype=np.int64)
         #: What checks work out once per layout and set of chosen keys (:meth:`chosen`; a check's own, under its
         #: name), kept for the next steps: a few at a time.
         self.memo: dict[tuple[str, ...], Any] = {}
 
-    def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
         """Where each statistic is among a step's values laid end to end, entry after entry
-        (``names``: their names; ``lengths``: how many each entry has): its entries' indices and
-        its values' positions. Made once for the layout's usual statistics (again when a step's
+        (``names``: their names; ``lengths``: how many each entry has): its entries' indices (None:
+        every entry, in order) and its values' positions. Made once for the layout's usual statistics (again when a step's
         differ; ``offsets`` with it: where each entry's values begin)."""
         if (names, lengths) != self._laid:
             entry = np.repeat(np.arange(len(self.keys)), lengths)
@@ -182,7 +183,9 @@ class Layout:
             for at, name in enumerate(names):
                 positions.setdefault(name, []).append(at)
             self._laid = names, lengths
-            self._where = {name: (entry[at], np.array(at)) for name, at in positions.items()}
+            # (None for the entries of a statistic every entry has, in order: its column is its values)
+            self._where = {name: (None if len(at) == len(self.keys) and bool((entry[at] == np.arange(len(at))).all())
+                                  else entry[at], np.array(at)) for name, at in positions.items()}
             self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return self._where
 
@@ -195,7 +198,15 @@ class Layout:
         """The positions of the keys of ``kind``."""
         found = self._kinds.get(kind)
         if found is None:
-            found = self._kinds[kind] = np.flatnonzero(self.kinds == kind)
+            found = self._kinds[kind] = np.flatnonzero(self.is_kind(kind))
+        return found
+
+    def is_kind(self, kind: str) -> np.ndarray:
+        """Bool: the keys of ``kind`` (made once; read-only)."""
+        found = self._is_kind.get(kind)
+        if found is None:
+            found = self._is_kind[kind] = self.kinds == kind
+            found.flags.writeable = False
         return found
 
     def named(self, names: Iterable[str]) -> np.ndarray:
@@ -252,16 +263,15 @@ def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
     same float operations, in arrays. A missing std or zero fraction is -1 (never a value of
     theirs), a missing mean or norm NaN; the entries without a finite norm (``unnormed``, in
     order) are given to ``rms`` itself."""
-    with np.errstate(all="ignore"):
-        known = std != -1.0
-        std = np.where(np.isfinite(std), std, 0.0)
-        denominator = norm * norm + std * std
-        value = np.where(denominator > 0, np.sqrt(norm * norm * (mean * mean + std * std) / denominator), 0.0)
-        value[~known | ~np.isfinite(value)] = math.nan
-        told = zero != -1.0
-        value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
-        value = np.where(told, value / np.sqrt(1.0 - zero), value)
-        value[~(value > 0)] = math.nan
+    known = std != -1.0
+    std = np.where(np.isfinite(std), std, 0.0)
+    denominator = norm * norm + std * std
+    value = np.where(denominator > 0, np.sqrt(norm * norm * (mean * mean + std * std) / denominator), 0.0)
+    value[~known | ~np.isfinite(value)] = math.nan
+    told = zero != -1.0
+    value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
+    value = np.where(told, value / np.sqrt(1.0 - zero), value)
+    value[~(value > 0)] = math.nan
     for i, stats in zip(np.flatnonzero(~np.isfinite(norm)), unnormed):  # math.hypot of mean and std: rms's own
         value[i] = math.nan if (one := rms(stats)) is None else one
     return value
@@ -353,18 +363,21 @@ class Step:
         lacks it), made once per step."""
         column = self._columns.get((statistic, missing))
         if column is None:
-            column = self._columns[(statistic, missing)] = np.full(len(self.layout.keys), missing)
-            if statistic in self._where:
-                entries, at = self._where[statistic]
-                column[entries] = self.packed.values[at]
+            entries, at = self._where.get(statistic, (False, None))
+            if entries is None:
+                column = self.packed.values[at]
+            else:
+                column = np.full(len(self.layout.keys), missing)
+                if at is not None:
+                    column[entries] = self.packed.values[at]
+            self._columns[(statistic, missing)] = column
         return column
 
     def _bad(self) -> dict[Key, str]:
         """The non-finite entries and why (:func:`~lightning_gradhooks.health.origin.why_bad`, on
         the entries that the step's columns cannot clear), in record order."""
-        with np.errstate(invalid="ignore"):
-            maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
-                     | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
+        maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
+                 | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
         keys = self.layout.keys
         found = ((i, why_bad(keys[i].kind, self.entry(i))) for i in np.flatnonzero(maybe & self.layout.judged).tolist())
         bad = {i: why for i, why in found if why is not None}
@@ -437,13 +450,11 @@ class Step:
         ratios, norms = self.column("update_ratio")[params], self.column("param_norm")[params]
         names = layout.param_names if params is layout.params else [layout.names[i] for i in params.tolist()]
         elements = np.fromiter(map(sizes_of.get, names, repeat(math.nan)), dtype=np.float64, count=len(params))
-        with np.errstate(all="ignore"):
-            sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
+        sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
         known = ~np.isnan(sizes)
         median_size = middle(sizes[known])
-        with np.errstate(invalid="ignore"):
-            readable = known & (sizes >= self.thresholds.floor_ratio * median_size) if median_size is not None else (
-                np.zeros(len(params), dtype=bool))
+        readable = known & (sizes >= self.thresholds.floor_ratio * median_size) if median_size is not None else (
+            np.zeros(len(params), dtype=bool))
         finite = np.isfinite(ratios)
         median_ratio = middle(ratios[finite & readable]) or middle(ratios[finite])
         return Updates(params[finite], ratios[finite], sizes[finite], readable[finite], median_size, median_ratio)
