@@ -293,6 +293,9 @@ class Step:
     """A logged step, made once by the judge and read by every check, in the order of
     :data:`~lightning_gradhooks.health.judge.CHECKS`.
 
+    Made and read inside the judge's ``np.errstate(all="ignore")`` (its arrays hold NaN where a
+    statistic is not told, and inf: the checks compare and divide them without warnings).
+
     Read-only for the checks: ``number``, ``entries`` (the step's merged summary, in record
     order, float32 values; made on first use: :meth:`entry` gives one), ``previous`` (the logged
     step before it, or None), ``subjects`` (each key's
