@@ -415,12 +415,29 @@ class Step:
     def _finite(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The finite gradient entries' indices, their RMS (NaN: None) and their kinds (indices
         in ``GRADIENT_KINDS``)."""
-        layout = self.layout
-        indices = np.flatnonzero(layout.gradient & self.finite)
+        indices, kinds, _ = self._gradient_positions
         mean, std = self.column("mean")[indices], self.column("std", -1.0)[indices]
         norm, zero = self.column("norm")[indices], self.column("zero_fraction", -1.0)[indices]
         stats = [self.entry(i) for i in indices[~np.isfinite(norm)].tolist()]
-        return indices, _rms(mean, std, norm, zero, stats), layout.gradient_kinds[indices]
+        return indices, _rms(mean, std, norm, zero, stats), kinds
+
+    @cached_property
+    def _gradient_positions(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """The finite gradient entries' indices, their kinds (indices in ``GRADIENT_KINDS``) and
+        a mask of each kind over them: made once per layout and set of finite entries."""
+        layout = self.layout
+        memo_key = ("gradients", self.finite.tobytes())
+        found = layout.memo.get(memo_key)
+        if found is None:
+            if len(layout.memo) > 64:
+                layout.memo.clear()
+            indices = np.flatnonzero(layout.gradient & self.finite)
+            kinds = layout.gradient_kinds[indices]
+            masks = [kinds == i for i in range(len(GRADIENT_KINDS))]
+            for kept in (indices, kinds, *masks):  # (shared by the steps of the layout)
+                kept.flags.writeable = False
+            found = layout.memo[memo_key] = (indices, kinds, masks)
+        return found
 
     @cached_property
     def values(self) -> dict[Key, float | None]:
@@ -432,15 +449,17 @@ class Step:
     @cached_property
     def medians(self) -> dict[str, float | None]:
         """The median RMS of each gradient kind (None: fewer than three values)."""
-        _, values, kinds = self._finite
-        return {kind: middle(values[kinds == i]) for i, kind in enumerate(GRADIENT_KINDS)}
+        _, values, _ = self._finite
+        masks = self._gradient_positions[2]
+        return {kind: middle(values[masks[i]]) for i, kind in enumerate(GRADIENT_KINDS)}
 
     @cached_property
     def gradients(self) -> Gradients:
         """The finite gradient entries as columns: ``values`` and ``medians`` side by side."""
         indices, values, kinds = self._finite
         by_kind = np.array([math.nan if m is None else m for m in self.medians.values()], dtype=np.float64)
-        return Gradients(indices, kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD), values, by_kind[kinds], self.layout)
+        param = self._gradient_positions[2][GRADIENT_KINDS.index(Kind.PARAM_GRAD)]
+        return Gradients(indices, param, values, by_kind[kinds], self.layout)
 
     @cached_property
     def updates(self) -> Updates:
