@@ -7,9 +7,10 @@
 A plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
 (``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
 ``GradientMonitor(model)`` and ``GradientLog(SummaryWriter(folder), optimizers=[optimizer])``:
-``--steps`` logged steps (``--worker write --model encoder``: a ``--layers``-layer
-``nn.TransformerEncoder`` instead, d 64, 4 heads, feed-forward 128, batch 8 x 16, AdamW), at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default
-``log_every_n_steps``), then ``log.close()``. Each run is written in a fresh process that imports
+``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default
+``log_every_n_steps``), then ``log.close()`` (``--worker write --model encoder``: a
+``--layers``-layer ``nn.TransformerEncoder`` instead, d 64, 4 heads, feed-forward 128, batch
+8 x 16, AdamW). Each run is written in a fresh process that imports
 the library from this checkout, or from the checkout in ``--ref DIR`` (``git worktree add DIR
 <commit>``): the two side by side.
 
@@ -284,7 +285,7 @@ def main() -> None:
     parser.add_argument("--ref", type=Path, help="a checkout to compare with (the 'before')")
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--model", choices=("mlp", "encoder"), default="mlp",
-                        help="--worker write: the MLP, or a Transformer encoder of --layers layers (d 64, 4 heads, AdamW)")
+                        help="--worker write: the MLP, or an encoder of --layers layers (d 64, 4 heads, AdamW)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--cli-layers", type=int, default=500)

@@ -34,7 +34,8 @@ class Exploding(Check):
         indices, subjects, labels = gradients.judged(step.quiet, ~np.isnan(gradients.rms))
         rows = self.history.of(labels)
         values, medians = gradients.rms[indices], gradients.medians[indices]
-        read = np.flatnonzero(~(values < t.floor_ratio * medians))  # the others: not read, not in the baseline (a NaN median: every value read)
+        # The others: not read, not in the baseline (a NaN median: every value read).
+        read = np.flatnonzero(~(values < t.floor_ratio * medians))
         at, value = rows[read], values[read]
         baseline = self.history.median(at)
         grown = np.flatnonzero(value > t.exploding_factor * baseline)  # (NaN: no values yet)

@@ -97,7 +97,8 @@ class RoundOff(Check):
         return names, ids, ratio, elements, none
 
     @staticmethod
-    def _positions(layout: Layout, told: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, list[str], np.ndarray]:
+    def _positions(layout: Layout,
+                   told: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, list[str], np.ndarray]:
         """Where the entries ``told`` (bool) are, made once per layout and ``told``: the module
         output gradients (positions, module ids, whether one per module) and the parameter
         gradients (positions, names, module ids)."""

@@ -174,9 +174,10 @@ class Layout:
 
     def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
         """Where each statistic is among a step's values laid end to end, entry after entry
-        (``names``: their names; ``lengths``: how many each entry has): its entries' indices (None:
-        every entry, in order) and its values' positions. Made once for the layout's usual statistics (again when a step's
-        differ; ``offsets`` with it: where each entry's values begin)."""
+        (``names``: their names; ``lengths``: how many each entry has): its entries' indices
+        (None: every entry, in order) and its values' positions. Made once for the layout's usual
+        statistics (again when a step's differ; ``offsets`` with it: where each entry's values
+        begin)."""
         if (names, lengths) != self._laid:
             entry = np.repeat(np.arange(len(self.keys)), lengths)
             positions: dict[str, list[int]] = {}
