@@ -8,7 +8,9 @@ A plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(
 (``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
 ``GradientMonitor(model)`` and ``GradientLog(SummaryWriter(folder), optimizers=[optimizer])``:
 ``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default
-``log_every_n_steps``), then ``log.close()``. Each run is written in a fresh process that imports
+``log_every_n_steps``), then ``log.close()`` (``--worker write --model encoder``: a
+``--layers``-layer ``nn.TransformerEncoder`` instead, d 64, 4 heads, feed-forward 128, batch
+8 x 16, AdamW). Each run is written in a fresh process that imports
 the library from this checkout, or from the checkout in ``--ref DIR`` (``git worktree add DIR
 <commit>``): the two side by side.
 
@@ -62,17 +64,23 @@ from torch import nn  # noqa: E402
 PARTS = ("histograms", "summary", "scalars", "images", "other")
 
 
-def write_run(layers: int, steps: int, every: int, folder: str) -> dict:
+def write_run(layers: int, steps: int, every: int, folder: str, model_name: str = "mlp") -> dict:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
     from lightning_gradhooks import GradientLog, GradientMonitor
 
     torch.manual_seed(0)
-    blocks = [m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 1))
-    x, y = torch.randn(32, 64), torch.randn(32, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if model_name == "encoder":
+        layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        x, y = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        blocks = [m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
+        model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 1))
+        x, y = torch.randn(32, 64), torch.randn(32, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     writer = SummaryWriter(folder)
     monitor = GradientMonitor(model)
     log = GradientLog(writer, optimizers=[optimizer], echo=None)
@@ -85,7 +93,7 @@ def write_run(layers: int, steps: int, every: int, folder: str) -> dict:
             optimizer.zero_grad()
     report = log.close()
     writer.close()
-    return {"modules": layers + 1, "steps": steps, "report": report.table()}
+    return {"modules": len(monitor.modules), "steps": steps, "report": report.table()}
 
 
 def time_cli(folder: str, repeat: int) -> dict:
@@ -114,7 +122,7 @@ def time_cli(folder: str, repeat: int) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     if args.worker == "write":
-        result = write_run(args.layers, args.steps, args.every, args.folder)
+        result = write_run(args.layers, args.steps, args.every, args.folder, args.model)
     else:
         result = time_cli(args.folder, args.repeat)
     print("RESULT " + json.dumps(result))
@@ -276,6 +284,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", type=Path, help="a checkout to compare with (the 'before')")
     parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--model", choices=("mlp", "encoder"), default="mlp",
+                        help="--worker write: the MLP, or an encoder of --layers layers (d 64, 4 heads, AdamW)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--cli-layers", type=int, default=500)

@@ -38,16 +38,14 @@ class ActivationGrowth(Check):
         if not len(at):
             return
         values = step.column("rms")[at]
-        with np.errstate(invalid="ignore"):
-            told = np.isfinite(values) & (values > 0)
+        told = np.isfinite(values) & (values > 0)
         at, values = at[told], values[told]
         middle = median(values.tolist())
         subjects, labels = layout.chosen(at)
         rows = self.early.of(labels)
         full = self.early.count[rows] >= t.activation_early_steps
         level = self.early.median(rows)
-        with np.errstate(invalid="ignore"):
-            grown = np.flatnonzero(full & (values > t.activation_factor * level))
+        grown = np.flatnonzero(full & (values > t.activation_factor * level))
         tracker.run_many("activation_growth", subjects, labels, step.number, grown, t.activation_steps, values[grown],
                          values[grown] / level[grown], reason=f"grew past {t.activation_factor:g}x its early level")
         adding = ~full & (values >= t.floor_ratio * middle) if middle is not None else ~full

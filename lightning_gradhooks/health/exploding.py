@@ -34,12 +34,11 @@ class Exploding(Check):
         indices, subjects, labels = gradients.judged(step.quiet, ~np.isnan(gradients.rms))
         rows = self.history.of(labels)
         values, medians = gradients.rms[indices], gradients.medians[indices]
-        with np.errstate(invalid="ignore"):  # (a NaN median: None, every value read)
-            read = np.flatnonzero(~(values < t.floor_ratio * medians))  # the others: not read, not in the baseline
+        # The others: not read, not in the baseline (a NaN median: every value read).
+        read = np.flatnonzero(~(values < t.floor_ratio * medians))
         at, value = rows[read], values[read]
         baseline = self.history.median(at)
-        with np.errstate(invalid="ignore"):
-            grown = np.flatnonzero(value > t.exploding_factor * baseline)  # (NaN: no values yet)
+        grown = np.flatnonzero(value > t.exploding_factor * baseline)  # (NaN: no values yet)
         self.history.add(at, value)
         tracker.run_many("exploding", subjects, labels, step.number, read[grown], t.exploding_steps, value[grown],
                          value[grown] / baseline[grown])

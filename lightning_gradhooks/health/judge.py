@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lightning_gradhooks.health import rows as grouping
 from lightning_gradhooks.health.activation_growth import ActivationGrowth
 from lightning_gradhooks.health.attention_logits import AttentionLogits
@@ -116,10 +118,12 @@ class Judge:
         if layout is None or layout.keys != packed.keys:  # (the same keys: compared by identity first)
             layout = self._layout_of(packed.keys)
         previous = next((s for s in reversed(self._seen) if s < number), None)
-        step = Step(number, packed, previous, subjects, self.shape, self.thresholds, layout)
-        self.shape.learn(step)
-        for check in self.checks:
-            check(step, self.tracker)
+        # One errstate for the step: its arrays hold NaN (not told) and inf, and the checks compare and divide them.
+        with np.errstate(all="ignore"):
+            step = Step(number, packed, previous, subjects, self.shape, self.thresholds, layout)
+            self.shape.learn(step)
+            for check in self.checks:
+                check(step, self.tracker)
 
     def _layout_of(self, keys: list[Key]) -> Layout:
         """The layout of a step with ``keys``, made once per set of keys."""

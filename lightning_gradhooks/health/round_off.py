@@ -13,7 +13,7 @@ import numpy as np
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Flag
 from lightning_gradhooks.health.shape import size_of
-from lightning_gradhooks.health.step import Step
+from lightning_gradhooks.health.step import Layout, Step
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.core.records import Kind
 
@@ -51,8 +51,7 @@ class RoundOff(Check):
         notes, runs = tracker.notes, self.runs
         if notes:
             held = np.fromiter((name in notes for name in names), dtype=bool, count=len(names))
-            with np.errstate(invalid="ignore"):
-                none |= held & (ratio < NOTE_HOLD_RATIO)
+            none |= held & (ratio < NOTE_HOLD_RATIO)
         # Only the parameters at round-off, and those that were: the others have nothing to change.
         known = none if not runs and not notes else none | np.fromiter(
             (name in runs or name in notes for name in names), dtype=bool, count=len(names))
@@ -76,29 +75,44 @@ class RoundOff(Check):
         and whether that is at round-off."""
         layout, norms = step.layout, step.column("norm")
         told = step.finite & ~np.isnan(norms)  # (a norm is NaN only where not told: NaN is non-finite)
-        arriving = np.flatnonzero(told & (layout.kinds == Kind.GRAD_OUTPUT))
+        arriving, ids, unique, at, names, at_ids = self._positions(layout, told)
         sizes = size_of(step.column("mean", math.nan)[arriving], step.column("std", math.nan)[arriving], norms[arriving],
                         step.column("std", -1.0)[arriving] != -1.0)
         # Each module's output gradients: their norm together, and their element count.
         modules = len(layout.module_names)
         arriving_norm, outputs_size = np.zeros(modules), np.zeros(modules)
-        ids = layout.module_ids[arriving]
-        if len(ids) == len(np.unique(ids)):  # one each (math.hypot(0, norm) is norm, 0 + size is size)
+        if unique:  # one each (math.hypot(0, norm) is norm, 0 + size is size)
             arriving_norm[ids], outputs_size[ids] = np.abs(norms[arriving]), np.where(np.isnan(sizes), 0.0, sizes)
         else:
             for module, norm, size in zip(ids.tolist(), norms[arriving].tolist(), sizes.tolist()):
                 arriving_norm[module] = math.hypot(arriving_norm[module], norm)
                 outputs_size[module] += 0.0 if math.isnan(size) else size
-        at = self._at = np.flatnonzero(told & (layout.kinds == Kind.PARAM_GRAD))
-        names, ids = [layout.names[i] for i in at.tolist()], layout.module_ids[at]
+        self._at, ids = at, at_ids
         elements = np.fromiter(map(step.shape.sizes.get, names, repeat(0.0)), dtype=np.float64, count=len(names))
         arriving_norm, outputs_size = arriving_norm[ids], outputs_size[ids]
-        with np.errstate(all="ignore"):
-            ratio = np.where(arriving_norm > 0, norms[at] / arriving_norm, math.nan)
-            limit = np.where((outputs_size != 0) & (elements != 0), self.thresholds.round_off_factor * step.eps
-                             * np.sqrt(outputs_size / elements), 0.0)
-            none = (ratio == 0) | (ratio < limit)
+        ratio = np.where(arriving_norm > 0, norms[at] / arriving_norm, math.nan)
+        limit = np.where((outputs_size != 0) & (elements != 0), self.thresholds.round_off_factor * step.eps
+                         * np.sqrt(outputs_size / elements), 0.0)
+        none = (ratio == 0) | (ratio < limit)
         return names, ids, ratio, elements, none
+
+    @staticmethod
+    def _positions(layout: Layout,
+                   told: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, list[str], np.ndarray]:
+        """Where the entries ``told`` (bool) are, made once per layout and ``told``: the module
+        output gradients (positions, module ids, whether one per module) and the parameter
+        gradients (positions, names, module ids)."""
+        memo_key = ("round_off", told.tobytes())
+        found = layout.memo.get(memo_key)
+        if found is None:
+            if len(layout.memo) > 64:
+                layout.memo.clear()
+            arriving = np.flatnonzero(told & layout.is_kind(Kind.GRAD_OUTPUT))
+            ids = layout.module_ids[arriving]
+            at = np.flatnonzero(told & layout.is_kind(Kind.PARAM_GRAD))
+            found = layout.memo[memo_key] = (arriving, ids, len(ids) == len(np.unique(ids)), at,
+                                             [layout.names[i] for i in at.tolist()], layout.module_ids[at])
+        return found
 
     def state_dict(self) -> dict[str, Any]:
         return {"runs": {name: list(run) for name, run in self.runs.items()}}

@@ -62,9 +62,8 @@ class Series:
         ordered = np.sort(self.values[rows], axis=1)  # (+inf after the values)
         count = self.count[rows]
         line, half = np.arange(len(rows)), count // 2
-        with np.errstate(invalid="ignore"):
-            return np.where(count == 0, np.nan, np.where(count % 2 == 1, ordered[line, half], (
-                ordered[line, np.maximum(half - 1, 0)] + ordered[line, half]) / 2))
+        return np.where(count == 0, np.nan, np.where(count % 2 == 1, ordered[line, half], (
+            ordered[line, np.maximum(half - 1, 0)] + ordered[line, half]) / 2))
 
     def add(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Add a value to each of ``rows`` (each once), keeping their last ``length``."""

@@ -19,10 +19,9 @@ def size_of(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, std_told: np.nd
     where a std was logged; a std that is not finite is a single element's, 0): ``(norm² + std²)
     / (mean² + std²)``; NaN where it cannot be told (no std, a mean or norm not finite or not
     logged, all zero)."""
-    with np.errstate(all="ignore"):
-        std = np.where(np.isfinite(std), std, 0.0)
-        spread = mean * mean + std * std
-        elements = (norm * norm + std * std) / spread
+    std = np.where(np.isfinite(std), std, 0.0)
+    spread = mean * mean + std * std
+    elements = (norm * norm + std * std) / spread
     elements[~std_told | ~np.isfinite(mean) | ~np.isfinite(norm) | (spread == 0)] = math.nan
     return elements
 
@@ -56,8 +55,7 @@ class Shape:
         known = ~np.isnan(elements)
         self.sizes.update(zip(compress(names, known.tolist()), elements[known].tolist()))
         zeros = step.column("zero_fraction", -1.0)[grads]
-        with np.errstate(invalid="ignore"):
-            zero = zeros >= self._dead
+        zero = zeros >= self._dead
         self.zero_grads.difference_update(compress(names, ((zeros != -1.0) & ~zero).tolist()))
         self.zero_grads.update(compress(names, ((zeros != -1.0) & zero).tolist()))
 

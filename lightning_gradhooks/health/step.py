@@ -161,28 +161,32 @@ class Layout:
         self.module_names = list(ids)
         self._by_name: dict[str, list[int]] | None = None
         self._kinds: dict[str, np.ndarray] = {}
+        self._is_kind: dict[str, np.ndarray] = {}
         # Each parameter gradient's parameter entry (the same label), -1 where none.
         of_label = {self.names[i]: i for i in self.params.tolist()}
         self.param_of = np.array([of_label.get(self.names[i], -1) for i in self.param_grads.tolist()], dtype=np.int64)
         self._laid: tuple[list[str], list[int]] = ([], [])  # the names and lengths ``where`` was made for
-        self._where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._where: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
         self.offsets = np.zeros(1, dtype=np.int64)
         #: What checks work out once per layout and set of chosen keys (:meth:`chosen`; a check's own, under its
         #: name), kept for the next steps: a few at a time.
         self.memo: dict[tuple[str, ...], Any] = {}
 
-    def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def where(self, names: list[str], lengths: list[int]) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
         """Where each statistic is among a step's values laid end to end, entry after entry
-        (``names``: their names; ``lengths``: how many each entry has): its entries' indices and
-        its values' positions. Made once for the layout's usual statistics (again when a step's
-        differ; ``offsets`` with it: where each entry's values begin)."""
+        (``names``: their names; ``lengths``: how many each entry has): its entries' indices
+        (None: every entry, in order) and its values' positions. Made once for the layout's usual
+        statistics (again when a step's differ; ``offsets`` with it: where each entry's values
+        begin)."""
         if (names, lengths) != self._laid:
             entry = np.repeat(np.arange(len(self.keys)), lengths)
             positions: dict[str, list[int]] = {}
             for at, name in enumerate(names):
                 positions.setdefault(name, []).append(at)
             self._laid = names, lengths
-            self._where = {name: (entry[at], np.array(at)) for name, at in positions.items()}
+            # (None for the entries of a statistic every entry has, in order: its column is its values)
+            self._where = {name: (None if len(at) == len(self.keys) and bool((entry[at] == np.arange(len(at))).all())
+                                  else entry[at], np.array(at)) for name, at in positions.items()}
             self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         return self._where
 
@@ -195,7 +199,15 @@ class Layout:
         """The positions of the keys of ``kind``."""
         found = self._kinds.get(kind)
         if found is None:
-            found = self._kinds[kind] = np.flatnonzero(self.kinds == kind)
+            found = self._kinds[kind] = np.flatnonzero(self.is_kind(kind))
+        return found
+
+    def is_kind(self, kind: str) -> np.ndarray:
+        """Bool: the keys of ``kind`` (made once; read-only)."""
+        found = self._is_kind.get(kind)
+        if found is None:
+            found = self._is_kind[kind] = self.kinds == kind
+            found.flags.writeable = False
         return found
 
     def named(self, names: Iterable[str]) -> np.ndarray:
@@ -252,16 +264,15 @@ def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
     same float operations, in arrays. A missing std or zero fraction is -1 (never a value of
     theirs), a missing mean or norm NaN; the entries without a finite norm (``unnormed``, in
     order) are given to ``rms`` itself."""
-    with np.errstate(all="ignore"):
-        known = std != -1.0
-        std = np.where(np.isfinite(std), std, 0.0)
-        denominator = norm * norm + std * std
-        value = np.where(denominator > 0, np.sqrt(norm * norm * (mean * mean + std * std) / denominator), 0.0)
-        value[~known | ~np.isfinite(value)] = math.nan
-        told = zero != -1.0
-        value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
-        value = np.where(told, value / np.sqrt(1.0 - zero), value)
-        value[~(value > 0)] = math.nan
+    known = std != -1.0
+    std = np.where(np.isfinite(std), std, 0.0)
+    denominator = norm * norm + std * std
+    value = np.where(denominator > 0, np.sqrt(norm * norm * (mean * mean + std * std) / denominator), 0.0)
+    value[~known | ~np.isfinite(value)] = math.nan
+    told = zero != -1.0
+    value[told & ((zero >= 1.0) | (value == 0.0))] = math.nan
+    value = np.where(told, value / np.sqrt(1.0 - zero), value)
+    value[~(value > 0)] = math.nan
     for i, stats in zip(np.flatnonzero(~np.isfinite(norm)), unnormed):  # math.hypot of mean and std: rms's own
         value[i] = math.nan if (one := rms(stats)) is None else one
     return value
@@ -282,6 +293,9 @@ class Updates(NamedTuple):
 class Step:
     """A logged step, made once by the judge and read by every check, in the order of
     :data:`~lightning_gradhooks.health.judge.CHECKS`.
+
+    Made and read inside the judge's ``np.errstate(all="ignore")`` (its arrays hold NaN where a
+    statistic is not told, and inf: the checks compare and divide them without warnings).
 
     Read-only for the checks: ``number``, ``entries`` (the step's merged summary, in record
     order, float32 values; made on first use: :meth:`entry` gives one), ``previous`` (the logged
@@ -353,18 +367,21 @@ class Step:
         lacks it), made once per step."""
         column = self._columns.get((statistic, missing))
         if column is None:
-            column = self._columns[(statistic, missing)] = np.full(len(self.layout.keys), missing)
-            if statistic in self._where:
-                entries, at = self._where[statistic]
-                column[entries] = self.packed.values[at]
+            entries, at = self._where.get(statistic, (False, None))
+            if entries is None:
+                column = self.packed.values[at]
+            else:
+                column = np.full(len(self.layout.keys), missing)
+                if at is not None:
+                    column[entries] = self.packed.values[at]
+            self._columns[(statistic, missing)] = column
         return column
 
     def _bad(self) -> dict[Key, str]:
         """The non-finite entries and why (:func:`~lightning_gradhooks.health.origin.why_bad`, on
         the entries that the step's columns cannot clear), in record order."""
-        with np.errstate(invalid="ignore"):
-            maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
-                     | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
+        maybe = ((self.column("nonfinite", 0.0) > 0) | ~(self.column("norm", 0.0) < OVERFLOW_NORM)
+                 | ~np.isfinite(self.column("param_norm", 0.0)) | np.isnan(self.column("update_ratio", 0.0)))
         keys = self.layout.keys
         found = ((i, why_bad(keys[i].kind, self.entry(i))) for i in np.flatnonzero(maybe & self.layout.judged).tolist())
         bad = {i: why for i, why in found if why is not None}
@@ -399,12 +416,29 @@ class Step:
     def _finite(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The finite gradient entries' indices, their RMS (NaN: None) and their kinds (indices
         in ``GRADIENT_KINDS``)."""
-        layout = self.layout
-        indices = np.flatnonzero(layout.gradient & self.finite)
+        indices, kinds, _ = self._gradient_positions
         mean, std = self.column("mean")[indices], self.column("std", -1.0)[indices]
         norm, zero = self.column("norm")[indices], self.column("zero_fraction", -1.0)[indices]
         stats = [self.entry(i) for i in indices[~np.isfinite(norm)].tolist()]
-        return indices, _rms(mean, std, norm, zero, stats), layout.gradient_kinds[indices]
+        return indices, _rms(mean, std, norm, zero, stats), kinds
+
+    @cached_property
+    def _gradient_positions(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """The finite gradient entries' indices, their kinds (indices in ``GRADIENT_KINDS``) and
+        a mask of each kind over them: made once per layout and set of finite entries."""
+        layout = self.layout
+        memo_key = ("gradients", self.finite.tobytes())
+        found = layout.memo.get(memo_key)
+        if found is None:
+            if len(layout.memo) > 64:
+                layout.memo.clear()
+            indices = np.flatnonzero(layout.gradient & self.finite)
+            kinds = layout.gradient_kinds[indices]
+            masks = [kinds == i for i in range(len(GRADIENT_KINDS))]
+            for kept in (indices, kinds, *masks):  # (shared by the steps of the layout)
+                kept.flags.writeable = False
+            found = layout.memo[memo_key] = (indices, kinds, masks)
+        return found
 
     @cached_property
     def values(self) -> dict[Key, float | None]:
@@ -416,15 +450,17 @@ class Step:
     @cached_property
     def medians(self) -> dict[str, float | None]:
         """The median RMS of each gradient kind (None: fewer than three values)."""
-        _, values, kinds = self._finite
-        return {kind: middle(values[kinds == i]) for i, kind in enumerate(GRADIENT_KINDS)}
+        _, values, _ = self._finite
+        masks = self._gradient_positions[2]
+        return {kind: middle(values[masks[i]]) for i, kind in enumerate(GRADIENT_KINDS)}
 
     @cached_property
     def gradients(self) -> Gradients:
         """The finite gradient entries as columns: ``values`` and ``medians`` side by side."""
         indices, values, kinds = self._finite
         by_kind = np.array([math.nan if m is None else m for m in self.medians.values()], dtype=np.float64)
-        return Gradients(indices, kinds == GRADIENT_KINDS.index(Kind.PARAM_GRAD), values, by_kind[kinds], self.layout)
+        param = self._gradient_positions[2][GRADIENT_KINDS.index(Kind.PARAM_GRAD)]
+        return Gradients(indices, param, values, by_kind[kinds], self.layout)
 
     @cached_property
     def updates(self) -> Updates:
@@ -437,13 +473,11 @@ class Step:
         ratios, norms = self.column("update_ratio")[params], self.column("param_norm")[params]
         names = layout.param_names if params is layout.params else [layout.names[i] for i in params.tolist()]
         elements = np.fromiter(map(sizes_of.get, names, repeat(math.nan)), dtype=np.float64, count=len(params))
-        with np.errstate(all="ignore"):
-            sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
+        sizes = np.where(np.isfinite(norms) & ~np.isnan(elements), norms / np.sqrt(elements), math.nan)
         known = ~np.isnan(sizes)
         median_size = middle(sizes[known])
-        with np.errstate(invalid="ignore"):
-            readable = known & (sizes >= self.thresholds.floor_ratio * median_size) if median_size is not None else (
-                np.zeros(len(params), dtype=bool))
+        readable = known & (sizes >= self.thresholds.floor_ratio * median_size) if median_size is not None else (
+            np.zeros(len(params), dtype=bool))
         finite = np.isfinite(ratios)
         median_ratio = middle(ratios[finite & readable]) or middle(ratios[finite])
         return Updates(params[finite], ratios[finite], sizes[finite], readable[finite], median_size, median_ratio)

@@ -21,8 +21,7 @@ class Vanishing(Check):
         t, gradients = self.thresholds, step.gradients
         indices, subjects, labels = gradients.judged(step.quiet)
         values, medians = gradients.rms[indices], gradients.medians[indices]
-        with np.errstate(invalid="ignore"):  # NaN: no value, or no median: never low
-            low = np.flatnonzero(values < t.vanishing_ratio * medians)
+        low = np.flatnonzero(values < t.vanishing_ratio * medians)  # NaN: no value, or no median: never low
         low = low[~step.moving[gradients.at[indices[low]]]]
         tracker.run_many("vanishing", subjects, labels, step.number, low, t.vanishing_steps, values[low],
                          medians[low] / values[low])
