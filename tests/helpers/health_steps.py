@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Subject
 from lightning_gradhooks.health.shape import Shape
@@ -21,8 +23,9 @@ def step(number: int, entries: Mapping[tuple, Mapping[str, float]], shape: Shape
     summary = {Key(Kind(key[0]), *key[1:]): dict(stats) for key, stats in entries.items()}
     subjects = {key: Subject.of(key) for key in summary}
     shape = shape or Shape(thresholds.dead_zero_fraction)
-    made = Step(number, summary, previous, subjects, shape, thresholds)
-    shape.learn(made)
+    with np.errstate(all="ignore"):  # as the judge builds and reads a step (Judge.add)
+        made = Step(number, summary, previous, subjects, shape, thresholds)
+        shape.learn(made)
     return made
 
 
@@ -36,7 +39,8 @@ def drive(check: Check, steps: Mapping[int, Mapping[tuple, Mapping[str, float]]]
         made = step(number, entries, shape, check.thresholds, previous)
         for name, value in fields.items():
             setattr(made, name, set(value) if isinstance(value, (set, list, tuple)) else value)
-        check(made, tracker)
+        with np.errstate(all="ignore"):
+            check(made, tracker)
         previous = number
     return tracker
 
