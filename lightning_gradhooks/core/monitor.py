@@ -235,8 +235,8 @@ class GradientMonitor:
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks),
-                                ("compile_statistics", compile_statistics), ("activations", activations),
-                                ("attention_logits", attention_logits)):
+                                ("noise_scale", noise_scale), ("compile_statistics", compile_statistics),
+                                ("activations", activations), ("attention_logits", attention_logits)):
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
@@ -252,9 +252,7 @@ class GradientMonitor:
             warnings.warn(
                 "torch.compile: module hooks would split the compiled graph into eager pieces, so "
                 f"{len(self.compiled)} modules in compiled code report parameter gradients only "
-                f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}",
-                stacklevel=2,
-            )
+                f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}", stacklevel=2)
         self.histograms = histograms
         self._step_histograms = histograms  # this armed step's (arm(histograms=))
         self.bins = bins
@@ -268,15 +266,13 @@ class GradientMonitor:
         self._collector = CollectorPause()  # in a `with arm()` block, to collect() or disarm()
         # Per tensor reduced since arming: (kind, label, device); the reductions, per device.
         self._pending: list[tuple[str, str, torch.device]] = []
-        # The outputs of this step's checked forwards (forward_checks with activations): the
-        # module and the slice of its "output" rows in _pending.
+        # This step's checked forwards whose outputs are read from their rows: (module, slice of _pending).
         self._checked: list[tuple[str, int, int]] = []
         self._reducers: dict[torch.device, Reducer] = {}
         # CPU buffers reused from one logged step to the next (bounded; freed by remove()).
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
-        check_bool("noise_scale", noise_scale)
         #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
         self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
