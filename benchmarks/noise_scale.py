@@ -34,7 +34,8 @@ summary and the sentence of the end of fit.
 
 ``heldout``: the per-example estimate on models no choice of the probe was tuned on, against brute
 force over every parameter: a 2-layer GPT-2 LM and a 2-layer BERT classifier from ``transformers``
-(random init, no dropout; synthetic data with a signal and 20 % label noise). 8 batches of 32 at
+and torch's own 2-layer ``nn.TransformerEncoder`` as a classifier (random init, no dropout;
+synthetic data with a signal and 20 % label noise). 8 batches of 32 at
 fixed weights; every example's gradient by a loop; prints the coverage, the ratio of the summed
 ``tr(Σ)`` and ``|G|²`` of the probe's estimates and of the brute force's, and whether they agree
 within the 25 % the tests allow (docs/usage.md).
@@ -388,6 +389,32 @@ def _bert(seed: int):  # noqa: ANN202
     return transformers.BertForSequenceClassification(config), torch.cat([x, y[:, None]], 1), loss
 
 
+def _encoder(seed: int):  # noqa: ANN202
+    """torch's own ``nn.TransformerEncoder`` (2 layers, 64 wide, packed attention projections) as a
+    classifier: its Linears over the sequence are left to its LayerNorms."""
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(40, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.enc(self.emb(x)).mean(1))
+
+    torch.manual_seed(seed)
+    model = Encoder()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 40, (256, 16), generator=g)
+    y = ((x == 5).sum(1) - (x == 9).sum(1)).clamp(-1, 1) + 1  # 20 % of the labels flipped
+    flip = torch.rand(256, generator=g) < 0.2
+    y[flip] = torch.randint(0, 3, (int(flip.sum()),), generator=g)
+    loss = lambda m, xb: nn.functional.cross_entropy(m(xb[:, :-1]), xb[:, -1])  # noqa: E731
+    return model, torch.cat([x, y[:, None]], 1), loss
+
+
 def heldout(argv: list[str]) -> None:
     """The estimate on held-out transformers against brute force (see the module docstring, ``heldout``)."""
     parser = argparse.ArgumentParser(prog="noise_scale.py heldout", description=heldout.__doc__)
@@ -407,7 +434,7 @@ def heldout(argv: list[str]) -> None:
         return sum(t for _, t in rows) / sum(g for g, _ in rows)
 
     for seed in (int(s) for s in args.seeds.split(",")):
-        for name, make in (("gpt2", _gpt2), ("bert", _bert)):
+        for name, make in (("gpt2", _gpt2), ("bert", _bert), ("encoder", _encoder)):
             model, data, loss = make(seed)
             probe, ours, exact = NoiseProbe(model), [], []
             for step in range(8):
