@@ -370,7 +370,7 @@ class GradientMonitor:
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
             self._watch_forward(name, module, args, output)
-        elif self.activations and self._armed:
+        elif self.activations and self._armed and torch._C._current_graph_task_id() == -1:
             self._watch_outputs(name, output)
 
     def _finish_probe(self) -> None:
@@ -532,11 +532,12 @@ class GradientMonitor:
         if not self._armed:
             return
         grad = torch.is_grad_enabled()
+        # The outputs' statistics, not in a recomputation in backward; the check sums them otherwise.
+        reads = self.activations and torch._C._current_graph_task_id() == -1
         checked = self._checks is not None and grad and module.training
-        if checked:  # the outputs are summed unless their statistics are read (not in a recomputation)
-            self._checks.check(name, args, output,
-                               outputs=not self.activations or torch._C._current_graph_task_id() != -1)
-        if self.activations:
+        if checked:
+            self._checks.check(name, args, output, outputs=not reads)
+        if reads:
             start = len(self._pending)
             self._watch_outputs(name, output)
             if checked and len(self._pending) > start:  # the forward check of these outputs: _finish
@@ -553,9 +554,8 @@ class GradientMonitor:
 
     def _watch_outputs(self, name: str, output: Any) -> None:
         """The floating outputs of a watched module (``activations``): a row per tensor
-        (``"lstm/0"``, ``"gpt/logits"``), as for the gradients; not in a recomputation in backward."""
-        if torch._C._current_graph_task_id() != -1:
-            return
+        (``"lstm/0"``, ``"gpt/logits"``), as for the gradients (the callers leave out a
+        recomputation in backward)."""
         if isinstance(output, Tensor):  # the common case, without the walk
             if output.is_floating_point():
                 self._reduce_output(name, name, output)
