@@ -30,6 +30,19 @@ def test_a_branch_that_starts_below_the_models_scale_is_read_from_where_it_reach
     assert check.early.state_dict()["output a"] == [0.2, 0.5, 0.8]
 
 
+
+def test_an_output_that_starts_below_the_models_scale_is_read_against_the_models_scale():
+    # The logits of a fresh head (at 0.2, above the floor of 0.1 x the model's 1.0, so read as its
+    # early level) growing to 40 as it learns: 200x its own early level but 40x the model's early
+    # scale, not growth; the same head at 150 is.
+    learns = [0.2, 0.2, 0.2, 0.5, 2.0, 10.0, 40.0, 40.0]
+    assert flagged(drive(ActivationGrowth(Thresholds()), series(learns))) == []
+    assert flagged(drive(ActivationGrowth(Thresholds()), series(learns[:5] + [150.0, 200.0]))) == [
+        ("activation_growth", "output a", 50)]
+    # Where the model itself starts small, its own early level is kept.
+    small = {10 * n: outputs(a=v, b=0.01, c=0.01) for n, v in enumerate([0.01, 0.01, 0.01, 2.0, 2.0])}
+    assert flagged(drive(ActivationGrowth(Thresholds()), small)) == [("activation_growth", "output a", 30)]
+
 def test_without_output_statistics_nothing_is_said():
     steps = {n: {("grad_output", "a"): {"mean": 0.0, "std": 10.0 ** n}, ("attention_logit", "a"): {"max": 5.0}}
              for n in range(6)}
@@ -48,8 +61,13 @@ def test_the_early_level_survives_a_resume():
     drive(first, series([1.0, 1.0, 1.0]))
     resumed = ActivationGrowth(Thresholds())
     resumed.load_state_dict(first.state_dict())
+    assert resumed.state_dict() == first.state_dict() == {"early": first.early.state_dict(), "model": [1.0, 1.0, 1.0]}
     late = {n: outputs(a=500.0, b=1.0, c=1.0) for n in (30, 40)}
     assert flagged(drive(resumed, late)) == [("activation_growth", "output a", 30)]
+    # A state saved before the model's scale was kept: learnt again from the next steps.
+    older = ActivationGrowth(Thresholds())
+    older.load_state_dict({"early": first.early.state_dict()})
+    assert flagged(drive(older, late)) == [("activation_growth", "output a", 30)] and older.model == [1.0, 1.0]
 
 
 def test_a_gradient_flag_downstream_of_it_says_it_came_after():

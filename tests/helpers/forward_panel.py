@@ -170,6 +170,98 @@ def gpt2_fast(seed: int, lr: float):  # noqa: ANN201
     return panel.Lit(GPT2LMHeadModel(config), "adamw", lr, task="lm"), TensorDataset(x, x)
 
 
+# -- added 2026-11-28 (second held-out set of activation_growth, written before the check's fix was run on them)
+class ReZeroMLP(ResidualMLP):
+    """:class:`ResidualMLP` with ReZero gates: ``x + a·block(x)``, each ``a`` initialised to 0,
+    so every block's output (the gated branch) starts at exactly zero and grows to its scale."""
+
+    def __init__(self, width: int = 64, blocks: int = 8, classes: int = 3) -> None:
+        super().__init__(width, blocks, classes)
+        self.gates = nn.ModuleList(Gate() for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block, gate in zip(self.blocks, self.gates):
+            x = x + gate(block(x))
+        return self.head(x)
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * x
+
+
+def rezero_mlp(seed: int, lr: float = 1e-3):  # noqa: ANN201
+    return panel.Lit(ReZeroMLP(), "adam", lr), panel.points(seed)
+
+
+def resnet_zero_init_residual(seed: int):  # noqa: ANN201
+    """:class:`report_panel.ResNet` with each block's last BatchNorm scale initialised to 0
+    (``zero_init_residual=True`` in torchvision): the residual branches start at zero."""
+    net = panel.ResNet()
+    for block in (net.layer1, net.layer2, net.layer3):
+        nn.init.zeros_(block.bn2.weight)
+    return panel.Lit(net, "sgd", 0.05), panel.images(seed)
+
+
+def vit_zero_head(seed: int):  # noqa: ANN201
+    """:class:`report_panel.ViT` with its classifier head initialised to zero (as timm does with
+    ``head_init_scale=0``): its logits start at exactly 0 and grow as it learns."""
+    net = panel.ViT()
+    nn.init.zeros_(net.head.weight)
+    return panel.Lit(net, "adamw", 1e-3), panel.images(seed)
+
+
+def lora_bert(seed: int):  # noqa: ANN201
+    """``peft`` LoRA (r 4, alpha 32, on ``query``, ``value`` and ``dense``) on a frozen random BERT
+    classifier (2 layers, 32 wide), its classifier trained in full; AdamW 2e-3, cosine after 10
+    warmup steps."""
+    panel.hf_offline()
+    import peft
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    net = peft.get_peft_model(BertForSequenceClassification(config), peft.LoraConfig(
+        r=4, lora_alpha=32, target_modules=["query", "value", "dense"], modules_to_save=["classifier"]))
+    return panel.Lit(net, "adamw", 2e-3, schedule="cosine", warmup=10), panel.sequence_labels(seed)
+
+
+class AdapterMLP(nn.Module):
+    """A frozen random MLP with a bottleneck adapter after each layer (Houlsby style: down,
+    GELU, up, its up-projection initialised to zero, added to the layer's output), and a
+    trained head."""
+
+    def __init__(self, width: int = 64, layers: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.adapters = nn.ModuleList(nn.Sequential(nn.Linear(width, 8), nn.GELU(), nn.Linear(8, width))
+                                      for _ in range(layers))
+        for adapter in self.adapters:
+            nn.init.zeros_(adapter[2].weight)
+            nn.init.zeros_(adapter[2].bias)
+        for p in [*self.stem.parameters(), *self.layers.parameters()]:
+            p.requires_grad_(False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.stem(x))
+        for layer, adapter in zip(self.layers, self.adapters):
+            x = torch.tanh(layer(x))
+            x = x + adapter(x)
+        return self.head(x)
+
+
+def adapter_mlp(seed: int):  # noqa: ANN201
+    return panel.Lit(AdapterMLP(), "adam", 3e-3), panel.points(seed)
+
+
+
 TUNE = {r.name: r for r in [
     # -- healthy
     Run("lm_lr1e-2", lambda s: causal_lm(s, 1e-2), "2-block causal LM, SDPA, no QK-norm", "AdamW 1e-2, no warmup", 200, 10),
@@ -208,6 +300,15 @@ HELDOUT = {r.name: r for r in [
         "AdamW 1e-1, no warmup", 200, 10, expect=Expect("attention_logits", "net.encoder", (0, 50))),
     Run("plain_cnn_lr3e-2", lambda s: plain_residual_cnn(s, 3e-2), "residual CNN, no normalisation", "Adam 3e-2",
         100, 5, expect=Expect("activation_growth", "net.blocks", (0, 50))),
+    # -- added 2026-11-28, before the fix of activation_growth's level was run on them: outputs
+    # initialised to zero that grow to their scale; healthy
+    Run("rezero_mlp", rezero_mlp, "residual MLP with ReZero gates (init 0)", "Adam 1e-3", 200, 10),
+    Run("resnet_zero_init_residual", resnet_zero_init_residual, "ResNet, last BN of each block init 0",
+        "SGD 0.05 momentum", 100, 5),
+    Run("vit_zero_head", vit_zero_head, "ViT, classifier head init 0", "AdamW 1e-3", 100, 5),
+    Run("lora_bert", lora_bert, "peft LoRA r4 alpha 32 on frozen BERT + trained classifier",
+        "AdamW 2e-3, warmup 10 + cosine", 200, 10, schedule=True),
+    Run("adapter_mlp", adapter_mlp, "frozen MLP + bottleneck adapters (up-projection init 0)", "Adam 3e-3", 200, 10),
 ]}
 
 HALVES = {"tune": TUNE, "heldout": HELDOUT}
