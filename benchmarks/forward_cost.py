@@ -1,7 +1,9 @@
 """Where a logged step's time goes, part by part, armed over bare, in one process per model.
 
     python benchmarks/forward_cost.py [--device cpu|cuda] [--models encoder,gpt2,resnet18] [--rounds 7] [--steps 3]
-        [--variants bare,stats,hist,outputs,logits,noise,write] [--threads 1 --clock cpu] [--repo DIR]
+        [--variants bare,stats,hist,outputs,logits,noise,write,checks] [--threads 1 --clock cpu] [--repo DIR]
+    python benchmarks/forward_cost.py --max-logits [--ref DIR] [--rounds 15]
+    python benchmarks/forward_cost.py --count-ops
 
 Variants, interleaved round by round in one process, the order rotated each round (the models
 of ``logged_step.py``), each adding one part of the monitor's defaults to the one before:
@@ -18,6 +20,11 @@ part adds over the variant before (the difference of those ratios), and the time
 ``collect`` (median). ``--clock cpu`` times the process's CPU time (with ``--threads 1``, steadier
 on a shared machine); ``--repo DIR`` imports the library of the checkout in DIR (run one process
 per checkout, one after the other, to compare them).
+
+``--max-logits [--ref DIR]``: instead, the CPU time of one attention call's maximum logit
+(:func:`lightning_gradhooks.core.attention.max_logits`) on typical shapes and masks, 1 thread,
+against the same function of the checkout in DIR, interleaved in one process (medians of
+``--rounds`` rounds of 5 calls; the two must give the same maxima).
 
 ``--count-ops``: instead, the aten ops an armed step dispatches on 20 ``Linear(64, 64)`` layers
 with eager statistics (every op counted by a ``TorchDispatchMode``), with the gradients alone and
@@ -76,6 +83,52 @@ def count_ops() -> None:
     print(f"aten ops of an armed step: {counts}; {(counts['outputs'] - counts['grads']) / 20:.0f} per output")
 
 
+def time_max_logits(ref: str | None, rounds: int) -> None:
+    import importlib.util
+    import os
+
+    import torch
+
+    def load(repo: str):  # noqa: ANN202
+        spec = importlib.util.spec_from_file_location(f"attention_{len(repo)}_{hash(repo)}",
+                                                      Path(repo) / "lightning_gradhooks" / "core" / "attention.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # its imports come from this checkout: only attention.py differs
+        return module.max_logits
+
+    torch.set_num_threads(1)
+    functions = {"this": load(str(HERE.parent)), **({"ref": load(ref)} if ref else {})}
+    g = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    mha = lambda b, h, t, d: randn(t, b * h, d).transpose(0, 1).view(b, h, t, d)  # noqa: E731  # nn.MultiheadAttention's layout
+    calls = {
+        "encoder 16x4x128x64 (nn.MultiheadAttention), no mask": (mha(16, 4, 128, 64), mha(16, 4, 128, 64), {}),
+        "16x4x128x64, is_causal": (randn(16, 4, 128, 64), randn(16, 4, 128, 64), {"is_causal": True}),
+        "GPT-2 small 2x12x128x64, is_causal": (randn(2, 12, 128, 64), randn(2, 12, 128, 64), {"is_causal": True}),
+        "16x4x128x64, boolean mask (T, T)": (randn(16, 4, 128, 64), randn(16, 4, 128, 64), {"attn_mask": randn(128, 128) > -0.5}),
+        "16x4x128x64, boolean mask per head": (randn(16, 4, 128, 64), randn(16, 4, 128, 64),
+                                               {"attn_mask": randn(16, 4, 128, 128) > -0.5}),
+        "16x4x128x64, additive mask (T, T)": (randn(16, 4, 128, 64), randn(16, 4, 128, 64), {"attn_mask": randn(128, 128)}),
+    }
+    print(f"max_logits, CPU time per call, 1 thread, medians of {rounds} rounds; load average {os.getloadavg()[0]:.1f}")
+    print("| call | " + " | ".join(f"{n} (ms)" for n in functions) + (" | this / ref |" if ref else " |"))
+    print("| --- " * (len(functions) + 1 + bool(ref)) + "|")
+    for name, (q, k, options) in calls.items():
+        if ref:
+            assert torch.equal(functions["this"](q, k, **options), functions["ref"](q, k, **options)), name
+        times: dict[str, list[float]] = {n: [] for n in functions}
+        for round_ in range(rounds):
+            for n in (list(functions) if round_ % 2 else list(functions)[::-1]):
+                t0 = time.process_time()
+                for _ in range(5):
+                    functions[n](q, k, **options)
+                times[n].append((time.process_time() - t0) / 5)
+        cells = [f"{statistics.median(t) * 1e3:.2f}" for t in times.values()]
+        if ref:
+            cells.append(f"{statistics.median(a / b for a, b in zip(times['this'], times['ref'])):.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -88,9 +141,14 @@ def main() -> None:
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall time, or the process's CPU time")
     parser.add_argument("--repo", default=None, metavar="DIR", help="import the library of the checkout in DIR")
     parser.add_argument("--count-ops", action="store_true", help="count the aten ops of an armed step instead")
+    parser.add_argument("--max-logits", action="store_true", help="time max_logits per attention call instead")
+    parser.add_argument("--ref", default=None, metavar="DIR", help="with --max-logits: against the checkout in DIR")
     args = parser.parse_args()
     if args.count_ops:
         count_ops()
+        return
+    if args.max_logits:
+        time_max_logits(args.ref, args.rounds)
         return
     variants = args.variants.split(",")
     if variants[0] != "bare" or not set(variants) <= set(VARIANTS):
