@@ -17,7 +17,8 @@ flow picture within 2 % of the wall time since its first step, which here counts
 windows); ``checks`` (written, and the forward checks on: what ``GradHooks`` runs). Reported: the
 median over rounds of the mean step, its ratio to ``bare`` (median of per-round ratios), what the
 part adds over the variant before (the difference of those ratios), and the time spent in
-``collect`` (median). ``--clock cpu`` times the process's CPU time (with ``--threads 1``, steadier
+``collect`` and in ``GradientLog.write`` (medians; the optimizer step's update-ratio hooks and
+``flush()`` are outside both). ``--clock cpu`` times the process's CPU time (with ``--threads 1``, steadier
 on a shared machine); ``--repo DIR`` imports the library of the checkout in DIR (run one process
 per checkout, one after the other, to compare them).
 
@@ -175,13 +176,14 @@ def main() -> None:
         writer = SummaryWriter(folder.name)
         log = GradientLog(writer, optimizers=[optimizer], echo=None) if {"write", "checks"} & set(variants) else None
         in_collect: dict[str, list[float]] = {v: [] for v in variants}
+        in_write: dict[str, list[float]] = {v: [] for v in variants}
         logged = [0]  # the log's step
 
         def window(variant: str) -> float:
             monitor = monitors.get(variant)
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            t0, collecting = clock(), 0.0
+            t0, collecting, writing = clock(), 0.0, 0.0
             for _ in range(args.steps):
                 if monitor is not None:
                     monitor.arm()
@@ -191,7 +193,9 @@ def main() -> None:
                     record = monitor.collect()
                     collecting += clock() - c0
                     if log is not None and variant in ("write", "checks"):
+                        w0 = clock()
                         log.write(record, logged[0])
+                        writing += clock() - w0
                         logged[0] += 1
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -200,12 +204,13 @@ def main() -> None:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             in_collect[variant].append(collecting / args.steps)
+            in_write[variant].append(writing / args.steps)
             return (clock() - t0) / args.steps
 
         for variant in variants:  # warm-up: plans, compiled kernels
             window(variant)
         times: dict[str, list[float]] = {v: [] for v in variants}
-        in_collect = {v: [] for v in variants}
+        in_collect, in_write = {v: [] for v in variants}, {v: [] for v in variants}
         for round_ in range(args.rounds):
             shift = round_ % len(variants)
             for variant in variants[shift:] + variants[:shift]:
@@ -213,12 +218,13 @@ def main() -> None:
             print(f"  {name} round {round_ + 1}: " + ", ".join(f"{v} {t[-1] * 1e3:.0f} ms" for v, t in times.items()),
                   flush=True)
         print(f"\n{name}: {args.rounds} rounds x {args.steps} steps, medians")
-        print(f"  {'variant':<9}{'step':>11}{'vs bare':>9}{'part':>9}{'collect':>11}")
+        print(f"  {'variant':<9}{'step':>11}{'vs bare':>9}{'part':>9}{'collect':>11}{'write':>11}")
         before = 1.0
         for variant, ts in times.items():
             ratio = statistics.median(t / b for t, b in zip(ts, times["bare"]))
             print(f"  {variant:<9}{statistics.median(ts) * 1e3:>8.1f} ms{ratio:>8.3f}x{ratio - before:>+9.3f}"
-                  f"{statistics.median(in_collect[variant]) * 1e3:>8.1f} ms", flush=True)
+                  f"{statistics.median(in_collect[variant]) * 1e3:>8.1f} ms"
+                  f"{statistics.median(in_write[variant]) * 1e3:>8.1f} ms", flush=True)
             before = ratio
         if log is not None:
             log.close()
