@@ -14,9 +14,12 @@ the same batch every step. Variants, each window in a fresh process, interleaved
 - ``logged``: the same with every step logged: ``GradientMonitor.arm``, ``collect`` and
   ``GradientLog.write`` into a ``SummaryWriter`` (the steps go to our own event file,
   checksummed in C);
-- ``logged_grads``, ``logged_outputs``: ``logged`` without the forward statistics (output
-  statistics and attention logits), or with the output statistics alone: what the forward pass
-  adds to a logged step (``--variants bare,logged_grads,logged_outputs,logged``);
+- a suffix of ``-no<part>`` (one or more) leaves a part of the monitor's defaults out of an
+  ``armed`` or ``logged`` variant: ``-nohist`` (``histograms=False``), ``-nonoise``
+  (``noise_scale=False``), ``-nooutputs`` (``activations=False``: no output statistics) and
+  ``-nologits`` (``attention_logits=False``); e.g. the split of a logged step, part by part:
+  ``--variants bare,armed-nohist-nonoise-nooutputs-nologits,armed-nonoise-nooutputs-nologits,``
+  ``armed-nonoise-nologits,armed-nonoise,armed,logged``;
 - ``armed``, ``armed_eager``: ``GradientMonitor.arm`` and ``collect`` with nothing written, the
   statistics compiled (``compile_statistics=True``, the default) or not (``False``: the eager
   sequence that runs where no compiler is);
@@ -96,10 +99,20 @@ def make_case(name: str, device: str):  # noqa: ANN201
     return model.to(device), tuple(t.to(device) for t in batch), loss
 
 
-#: The monitor's options of a variant: ``logged`` has the defaults (output statistics and
-#: attention logits on); ``logged_grads`` neither; ``logged_outputs`` the output statistics alone.
-FORWARD_OPTIONS = {"logged_grads": {"activations": False, "attention_logits": False},
-                   "logged_outputs": {"attention_logits": False}}
+#: What a variant's ``-no<part>`` suffix turns off of the monitor's defaults.
+PARTS = {"hist": "histograms", "noise": "noise_scale", "outputs": "activations", "logits": "attention_logits"}
+BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload")
+
+
+def variant_options(variant: str) -> tuple[str, dict[str, bool]]:
+    """A variant's base and the monitor's options it turns off: ``armed-nohist-nologits`` is
+    ``("armed", {"histograms": False, "attention_logits": False})``."""
+    base, *parts = variant.split("-no")
+    unknown = [p for p in parts if p not in PARTS]
+    if base not in BASES or unknown or (parts and not base.startswith(("armed", "logged"))):
+        raise SystemExit(f"variant expected one of {', '.join(BASES)}, armed and logged variants followed by "
+                         f"-no<part> with part in {', '.join(PARTS)}; got {variant!r}")
+    return base, {PARTS[p]: False for p in parts}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -110,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_gradhooks import GradientLog, GradientMonitor, log as log_module
     from lightning_gradhooks.offload import save_on_disk
 
-    variant, device = args.worker, args.device
+    (variant, options), device = variant_options(args.worker), args.device
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -119,9 +132,8 @@ def worker(args: argparse.Namespace) -> None:
     folder = tempfile.mkdtemp()
     writer = SummaryWriter(folder)
     logged = variant.startswith("logged")
-    monitor = GradientMonitor(model, **FORWARD_OPTIONS.get(variant, {})) if logged or variant == "armed" else None
-    if variant == "armed_eager":
-        monitor = GradientMonitor(model, compile_statistics=False)
+    monitor = GradientMonitor(model, **options, compile_statistics=variant != "armed_eager") \
+        if logged or variant.startswith("armed") else None
     if variant == "logged_tb":
         from lightning_gradhooks.log import _tensorboard
 
@@ -231,6 +243,8 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device here")
     runs = [(v, None) for v in args.variants.split(",")]
+    for variant, _ in runs:
+        variant_options(variant)  # an unknown variant: said before the first window
     runs += [(args.ref_variant, args.ref)] if args.ref else []
     runs += [("offload", None)] if args.offload else []
     if runs[0] != ("bare", None):

@@ -2,7 +2,7 @@
 
     python benchmarks/many_modules.py [--models resnet18,mlp500,encoder] [--rounds 5] [--steps 5]
         [--lightning-steps 20] [--lightning-rounds 3] [--no-wandb] [--skip-lightning] [--skip-ops]
-        [--breakdown] [--device cuda]
+        [--breakdown] [--device cuda] [--threads 1 --clock cpu]
     python benchmarks/many_modules.py --lightning-only [--models encoder] [--lightning-steps 50] [--lightning-rounds 3]
     python benchmarks/many_modules.py --stages [--models mlp500] [--rounds 10] [--device cuda]
 
@@ -104,6 +104,8 @@ class StepTimer(pl.Callback):
 
 
 Batch = tuple[Tensor, ...]
+#: What parts A, C and D time: wall time, or the process's CPU time (``--clock``).
+clock = time.perf_counter
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -211,14 +213,14 @@ class Loop:
 
     def step(self, variant: Variant) -> float:
         synchronize()
-        start = time.perf_counter()
+        start = clock()
         variant.before()
         self.case.loss(self.model, self.case.batch).backward()
         variant.after()
         self.optimizer.step()
         self.optimizer.zero_grad()
         synchronize()
-        return time.perf_counter() - start
+        return clock() - start
 
     def window(self, setup: Callable[[], contextlib.AbstractContextManager[Variant]], steps: int) -> float:
         """Mean time of ``steps`` steps, after the untimed step that ``setup`` runs."""
@@ -461,7 +463,8 @@ def fit_once(
         log_every_n_steps=50,
     )
     trainer.fit(module, DataLoader([case.batch] * steps, batch_size=None))  # the same batch
-    return timer.times[2:] or timer.times
+    times = timer.cpu if clock is time.process_time else timer.times
+    return times[2:] or times
 
 
 class SkippedReductions(GradHooks):
@@ -547,7 +550,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
         def step(stage: str) -> float:
             m = others.get(stage, monitor)
             synchronize()
-            start = time.perf_counter()
+            start = clock()
             if stage != "bare":
                 m.arm().__enter__()  # as `with m.arm():` does: the collector paused to collect/disarm
             if stage == "hooks only":  # the hooks fire, their reductions are left out
@@ -566,7 +569,7 @@ def part_d(names: list[str], args: argparse.Namespace) -> None:
                 m.disarm()
             model.zero_grad(set_to_none=True)
             synchronize()
-            return time.perf_counter() - start
+            return clock() - start
 
         stages = ["bare", "hooks only", "hooks + bookkeeping", "hooks + reductions", "armed + collect",
                   "armed + collect, no grad_input", "armed + collect, no histograms", "armed + collect, noise probe"]
@@ -700,7 +703,15 @@ def main() -> None:
     )
     parser.add_argument("--stages", action="store_true", help="part D only: where an armed step's time goes")
     parser.add_argument("--device", default="cpu", help="where parts A, C and D run: cpu or cuda (part B counts ops on the CPU)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="what parts A, C and D time: wall time, or the process's CPU time (with --threads 1, "
+                             "steadier on a shared machine)")
     args = parser.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         parser.error(f"--device expected cpu, or cuda where a GPU is present; got {args.device!r}")
     names = args.models.split(",")
@@ -709,7 +720,7 @@ def main() -> None:
         parser.error(f"unknown models {sorted(unknown)}; choose from {list(cases())}")
 
     print(f"Machine: {machine()}" + (f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
-    print("Command: python " + " ".join(sys.argv) + "\n")
+    print(f"Command: python {' '.join(sys.argv)}\n{args.clock} clock; load average {os.getloadavg()[0]:.1f}\n")
     # Keep the tables readable: Lightning's info lines and the expected warnings go.
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     for message in ("does not have many workers", "smaller than the logging interval", "in-place operations", "LeafSpec"):

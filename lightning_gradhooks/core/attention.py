@@ -73,16 +73,23 @@ def max_logits(query: Tensor, key: Tensor, attn_mask: Tensor | None = None, is_c
         logits = torch.matmul(q[..., start : start + chunk, :].float() * scale, k)
         if attn_mask is not None:
             mask = attn_mask[..., start : start + chunk, :] if attn_mask.dim() >= 2 and attn_mask.shape[-2] == length else attn_mask
-            if mask.dtype == torch.bool:
-                logits = logits.masked_fill_(mask.logical_not(), -torch.inf)
-            else:
-                logits = logits.add_(mask)
+            logits = _mask(logits, mask.logical_not()) if mask.dtype == torch.bool else logits.add_(mask)
         if is_causal:
             rows = logits.shape[-2]
-            logits = logits.masked_fill_(torch.ones(rows, keys, dtype=torch.bool, device=logits.device).triu_(start + 1), -torch.inf)
+            logits = _mask(logits, torch.ones(rows, keys, dtype=torch.bool, device=logits.device).triu_(start + 1))
         found = logits.flatten(0, -4).amax(dim=(0, 2, 3)) if heads else logits.amax().reshape(1)
         best = found if best is None else torch.maximum(best, found)
     return best
+
+
+def _mask(logits: Tensor, masked: Tensor) -> Tensor:
+    """``logits`` with -inf where ``masked`` (in place). A mask smaller than the logits (the
+    causal triangle, one mask for every head) is added as 0 or -inf, as SDPA adds a boolean
+    mask: on a CPU, a ``masked_fill_`` through a broadcast mask costs about half the ``q·kᵀ``
+    again, an add a tenth; a mask as large as the logits is filled directly."""
+    if masked.numel() >= logits.numel():
+        return logits.masked_fill_(masked, -torch.inf)
+    return logits.add_(torch.zeros(masked.shape, dtype=logits.dtype, device=logits.device).masked_fill_(masked, -torch.inf))
 
 
 def _may_call(module: nn.Module) -> bool:

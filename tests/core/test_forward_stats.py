@@ -120,6 +120,23 @@ def test_the_maximum_is_taken_in_query_chunks_and_is_the_same(monkeypatch):
     assert CHUNK_ELEMENTS == 1 << 22
 
 
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 5, 7)], ids=["one-mask-for-all-heads", "a-mask-per-head"])
+def test_a_boolean_mask_of_any_size_masks_the_same_logits_and_a_head_masked_out_is_minus_inf(shape):
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 3, 5, 8) * 4, torch.randn(2, 3, 7, 8) * 4
+    allowed = (torch.rand(shape) > 0.5).expand(2, 3, 5, 7).clone()
+    allowed[:, 1] = False  # head 1: every position masked out
+    mask = allowed if len(shape) == 4 else allowed[0, 0]
+    if len(shape) == 2:
+        mask[0, 0] = True  # the one mask lets something through for every head
+        allowed = mask.expand(2, 3, 5, 7).clone()
+    found = max_logits(q, k, mask)
+    expected = _by_hand(q, k, 8**-0.5, allowed).float()
+    assert torch.equal(torch.isinf(found), torch.isinf(expected))
+    assert torch.allclose(found, expected)
+    assert (found[1] == -math.inf) == (len(shape) == 4)
+
+
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_multihead_attention_logits_on_both_of_its_paths(need_weights):
     torch.manual_seed(0)
