@@ -33,7 +33,8 @@ from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.planning import (
-    Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
+    NO_INPUT, Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge,
+    select_modules,
 )
 from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.core.stats import Reducer, Scratch, StatsRow
@@ -331,7 +332,7 @@ class GradientMonitor:
                 else:
                     if read is Read.VIEWS:
                         self._hooks.append((module, True, functools.partial(self._watch_inputs, label)))
-                    self._hooks.append((module, False, functools.partial(self._watch_forward, label)))
+                    self._hooks.append((module, False, functools.partial(self._watch_forward, label, read is Read.EDGE)))
         self._handle.put(self._hooks)
 
     @property
@@ -368,8 +369,8 @@ class GradientMonitor:
             self._planner.probe_inputs(name, args)
 
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
-            self._watch_forward(name, module, args, output)
+        if torch.is_grad_enabled() and self._planner.probe_outputs(name, args, output):
+            self._watch_forward(name, False, module, args, output)
         elif self.activations and self._armed and torch._C._current_graph_task_id() == -1:
             self._watch_outputs(name, output)
 
@@ -528,7 +529,9 @@ class GradientMonitor:
                 self._hook(watched[i], Kind.GRAD_INPUT, name if len(args) == 1 else f"{name}/{i}", False)
         return None if watched is None else tuple(watched)
 
-    def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+    def _watch_forward(self, name: str, edge: bool, module: nn.Module, args: tuple, output: Any) -> None:
+        """A watched module returned ``output``: read its statistics, hook its gradients (``edge``:
+        also ``grad_input``, from the node that made the output: :attr:`Read.EDGE`)."""
         if not self._armed:
             return
         grad = torch.is_grad_enabled()
@@ -547,7 +550,10 @@ class GradientMonitor:
         if isinstance(output, Tensor):
             if output.requires_grad:
                 noise = None if self.noise is None else self.noise.saw(module, args, output)
-                self._hook(output, Kind.GRAD_OUTPUT, name, self._step_histograms, noise)
+                if edge:
+                    self._hook_edge(name, args, output, noise)
+                else:
+                    self._hook(output, Kind.GRAD_OUTPUT, name, self._step_histograms, noise)
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self._step_histograms)
@@ -591,6 +597,35 @@ class GradientMonitor:
             node.register_prehook(functools.partial(self._output_grad, kind, label, histogram, t.output_nr))
         else:
             node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr, noise))
+
+    def _hook_edge(self, label: str, args: tuple, output: Tensor, noise: Callable[[Tensor], None] | None) -> None:
+        """One hook (a post-hook) on the node that made ``output``, for ``grad_output`` and, from
+        the gradient the node sends along its input's edge, ``grad_input`` (:attr:`Read.EDGE`). A
+        call that was not one op on its input reads ``grad_output`` alone, and the module is read
+        through a view from the next logged step on, said once."""
+        node = output.grad_fn
+        edge = input_edge(node, args)
+        if edge is None:
+            if self._planner.not_one_op(label):
+                self._hooks = None  # made again, with the new plan, at the next arm
+                warnings.warn(
+                    f"{label}: its forward was not one autograd op on its input on this logged step (as it was "
+                    "on the first one), so its grad_input is not logged for this call; it is read through a "
+                    "view from the next logged step", stacklevel=4)
+            self._hook(output, Kind.GRAD_OUTPUT, label, self._step_histograms, noise)
+            return
+        node.register_hook(functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr,
+                                             None if edge == NO_INPUT else edge, noise))
+
+    def _edge_grads(self, label: str, histogram: bool, index: int, edge: int | None,
+                    noise: Callable[[Tensor], None] | None, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        grad = grad_outputs[index]
+        if noise is not None and grad is not None:
+            noise(grad)  # stale after a disarm: it checks that itself
+        if self._armed:
+            self._reduce(Kind.GRAD_OUTPUT, label, grad, histogram)
+            if edge is not None:
+                self._reduce(Kind.GRAD_INPUT, label, grad_inputs[edge], False)
 
     def _output_grad(self, kind: Kind, label: str, histogram: bool, index: int, grads: tuple) -> None:
         if self._armed:

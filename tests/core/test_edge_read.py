@@ -1,0 +1,86 @@
+"""Read.EDGE: grad_input from the edge of the node that made a layer's output, for torch.nn
+layers whose forward is one autograd op on their input: the same numbers as the read through a
+view (Read.VIEWS) and as a full backward hook, and never where the input reaches the output another way."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradhooks import GradientMonitor
+from lightning_gradhooks.core.planning import Read
+
+from conftest import graph_nodes
+from test_monitor import assert_stats, ref_stats
+
+
+def _subclass(cls: type) -> type:
+    """``cls`` under another name: the same forward, but not one of the exact types read from the edge."""
+    return type(f"Sub{cls.__name__}", (cls,), {})
+
+
+class Layers(nn.Module):
+    """One op on a leaf input (a convolution), a norm, activations, a Linear on 2-D input, a
+    dropout, an embedding (an input without grad), a Linear on 3-D input (a view, addmm, a view:
+    not one op), and a Linear whose forward hook adds its input to its output (the input reaches
+    the output two ways: not one op either)."""
+
+    NAMES = ["conv", "bn", "act", "fc", "norm", "tanh", "drop", "seq", "emb", "skip", "head"]
+
+    def __init__(self, sub: bool = False) -> None:
+        super().__init__()
+        kind = _subclass if sub else (lambda cls: cls)
+        self.conv, self.bn, self.act = kind(nn.Conv2d)(2, 3, 3, padding=1), kind(nn.BatchNorm2d)(3), kind(nn.GELU)()
+        self.fc, self.norm, self.tanh = kind(nn.Linear)(48, 8), kind(nn.LayerNorm)(8), kind(nn.Tanh)()
+        self.drop, self.seq, self.emb = kind(nn.Dropout)(0.25), kind(nn.Linear)(8, 8), kind(nn.Embedding)(5, 8)
+        self.skip, self.head = kind(nn.Linear)(8, 8), kind(nn.Linear)(8, 2)
+        self.skip.register_forward_hook(lambda module, args, out: out + args[0])
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.conv(x))).flatten(1)
+        h = self.drop(self.tanh(self.norm(self.fc(h))))
+        h = self.seq(h[:, None].expand(-1, 3, -1)).mean(1) + self.emb(tokens)
+        return self.head(self.skip(h))
+
+
+def _loss(net: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(7)  # the same dropout mask in every run
+    return net(x, tokens).square().sum()
+
+
+def test_one_op_layers_read_from_the_edge_give_what_views_and_full_backward_hooks_give():
+    torch.manual_seed(0)
+    plain = Layers()
+    viewed = Layers(sub=True)
+    viewed.load_state_dict(plain.state_dict())
+    x, tokens = torch.randn(4, 2, 4, 4, requires_grad=True), torch.tensor([0, 3, 1, 4])  # x: a leaf
+    records, plans = {}, {}
+    for key, net in (("edge", plain), ("views", viewed)):
+        bare = graph_nodes(_loss(net, x, tokens))["ViewBackward0"]
+        monitor = GradientMonitor(net, include=Layers.NAMES, parameters=False, activations=False)
+        with monitor.attach():
+            for _ in range(2):  # the probe step, then the planned hooks
+                monitor.arm()
+                loss = _loss(net, x, tokens)
+                if monitor.plan["head"].read is not Read.PROBE:  # a view per input read through one
+                    assert graph_nodes(loss)["ViewBackward0"] - bare == (2 if key == "edge" else len(Layers.NAMES) - 1)
+                loss.backward()
+                records[key] = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+        plans[key] = monitor.plan
+    edge = {n for n in Layers.NAMES if n not in ("seq", "skip")}
+    assert {n: p.read for n, p in plans["edge"].items()} == {n: Read.EDGE if n in edge else Read.VIEWS for n in Layers.NAMES}
+    assert all("not one op" in plans["edge"][n].reason for n in ("seq", "skip"))
+    assert {p.read for p in plans["views"].values()} == {Read.VIEWS}
+    assert set(records["edge"]) == set(records["views"])
+    assert {name for kind, name in records["edge"] if kind == "grad_input"} == set(Layers.NAMES) - {"emb"}
+    for key, stats in records["edge"].items():
+        assert stats == records["views"][key], key  # the same tensors: the same numbers, exactly
+
+    seen = {}
+    for name in Layers.NAMES:
+        getattr(plain, name).register_full_backward_hook(
+            lambda module, gi, go, name=name: seen.update({("grad_output", name): go[0], ("grad_input", name): gi[0]}))
+    _loss(plain, x, tokens).backward()
+    for key, stats in records["edge"].items():
+        assert_stats(stats._asdict(), ref_stats(seen[key]))
