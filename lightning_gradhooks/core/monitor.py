@@ -643,10 +643,8 @@ class GradientMonitor:
                    grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
-    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool,
-                into: tuple[list, dict] | None = None, watch: bool = False) -> None:
-        """Reduce ``grad`` into the armed step's pending rows and reducers, or into the
-        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`); ``watch``: see
+    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool, watch: bool = False) -> None:
+        """Reduce ``grad`` into the armed step's pending rows and reducers; ``watch``: see
         :meth:`Reducer.add`."""
         if grad is None or not grad.is_floating_point():
             return
@@ -654,13 +652,16 @@ class GradientMonitor:
             grad = _shards.local_piece(grad)[0]
             if grad is None or grad.numel() == 0:
                 return
-        pending, reducers = into or (self._pending, self._reducers)
         device = grad.device
+        self._reducer(self._reducers, device).add(grad, histogram, watch)
+        self._pending.append((kind, name, device))
+
+    def _reducer(self, reducers: dict[torch.device, Reducer], device: torch.device) -> Reducer:
+        """The reducer of ``device`` in ``reducers``, made there if it is not yet."""
         reducer = reducers.get(device)
         if reducer is None:
             reducer = reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
-        reducer.add(grad, histogram, watch)
-        pending.append((kind, name, device))
+        return reducer
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
@@ -730,16 +731,24 @@ class GradientMonitor:
     def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
                            into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:
         """Reduce the chosen parameters' gradients (those in ``parameters`` only, if given) and
-        return all the chosen parameters, by name; ``into``: see :meth:`_reduce`."""
+        return all the chosen parameters, by name; ``into``: the ``(pending, reducers)`` to reduce
+        into instead of the armed step's (:meth:`collect_parameters`)."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         views, flat = _shards.fsdp1_sharded(self._model)
         self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
         chosen = self.parameters
+        by_device: dict[torch.device, tuple[list[str], list[Tensor]]] = {}  # one Reducer call per device
         for name, piece, reason in _shards.pieces(chosen, views, wanted):
             if reason is not None:
                 self.skipped[name] = reason
-            elif piece is not None:
-                self._reduce(Kind.PARAM_GRAD, name, piece, self._step_histograms, into)
+            elif piece is not None and piece.is_floating_point():
+                names, grads = by_device.setdefault(piece.device, ([], []))
+                names.append(name)
+                grads.append(piece)
+        pending, reducers = into or (self._pending, self._reducers)
+        for device, (names, grads) in by_device.items():
+            self._reducer(reducers, device).extend(grads, self._step_histograms)
+            pending.extend([(Kind.PARAM_GRAD, name, device) for name in names])
         return chosen
 
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:
