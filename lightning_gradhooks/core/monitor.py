@@ -2,13 +2,15 @@
 
 The monitor chooses modules and gives back one handle that removes everything it registers.
 Between logged steps nothing of it is in the modules. When it is *armed*, a forward hook on each
-chosen module hooks the autograd nodes that made the module's outputs, and a forward pre-hook
-passes each input through a view whose node is hooked too: backward then hands the hooks
-``grad_output`` and ``grad_input``, the same tensors a full backward hook
-(``register_full_backward_hook``) receives, without the two Python autograd functions per call
-that a full backward hook wraps around every forward. Every hook is registered through torch's
-public APIs (``register_forward_hook``, ``register_forward_pre_hook``, ``Node.register_prehook``,
-``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
+chosen module hooks the autograd nodes that made the module's outputs; for a torch.nn layer whose
+forward is one autograd op on its input, one post-hook on that node also takes ``grad_input``
+from the edge that leads to the input (:attr:`Read.EDGE`), and for other modules a forward
+pre-hook passes each input through a view whose node is hooked too (:attr:`Read.VIEWS`):
+backward then hands the hooks ``grad_output`` and ``grad_input``, the same tensors a full
+backward hook (``register_full_backward_hook``) receives, without the two Python autograd
+functions per call that a full backward hook wraps around every forward. Every hook is
+registered through torch's public APIs (``register_forward_hook``, ``register_forward_pre_hook``,
+``Node.register_prehook``, ``Node.register_hook``, ``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
 :meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
 in one transfer per device, as a :class:`~lightning_gradhooks.core.records.GradientRecord`.
 Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.core.planning`.
@@ -303,12 +305,14 @@ class GradientMonitor:
         when it disarms (:meth:`collect`, :meth:`disarm`): steps that are not logged run exactly
         as without the monitor.
 
-        Reading ``grad_input`` passes a module's inputs through a view, which breaks on modules
-        whose output (or input) is modified in place, as ``ReLU(inplace=True)`` after a norm
-        layer or ``out += identity`` do. So the first armed forward only watches tensor version
-        counters and reads ``grad_output`` (that step has no ``grad_input``). When its backward
-        starts, modules seen modified in place keep to ``grad_output`` (reported once in a
-        warning) and every other module has its inputs watched too.
+        Reading ``grad_input`` passes a module's inputs through a view (or, for a layer whose
+        forward is one op on its input, reads the edge of its output's node), which breaks on
+        modules whose output (or input) is modified in place, as ``ReLU(inplace=True)`` after a
+        norm layer or ``out += identity`` do. So the first armed forward only watches tensor
+        version counters, and which layers are one op, and reads ``grad_output`` (that step has
+        no ``grad_input``). When its backward starts, modules seen modified in place keep to
+        ``grad_output`` (reported once in a warning) and every other module has its inputs
+        watched too (:attr:`plan`).
         """
         if self._handle is None or not self._handle.active:
             self._handle = MonitorHandle(on_remove=self._release)
