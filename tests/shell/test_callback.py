@@ -161,9 +161,9 @@ def test_steps_that_are_not_logged_carry_no_hook_and_no_hook_node(tmp_path):
     assert snapshots == [False, True, True, False, True, True, False]
     bare = model.graphs[1]
     assert "BackwardHookFunctionBackward" not in bare and "ViewBackward0" not in bare
-    assert [model.graphs[i] for i in (0, 1, 2, 4, 5)] == [bare] * 5  # the probe reads grad_output only
-    for i in (3, 6):  # grad_input through a view of each module input that needs grad: one node each
-        assert set(model.graphs[i] - bare) == {"ViewBackward0"} and not bare - model.graphs[i]
+    # The probe reads grad_output only; later logged steps read grad_input from the edge of each
+    # Linear's node (one op on its input): no view, no node of ours in any graph.
+    assert [model.graphs[i] for i in range(7)] == [bare] * 7
     assert hook_snapshot(model) == before
 
 
