@@ -607,8 +607,7 @@ class GradientMonitor:
         the gradient the node sends along its input's edge, ``grad_input`` (:attr:`Read.EDGE`). A
         call that was not one op on its input reads ``grad_output`` alone, and the module is read
         through a view from the next logged step on, said once."""
-        node = output.grad_fn
-        edge = input_edge(node, args)
+        edge = input_edge(output, args)
         if edge is None:
             if self._planner.not_one_op(label):
                 self._hooks = None  # made again, with the new plan, at the next arm
@@ -618,7 +617,7 @@ class GradientMonitor:
                     "view from the next logged step", stacklevel=4)
             self._hook(output, Kind.GRAD_OUTPUT, label, self._step_histograms, noise)
             return
-        node.register_hook(functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr,
+        output.grad_fn.register_hook(functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr,
                                              None if edge == NO_INPUT else edge, noise))
 
     def _edge_grads(self, label: str, histogram: bool, index: int, edge: int | None,

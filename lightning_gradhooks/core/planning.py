@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 import lightning_gradhooks.core._shards as _shards
@@ -62,8 +63,8 @@ IN_PLACE, STRUCTURED, NOT_RUN, NOT_ONE_OP = "in place", "structured", "not run",
 #: the inputs they usually get (a Linear on 2-D input, a convolution without padding modes, ...):
 #: the candidates for :attr:`Read.EDGE`, by exact type (a subclass may compute more). Whether a
 #: call was one op on its input is checked on the graph at every call (:func:`input_edge`): a
-#: Linear on 3-D input (a view, ``addmm``, a view), a cast under autocast, a decomposed layer or
-#: a forward hook that adds the input to the output is not.
+#: Linear on 3-D input (a view, ``addmm``, a view), a widening cast under autocast, a decomposed
+#: layer or a forward hook that adds the input to the output is not.
 ONE_OP = frozenset({
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.Dropout,
@@ -74,21 +75,28 @@ ONE_OP = frozenset({
 NO_INPUT = -1
 
 
-def input_edge(node: Any, args: tuple) -> int | None:
-    """Where a module's one input reaches ``node``, the autograd node that made its output, when
-    that node is the only way from the output to the input: the index of the input's edge in
-    ``node.next_functions``, there exactly once, every other edge leading away from the input (to
-    nothing, or through nodes of one edge each to a node of none, such as a parameter's
+def input_edge(output: Any, args: tuple) -> int | None:
+    """Where a module's one input reaches the autograd node that made its ``output``, when that
+    node is the only way from the output to the input: the index of the input's edge in the
+    node's ``next_functions``, there exactly once, every other edge leading away from the input
+    (to nothing, or through nodes of one edge each to a node of none, such as a parameter's
     AccumulateGrad, in a few steps); :data:`NO_INPUT` when the input does not require grad; None
-    when the call was not one op on its input (several inputs, no node, or another way)."""
+    when the call was not one op on its input (several inputs, no node, or another way).
+
+    The edge may lead to the input through one cast that autocast made in the forward (a
+    ``ToCopyBackward0`` node), when the output's dtype is narrower than the input's: that cast's
+    backward only widens the gradient, exactly, so the statistics are those of ``grad_input``.
+    """
+    node = getattr(output, "grad_fn", None)
     if len(args) != 1 or node is None:
         return None
     x = args[0]
     if not (isinstance(x, Tensor) and x.requires_grad):
         return NO_INPUT
     fn, found = x.grad_fn, None
+    narrowed = output.dtype != x.dtype and torch.promote_types(output.dtype, x.dtype) == x.dtype
     for i, edge in enumerate(node.next_functions):
-        if _leads_to(edge, x, fn):
+        if _leads_to(edge, x, fn) or (narrowed and _cast_of(edge, x, fn)):
             if found is not None:
                 return None  # the input twice: the op's gradient would be a sum over both
             found = i
@@ -102,6 +110,15 @@ def _leads_to(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
     AccumulateGrad node, whose ``variable`` is the leaf)."""
     n, k = edge
     return n is not None and (n is fn and k == x.output_nr if fn is not None else getattr(n, "variable", None) is x)
+
+
+def _cast_of(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
+    """Whether ``edge`` leads to a cast of ``x`` (a ``ToCopyBackward0`` node whose one edge is ``x``'s)."""
+    n = edge[0]
+    if n is None or type(n).__name__ != "ToCopyBackward0":
+        return False
+    edges = n.next_functions
+    return len(edges) == 1 and _leads_to(edges[0], x, fn)
 
 
 #: How many nodes of one edge :func:`input_edge` follows from an edge before it gives up
@@ -347,7 +364,7 @@ class Planner:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             probe.add(label, STRUCTURED)
-        if outputs and input_edge(getattr(output, "grad_fn", None), args) is None:
+        if outputs and input_edge(output, args) is None:
             probe.add(label, NOT_ONE_OP)
         probe.outputs.append((label, [(t, t._version) for _, t in outputs]))
         return True

@@ -49,38 +49,72 @@ def _loss(net: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return net(x, tokens).square().sum()
 
 
-def test_one_op_layers_read_from_the_edge_give_what_views_and_full_backward_hooks_give():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_one_op_layers_read_from_the_edge_give_what_views_and_full_backward_hooks_give(autocast):
+    """Under CPU autocast (bfloat16) the input of a Linear or a convolution is cast inside its
+    forward: the op's edge leads to the input through that cast, whose backward widens the
+    gradient exactly, so the layer is still read from its edge, with the same numbers."""
     torch.manual_seed(0)
     plain = Layers()
     viewed = Layers(sub=True)
     viewed.load_state_dict(plain.state_dict())
     x, tokens = torch.randn(4, 2, 4, 4, requires_grad=True), torch.tensor([0, 3, 1, 4])  # x: a leaf
     records, plans = {}, {}
-    for key, net in (("edge", plain), ("views", viewed)):
-        bare = graph_nodes(_loss(net, x, tokens))["ViewBackward0"]
-        monitor = GradientMonitor(net, include=Layers.NAMES, parameters=False, activations=False)
-        with monitor.attach():
-            for _ in range(2):  # the probe step, then the planned hooks
-                monitor.arm()
-                loss = _loss(net, x, tokens)
-                if monitor.plan["head"].read is not Read.PROBE:  # a view per input read through one
-                    assert graph_nodes(loss)["ViewBackward0"] - bare == (2 if key == "edge" else len(Layers.NAMES) - 1)
-                loss.backward()
-                records[key] = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
-        plans[key] = monitor.plan
-    edge = {n for n in Layers.NAMES if n not in ("seq", "skip")}
-    assert {n: p.read for n, p in plans["edge"].items()} == {n: Read.EDGE if n in edge else Read.VIEWS for n in Layers.NAMES}
-    assert all("not one op" in plans["edge"][n].reason for n in ("seq", "skip"))
-    assert {p.read for p in plans["views"].values()} == {Read.VIEWS}
-    assert set(records["edge"]) == set(records["views"])
-    assert {name for kind, name in records["edge"] if kind == "grad_input"} == set(Layers.NAMES) - {"emb"}
-    for key, stats in records["edge"].items():
-        assert stats == records["views"][key], key  # the same tensors: the same numbers, exactly
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for key, net in (("edge", plain), ("views", viewed)):
+            bare = graph_nodes(_loss(net, x, tokens))["ViewBackward0"]
+            monitor = GradientMonitor(net, include=Layers.NAMES, parameters=False, activations=False)
+            with monitor.attach():
+                for _ in range(2):  # the probe step, then the planned hooks
+                    monitor.arm()
+                    loss = _loss(net, x, tokens)
+                    if monitor.plan["head"].read is not Read.PROBE:  # a view per input read through one
+                        assert graph_nodes(loss)["ViewBackward0"] - bare == (2 if key == "edge" else len(Layers.NAMES) - 1)
+                    loss.backward()
+                    records[key] = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+            plans[key] = monitor.plan
+        edge = {n for n in Layers.NAMES if n not in ("seq", "skip")}
+        assert {n: p.read for n, p in plans["edge"].items()} == {n: Read.EDGE if n in edge else Read.VIEWS for n in Layers.NAMES}
+        assert all("not one op" in plans["edge"][n].reason for n in ("seq", "skip"))
+        assert {p.read for p in plans["views"].values()} == {Read.VIEWS}
+        assert set(records["edge"]) == set(records["views"])
+        assert {name for kind, name in records["edge"] if kind == "grad_input"} == set(Layers.NAMES) - {"emb"}
+        for key, stats in records["edge"].items():
+            assert stats == records["views"][key], key  # the same numbers, exactly
 
-    seen = {}
-    for name in Layers.NAMES:
-        getattr(plain, name).register_full_backward_hook(
-            lambda module, gi, go, name=name: seen.update({("grad_output", name): go[0], ("grad_input", name): gi[0]}))
-    _loss(plain, x, tokens).backward()
+        seen = {}
+        for name in Layers.NAMES:
+            getattr(plain, name).register_full_backward_hook(
+                lambda module, gi, go, name=name: seen.update({("grad_output", name): go[0], ("grad_input", name): gi[0]}))
+        _loss(plain, x, tokens).backward()
+    if autocast:  # the convolution's input was cast: its grad_input is float32, as x
+        assert seen["grad_input", "conv"].dtype == torch.float32 and seen["grad_output", "conv"].dtype == torch.bfloat16
     for key, stats in records["edge"].items():
         assert_stats(stats._asdict(), ref_stats(seen[key]))
+
+
+def test_a_cast_that_rounds_the_gradient_is_not_read_from_the_edge():
+    """A bfloat16 input that autocast casts to float16 inside the Linear: the cast's backward
+    rounds the gradient (neither dtype holds the other), so the edge's gradient is not the
+    module's grad_input: the Linear is read through a view, and gives what a full hook gives."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(16, 8)
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return net[1](net[0](x).bfloat16()).float().square().sum()
+
+    monitor = GradientMonitor(net, parameters=False, activations=False)
+    with monitor.attach():
+        for _ in range(2):
+            monitor.arm()
+            loss().backward()
+            record = {(e.kind, e.name): e.stats for e in monitor.collect().entries}
+    assert monitor.plan["1"].read is Read.VIEWS and "not one op" in monitor.plan["1"].reason
+    seen = {}
+    net[1].register_full_backward_hook(lambda module, gi, go: seen.update(grad_input=gi[0], grad_output=go[0]))
+    loss().backward()
+    assert seen["grad_input"].dtype == torch.bfloat16
+    for kind in ("grad_input", "grad_output"):
+        assert_stats(record[kind, "1"]._asdict(), ref_stats(seen[kind]))
