@@ -10,9 +10,10 @@ backward then hands the hooks ``grad_output`` and ``grad_input``, the same tenso
 backward hook (``register_full_backward_hook``) receives, without the two Python autograd
 functions per call that a full backward hook wraps around every forward. Every hook is
 registered through torch's public APIs (``register_forward_hook``, ``register_forward_pre_hook``,
-``Node.register_prehook``, ``Node.register_hook``, ``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
-:meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
-in one transfer per device, as a :class:`~lightning_gradhooks.core.records.GradientRecord`.
+``Node.register_prehook``, ``Node.register_hook``, ``Tensor.register_hook``). The hooks reduce the
+gradients to statistics on the device; :meth:`GradientMonitor.collect` adds the parameter
+gradients and brings everything to the host in one transfer per device, as a
+:class:`~lightning_gradhooks.core.records.GradientRecord`.
 Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.core.planning`.
 """
 
@@ -336,7 +337,8 @@ class GradientMonitor:
                 else:
                     if read is Read.VIEWS:
                         self._hooks.append((module, True, functools.partial(self._watch_inputs, label)))
-                    self._hooks.append((module, False, functools.partial(self._watch_forward, label, read is Read.EDGE)))
+                    watch = functools.partial(self._watch_forward, label, read is Read.EDGE)
+                    self._hooks.append((module, False, watch))
         self._handle.put(self._hooks)
 
     @property
@@ -617,8 +619,9 @@ class GradientMonitor:
                     "view from the next logged step", stacklevel=4)
             self._hook(output, Kind.GRAD_OUTPUT, label, self._step_histograms, noise)
             return
-        output.grad_fn.register_hook(functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr,
-                                             None if edge == NO_INPUT else edge, noise))
+        edge = None if edge == NO_INPUT else edge
+        output.grad_fn.register_hook(
+            functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr, edge, noise))
 
     def _edge_grads(self, label: str, histogram: bool, index: int, edge: int | None,
                     noise: Callable[[Tensor], None] | None, grad_inputs: tuple, grad_outputs: tuple) -> None:

@@ -3,8 +3,9 @@
 :func:`select_modules` chooses modules by qualified name. A :class:`Planner` holds each watched
 module's read plan (:class:`Plan`: a :class:`Read` and why): the first logged step probes what
 the modules do (in-place use, structured outputs, whether a layer's forward is one autograd op on
-its input) and its backward plans each lastingly. Every plan is made by one function, :func:`_decide`. The monitor owns the hooks; the planner only says
-which to put in and takes in what the probe's hooks see.
+its input) and its backward plans each lastingly. Every plan is made by one function,
+:func:`_decide`. The monitor owns the hooks; the planner only says which to put in and takes in
+what the probe's hooks see.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ IN_PLACE, STRUCTURED, NOT_RUN, NOT_ONE_OP = "in place", "structured", "not run",
 #: the inputs they usually get (a Linear on 2-D input, a convolution without padding modes, ...):
 #: the candidates for :attr:`Read.EDGE`, by exact type (a subclass may compute more). Whether a
 #: call was one op on its input is checked on the graph at every call (:func:`input_edge`): a
-#: Linear on 3-D input (a view, ``addmm``, a view), a widening cast under autocast, a decomposed
-#: layer or a forward hook that adds the input to the output is not.
+#: Linear on 3-D input (a view, ``addmm``, a view), a cast whose backward rounds the gradient, a
+#: decomposed layer or a forward hook that adds the input to the output is not.
 ONE_OP = frozenset({
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.Dropout,
@@ -158,8 +159,9 @@ def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> P
     if _shards.unsharded_type(module) not in ONE_OP:
         return Plan(Read.VIEWS, "grad_input through a view of each input")
     if NOT_ONE_OP in seen:
-        return Plan(Read.VIEWS, "grad_input through a view of its input: its forward was not one op on its input "
-                                "on a logged step (another input shape, a cast, a decomposed layer)")
+        return Plan(Read.VIEWS, "grad_input through a view of its input: its forward was not one op on its "
+                                "input on a logged step (another input shape, a cast that rounds the gradient, "
+                                "a decomposed layer)")
     return Plan(Read.EDGE, "its forward is one op on its input: grad_input is what the op sends along the input's edge")
 
 
