@@ -524,7 +524,7 @@ def no_grad_input() -> Iterator[None]:
 
     def changed(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> core.Plan:
         plan = decide(module, compiled, seen)
-        if plan.read is core.Read.VIEWS:
+        if plan.read in (core.Read.VIEWS, core.Read.EDGE):
             return core.Plan(core.Read.OUTPUT_ONLY, "benchmark: no grad_input")
         return plan
 

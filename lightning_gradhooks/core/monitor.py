@@ -2,15 +2,18 @@
 
 The monitor chooses modules and gives back one handle that removes everything it registers.
 Between logged steps nothing of it is in the modules. When it is *armed*, a forward hook on each
-chosen module hooks the autograd nodes that made the module's outputs, and a forward pre-hook
-passes each input through a view whose node is hooked too: backward then hands the hooks
-``grad_output`` and ``grad_input``, the same tensors a full backward hook
-(``register_full_backward_hook``) receives, without the two Python autograd functions per call
-that a full backward hook wraps around every forward. Every hook is registered through torch's
-public APIs (``register_forward_hook``, ``register_forward_pre_hook``, ``Node.register_prehook``,
-``Tensor.register_hook``). The hooks reduce the gradients to statistics on the device;
-:meth:`GradientMonitor.collect` adds the parameter gradients and brings everything to the host
-in one transfer per device, as a :class:`~lightning_gradhooks.core.records.GradientRecord`.
+chosen module hooks the autograd nodes that made the module's outputs; for a torch.nn layer whose
+forward is one autograd op on its input, one post-hook on that node also takes ``grad_input``
+from the edge that leads to the input (:attr:`Read.EDGE`), and for other modules a forward
+pre-hook passes each input through a view whose node is hooked too (:attr:`Read.VIEWS`):
+backward then hands the hooks ``grad_output`` and ``grad_input``, the same tensors a full
+backward hook (``register_full_backward_hook``) receives, without the two Python autograd
+functions per call that a full backward hook wraps around every forward. Every hook is
+registered through torch's public APIs (``register_forward_hook``, ``register_forward_pre_hook``,
+``Node.register_prehook``, ``Node.register_hook``, ``Tensor.register_hook``). The hooks reduce the
+gradients to statistics on the device; :meth:`GradientMonitor.collect` adds the parameter
+gradients and brings everything to the host in one transfer per device, as a
+:class:`~lightning_gradhooks.core.records.GradientRecord`.
 Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.core.planning`.
 """
 
@@ -33,7 +36,8 @@ from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.planning import (
-    Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, select_modules,
+    NO_INPUT, Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge,
+    select_modules,
 )
 from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.core.stats import Reducer, Scratch, StatsRow
@@ -302,12 +306,14 @@ class GradientMonitor:
         when it disarms (:meth:`collect`, :meth:`disarm`): steps that are not logged run exactly
         as without the monitor.
 
-        Reading ``grad_input`` passes a module's inputs through a view, which breaks on modules
-        whose output (or input) is modified in place, as ``ReLU(inplace=True)`` after a norm
-        layer or ``out += identity`` do. So the first armed forward only watches tensor version
-        counters and reads ``grad_output`` (that step has no ``grad_input``). When its backward
-        starts, modules seen modified in place keep to ``grad_output`` (reported once in a
-        warning) and every other module has its inputs watched too.
+        Reading ``grad_input`` passes a module's inputs through a view (or, for a layer whose
+        forward is one op on its input, reads the edge of its output's node), which breaks on
+        modules whose output (or input) is modified in place, as ``ReLU(inplace=True)`` after a
+        norm layer or ``out += identity`` do. So the first armed forward only watches tensor
+        version counters, and which layers are one op, and reads ``grad_output`` (that step has
+        no ``grad_input``). When its backward starts, modules seen modified in place keep to
+        ``grad_output`` (reported once in a warning) and every other module has its inputs
+        watched too (:attr:`plan`).
         """
         if self._handle is None or not self._handle.active:
             self._handle = MonitorHandle(on_remove=self._release)
@@ -331,7 +337,8 @@ class GradientMonitor:
                 else:
                     if read is Read.VIEWS:
                         self._hooks.append((module, True, functools.partial(self._watch_inputs, label)))
-                    self._hooks.append((module, False, functools.partial(self._watch_forward, label)))
+                    watch = functools.partial(self._watch_forward, label, read is Read.EDGE)
+                    self._hooks.append((module, False, watch))
         self._handle.put(self._hooks)
 
     @property
@@ -368,8 +375,8 @@ class GradientMonitor:
             self._planner.probe_inputs(name, args)
 
     def _probe_outputs(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and self._planner.probe_outputs(name, output):
-            self._watch_forward(name, module, args, output)
+        if torch.is_grad_enabled() and self._planner.probe_outputs(name, args, output):
+            self._watch_forward(name, False, module, args, output)
         elif self.activations and self._armed and torch._C._current_graph_task_id() == -1:
             self._watch_outputs(name, output)
 
@@ -528,7 +535,9 @@ class GradientMonitor:
                 self._hook(watched[i], Kind.GRAD_INPUT, name if len(args) == 1 else f"{name}/{i}", False)
         return None if watched is None else tuple(watched)
 
-    def _watch_forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+    def _watch_forward(self, name: str, edge: bool, module: nn.Module, args: tuple, output: Any) -> None:
+        """A watched module returned ``output``: read its statistics, hook its gradients (``edge``:
+        also ``grad_input``, from the node that made the output: :attr:`Read.EDGE`)."""
         if not self._armed:
             return
         grad = torch.is_grad_enabled()
@@ -547,7 +556,10 @@ class GradientMonitor:
         if isinstance(output, Tensor):
             if output.requires_grad:
                 noise = None if self.noise is None else self.noise.saw(module, args, output)
-                self._hook(output, Kind.GRAD_OUTPUT, name, self._step_histograms, noise)
+                if edge:
+                    self._hook_edge(name, args, output, noise)
+                else:
+                    self._hook(output, Kind.GRAD_OUTPUT, name, self._step_histograms, noise)
         else:
             for path, t in _grad_tensors(output):
                 self._hook(t, Kind.GRAD_OUTPUT, "/".join((name, *path)), self._step_histograms)
@@ -592,6 +604,35 @@ class GradientMonitor:
         else:
             node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr, noise))
 
+    def _hook_edge(self, label: str, args: tuple, output: Tensor, noise: Callable[[Tensor], None] | None) -> None:
+        """One hook (a post-hook) on the node that made ``output``, for ``grad_output`` and, from
+        the gradient the node sends along its input's edge, ``grad_input`` (:attr:`Read.EDGE`). A
+        call that was not one op on its input reads ``grad_output`` alone, and the module is read
+        through a view from the next logged step on, said once."""
+        edge = input_edge(output, args)
+        if edge is None:
+            if self._planner.not_one_op(label):
+                self._hooks = None  # made again, with the new plan, at the next arm
+                warnings.warn(
+                    f"{label}: its forward was not one autograd op on its input on this logged step (as it was "
+                    "on the first one), so its grad_input is not logged for this call; it is read through a "
+                    "view from the next logged step", stacklevel=4)
+            self._hook(output, Kind.GRAD_OUTPUT, label, self._step_histograms, noise)
+            return
+        edge = None if edge == NO_INPUT else edge
+        output.grad_fn.register_hook(
+            functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr, edge, noise))
+
+    def _edge_grads(self, label: str, histogram: bool, index: int, edge: int | None,
+                    noise: Callable[[Tensor], None] | None, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        grad = grad_outputs[index]
+        if noise is not None and grad is not None:
+            noise(grad)  # stale after a disarm: it checks that itself
+        if self._armed:
+            self._reduce(Kind.GRAD_OUTPUT, label, grad, histogram)
+            if edge is not None:
+                self._reduce(Kind.GRAD_INPUT, label, grad_inputs[edge], False)
+
     def _output_grad(self, kind: Kind, label: str, histogram: bool, index: int, grads: tuple) -> None:
         if self._armed:
             self._reduce(kind, label, grads[index], histogram)
@@ -608,10 +649,8 @@ class GradientMonitor:
                    grad: Tensor) -> None:
         self._node_grad(kind, label, histogram, 0, noise, (grad,))
 
-    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool,
-                into: tuple[list, dict] | None = None, watch: bool = False) -> None:
-        """Reduce ``grad`` into the armed step's pending rows and reducers, or into the
-        ``(pending, reducers)`` of ``into`` (:meth:`collect_parameters`); ``watch``: see
+    def _reduce(self, kind: Kind, name: str, grad: Tensor | None, histogram: bool, watch: bool = False) -> None:
+        """Reduce ``grad`` into the armed step's pending rows and reducers; ``watch``: see
         :meth:`Reducer.add`."""
         if grad is None or not grad.is_floating_point():
             return
@@ -619,13 +658,16 @@ class GradientMonitor:
             grad = _shards.local_piece(grad)[0]
             if grad is None or grad.numel() == 0:
                 return
-        pending, reducers = into or (self._pending, self._reducers)
         device = grad.device
+        self._reducer(self._reducers, device).add(grad, histogram, watch)
+        self._pending.append((kind, name, device))
+
+    def _reducer(self, reducers: dict[torch.device, Reducer], device: torch.device) -> Reducer:
+        """The reducer of ``device`` in ``reducers``, made there if it is not yet."""
         reducer = reducers.get(device)
         if reducer is None:
             reducer = reducers[device] = Reducer(self.bins, self._scratch, self.compile_statistics)
-        reducer.add(grad, histogram, watch)
-        pending.append((kind, name, device))
+        return reducer
 
     # -- host side -------------------------------------------------------------------------
     def collect(self, parameters: Iterable[Tensor] | None = None) -> GradientRecord:
@@ -695,16 +737,24 @@ class GradientMonitor:
     def _reduce_parameters(self, parameters: Iterable[Tensor] | None,
                            into: tuple[list, dict] | None = None) -> dict[str, nn.Parameter]:
         """Reduce the chosen parameters' gradients (those in ``parameters`` only, if given) and
-        return all the chosen parameters, by name; ``into``: see :meth:`_reduce`."""
+        return all the chosen parameters, by name; ``into``: the ``(pending, reducers)`` to reduce
+        into instead of the armed step's (:meth:`collect_parameters`)."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         views, flat = _shards.fsdp1_sharded(self._model)
         self.skipped = {"(FSDP1 flat parameters)": _shards.FLAT} if flat else {}
         chosen = self.parameters
+        by_device: dict[torch.device, tuple[list[str], list[Tensor]]] = {}  # one Reducer call per device
         for name, piece, reason in _shards.pieces(chosen, views, wanted):
             if reason is not None:
                 self.skipped[name] = reason
-            elif piece is not None:
-                self._reduce(Kind.PARAM_GRAD, name, piece, self._step_histograms, into)
+            elif piece is not None and piece.is_floating_point():
+                names, grads = by_device.setdefault(piece.device, ([], []))
+                names.append(name)
+                grads.append(piece)
+        pending, reducers = into or (self._pending, self._reducers)
+        for device, (names, grads) in by_device.items():
+            self._reducer(reducers, device).extend(grads, self._step_histograms)
+            pending.extend([(Kind.PARAM_GRAD, name, device) for name in names])
         return chosen
 
     def _described(self, record: GradientRecord, parameters: dict[str, nn.Parameter]) -> GradientRecord:

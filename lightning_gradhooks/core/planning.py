@@ -2,9 +2,10 @@
 
 :func:`select_modules` chooses modules by qualified name. A :class:`Planner` holds each watched
 module's read plan (:class:`Plan`: a :class:`Read` and why): the first logged step probes what
-the modules do (in-place use, structured outputs) and its backward plans each lastingly. Every
-plan is made by one function, :func:`_decide`. The monitor owns the hooks; the planner only says
-which to put in and takes in what the probe's hooks see.
+the modules do (in-place use, structured outputs, whether a layer's forward is one autograd op on
+its input) and its backward plans each lastingly. Every plan is made by one function,
+:func:`_decide`. The monitor owns the hooks; the planner only says which to put in and takes in
+what the probe's hooks see.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
+import lightning_gradhooks.core._shards as _shards
 from lightning_gradhooks.core._checks import check_patterns
 from lightning_gradhooks.core.forward_checks import tensor_leaves
 
-__all__ = ["Plan", "Planner", "Read", "select_modules"]
+__all__ = ["ONE_OP", "Plan", "Planner", "Read", "input_edge", "select_modules"]
 
 
 class Read(enum.Enum):
@@ -34,6 +37,10 @@ class Read(enum.Enum):
     #: The first logged step: ``grad_output`` only, while the tensors' version counters are
     #: watched for in-place use; its backward decides the lasting plan.
     PROBE = "probe"
+    #: ``grad_output`` and ``grad_input`` from one hook on the node that made the output: the
+    #: module is a torch.nn layer whose forward was one autograd op on its one input (:data:`ONE_OP`),
+    #: so what that node sends along its input's edge is the gradient through this module alone.
+    EDGE = "edge"
     #: ``grad_output`` from the node that made each output, ``grad_input`` from the node of a
     #: view that each input is passed through.
     VIEWS = "views"
@@ -51,7 +58,89 @@ class Plan(NamedTuple):
 
 
 #: What a module can show on logged steps, which :func:`_decide` plans from.
-IN_PLACE, STRUCTURED, NOT_RUN = "in place", "structured", "not run"
+IN_PLACE, STRUCTURED, NOT_RUN, NOT_ONE_OP = "in place", "structured", "not run", "not one op"
+
+#: torch.nn layers whose forward is one autograd op on their input and their own parameters, on
+#: the inputs they usually get (a Linear on 2-D input, a convolution without padding modes, ...):
+#: the candidates for :attr:`Read.EDGE`, by exact type (a subclass may compute more). Whether a
+#: call was one op on its input is checked on the graph at every call (:func:`input_edge`): a
+#: Linear on 3-D input (a view, ``addmm``, a view), a cast whose backward rounds the gradient, a
+#: decomposed layer or a forward hook that adds the input to the output is not.
+ONE_OP = frozenset({
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.Dropout,
+    nn.Tanh, nn.Sigmoid, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Mish,
+    nn.Softmax, nn.LogSoftmax,
+})
+#: :func:`input_edge` of a call whose input does not require grad: no ``grad_input`` to read.
+NO_INPUT = -1
+
+
+def input_edge(output: Any, args: tuple) -> int | None:
+    """Where a module's one input reaches the autograd node that made its ``output``, when that
+    node is the only way from the output to the input: the index of the input's edge in the
+    node's ``next_functions``, there exactly once, every other edge leading away from the input
+    (to nothing, or through nodes of one edge each to a node of none, such as a parameter's
+    AccumulateGrad, in a few steps); :data:`NO_INPUT` when the input does not require grad; None
+    when the call was not one op on its input (several inputs, no node, or another way).
+
+    The edge may lead to the input through one cast that autocast made in the forward (a
+    ``ToCopyBackward0`` node), when the output's dtype is narrower than the input's: that cast's
+    backward only widens the gradient, exactly, so the statistics are those of ``grad_input``.
+    """
+    node = getattr(output, "grad_fn", None)
+    if len(args) != 1 or node is None:
+        return None
+    x = args[0]
+    if not (isinstance(x, Tensor) and x.requires_grad):
+        return NO_INPUT
+    fn, found = x.grad_fn, None
+    narrowed = output.dtype != x.dtype and torch.promote_types(output.dtype, x.dtype) == x.dtype
+    for i, edge in enumerate(node.next_functions):
+        if _leads_to(edge, x, fn) or (narrowed and _cast_of(edge, x, fn)):
+            if found is not None:
+                return None  # the input twice: the op's gradient would be a sum over both
+            found = i
+        elif not _away(edge, x, fn):
+            return None
+    return found
+
+
+def _leads_to(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
+    """Whether ``edge`` is the edge of ``x`` (whose node is ``fn``; a leaf's edge leads to its
+    AccumulateGrad node, whose ``variable`` is the leaf)."""
+    n, k = edge
+    return n is not None and (n is fn and k == x.output_nr if fn is not None else getattr(n, "variable", None) is x)
+
+
+def _cast_of(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
+    """Whether ``edge`` leads to a cast of ``x`` (a ``ToCopyBackward0`` node whose one edge is ``x``'s)."""
+    n = edge[0]
+    if n is None or type(n).__name__ != "ToCopyBackward0":
+        return False
+    edges = n.next_functions
+    return len(edges) == 1 and _leads_to(edges[0], x, fn)
+
+
+#: How many nodes of one edge :func:`input_edge` follows from an edge before it gives up
+#: (a parameter's is at most two away: ``TBackward0``, then its AccumulateGrad).
+_CHAIN = 4
+
+
+def _away(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
+    """Whether no gradient can flow from ``edge`` to ``x``: it leads to no node, or through
+    nodes of one edge each (``x``'s not among them) to a node of none, within :data:`_CHAIN`."""
+    for _ in range(_CHAIN):
+        if _leads_to(edge, x, fn):
+            return False
+        node = edge[0]
+        if node is None:
+            return True
+        edges = node.next_functions
+        if len(edges) != 1:
+            return not edges  # a node of no edges (AccumulateGrad) is where a gradient stops
+        edge = edges[0]
+    return False
 
 
 def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
@@ -67,7 +156,13 @@ def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> P
         return Plan(Read.OUTPUT_ONLY, "its output is not a tensor or a flat tuple of tensors, as a full backward hook needs")
     if NOT_RUN in seen:
         return Plan(Read.OUTPUT_ONLY, "it did not run in the first logged step, so in-place use could not be ruled out")
-    return Plan(Read.VIEWS, "grad_input through a view of each input")
+    if _shards.unsharded_type(module) not in ONE_OP:
+        return Plan(Read.VIEWS, "grad_input through a view of each input")
+    if NOT_ONE_OP in seen:
+        return Plan(Read.VIEWS, "grad_input through a view of its input: its forward was not one op on its "
+                                "input on a logged step (another input shape, a cast that rounds the gradient, "
+                                "a decomposed layer)")
+    return Plan(Read.EDGE, "its forward is one op on its input: grad_input is what the op sends along the input's edge")
 
 
 @dataclass
@@ -221,8 +316,9 @@ class Planner:
         >>> planner.plans["0"].read
         <Read.PROBE: 'probe'>
         >>> planner.start()
-        >>> out = net[0](torch.randn(3, 2, requires_grad=True))
-        >>> planner.probe_outputs("0", out)
+        >>> x = torch.randn(3, 2, requires_grad=True)
+        >>> out = net[0](x)
+        >>> planner.probe_outputs("0", (x,), out)
         True
         >>> _ = net[1](out)  # modifies the Linear's output in place
         >>> planner.finish()
@@ -237,6 +333,7 @@ class Planner:
         #: The modules that get hooks (those not in compiled code), by label.
         self.hooked = {label: module for label, module in modules.items() if id(module) not in compiled}
         self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
+        self._seen: dict[str, frozenset[str]] = {}  # what the logged steps showed of each planned module
 
     @property
     def probing(self) -> bool:
@@ -258,8 +355,8 @@ class Planner:
         if self._probe is not None:
             self._probe.inputs.setdefault(label, []).append([(t, t._version) for _, t in _grad_tensors(args)])
 
-    def probe_outputs(self, label: str, output: Any) -> bool:
-        """A probed module's forward returned ``output``; False when no probe is running."""
+    def probe_outputs(self, label: str, args: tuple, output: Any) -> bool:
+        """A probed module's forward of ``args`` returned ``output``; False when no probe is running."""
         probe = self._probe
         if probe is None:
             return False
@@ -269,6 +366,8 @@ class Planner:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             probe.add(label, STRUCTURED)
+        if outputs and input_edge(output, args) is None:
+            probe.add(label, NOT_ONE_OP)
         probe.outputs.append((label, [(t, t._version) for _, t in outputs]))
         return True
 
@@ -277,6 +376,16 @@ class Planner:
         the modules seen modified in place, sorted."""
         probe, self._probe = self._probe, None
         seen = probe.observations(label for label, p in self.plans.items() if p.read is Read.PROBE)
+        self._seen.update(seen)
         for label, shown in seen.items():
             self.plans[label] = _decide(self.hooked[label], False, shown)
         return sorted(label for label, shown in seen.items() if IN_PLACE in shown)
+
+    def not_one_op(self, label: str) -> bool:
+        """A call of a module planned :attr:`Read.EDGE` was not one op on its input (see
+        :func:`input_edge`): plan it again; True the first time (its plan changed)."""
+        if self.plans[label].read is not Read.EDGE:
+            return False
+        self._seen[label] = self._seen[label] | {NOT_ONE_OP}
+        self.plans[label] = _decide(self.hooked[label], False, self._seen[label])
+        return True

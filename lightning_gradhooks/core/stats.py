@@ -190,37 +190,43 @@ class Reducer:
         self._open: dict[bool, _Batch] = {}
         self._numels: list[int] = []
         self._changed: set[int] = set()  # watched tensors changed before their batch ran
-        self._limit = 0  # elements per batch on this reducer's device, known from the first tensor
+        self._limit = 0  # elements per batch on this reducer's device, known from the first tensors
         self._scratch = Scratch() if scratch is None else scratch
 
     def add(self, tensor: Tensor, histogram: bool, watch: bool = False) -> None:
         """Let ``tensor`` (of this reducer's device) join a batch, reduced when the batch is full
         or at :meth:`finish`. ``watch``: the tensor may change in place before then (see the
-        class); a watched tensor of a batch's size is reduced at once (not held longer)."""
-        # _flat's common case inline (a gradient: dense, contiguous, float, not requiring grad).
-        if tensor.dtype in _FLOATS and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.requires_grad:
-            x = tensor if tensor.dim() == 1 else tensor.view(-1)
-        else:
-            x = _flat(tensor)
-        numels = self._numels
-        numel = x.numel()
-        n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
-        batch = self._open.get(histogram)
-        if batch is None or batch.elements + n > self._limit:
-            if not self._limit:  # the first tensor: the batch size of this reducer's device
-                self._limit = SIZES.get(x.device.type, DEVICE_SIZES).batch
-            if batch is not None:
-                self._flush(histogram)
-            batch = self._open[histogram] = _Batch()
-        position = len(numels)
-        batch.tensors.append(x)
-        batch.positions.append(position)
-        numels.append(numel)
-        batch.elements += n
+        class); a watched tensor that fills its batch is reduced at once (not held longer)."""
+        self.extend((tensor,), histogram)
         if watch:
-            batch.watched.append((position, x, x._version))  # x shares the counter, not the graph
-            if n >= self._limit:
+            batch = self._open[histogram]
+            x = batch.tensors[-1]
+            batch.watched.append((batch.positions[-1], x, x._version))  # x shares the counter, not the graph
+            if batch.elements >= self._limit:
                 self._flush(histogram)
+
+    def extend(self, tensors: Sequence[Tensor], histogram: bool) -> None:
+        """:meth:`add` of each of ``tensors`` (none watched), in one call (a step's parameter
+        gradients: no Python frame per tensor)."""
+        numels, limit = self._numels, self._limit or SIZES.get(tensors[0].device.type, DEVICE_SIZES).batch
+        self._limit = limit  # elements per batch on this device
+        batch = self._open.get(histogram)
+        for tensor in tensors:
+            # _flat's common case inline (a gradient: dense, contiguous, float, not requiring grad).
+            if tensor.dtype in _FLOATS and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.requires_grad:
+                x = tensor if tensor.dim() == 1 else tensor.view(-1)
+            else:
+                x = _flat(tensor)
+            numel = x.numel()
+            n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
+            if batch is None or batch.elements + n > limit:
+                if batch is not None:
+                    self._flush(histogram)
+                batch = self._open[histogram] = _Batch()
+            batch.tensors.append(x)
+            batch.positions.append(len(numels))
+            numels.append(numel)
+            batch.elements += n
 
     def _flush(self, histogram: bool) -> None:
         batch = self._open.pop(histogram)

@@ -156,32 +156,42 @@ def full_hook_reference(net: nn.Module, x: torch.Tensor, names: list[str]) -> di
     return seen
 
 
-def test_every_planned_module_reads_grad_input_through_a_view_as_a_full_backward_hook_would():
-    """A Linear on 2-D input, one on 3-D input (a view, addmm and a view), a subclass, and a
-    module whose graph changes after the probe step: every one is read through a view of its
-    input (one forward pre-hook, one ``ViewBackward0`` node per input), and gives what
-    ``register_full_backward_hook`` receives, before and after the change."""
+def test_every_planned_module_reads_grad_input_as_a_full_backward_hook_would():
+    """A Linear on 2-D input (read from the edge of its ``addmm`` node: no view, no pre-hook),
+    one on 3-D input (a view, addmm and a view), a subclass (both read through a view of their
+    input: one forward pre-hook, one ``ViewBackward0`` node per input), and a Linear whose input
+    becomes 3-D after two logged steps: that step reads its grad_output alone, says so, and reads
+    it through a view from the next one. Each gives what ``register_full_backward_hook`` receives."""
     torch.manual_seed(4)
     net, x = Mixed(), torch.randn(5, 6, requires_grad=True)
     names = ["flat", "seq", "sub", "late"]
     monitor = GradientMonitor(net, parameters=False, activations=False, attention_logits=False)  # (their hooks: test_forward_stats)
     assert {p.read for p in monitor.plan.values()} == {Read.PROBE}
+    pre_hooks = [[1, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 1]]
     with monitor.attach():
-        for step, wide in enumerate((False, False, True)):  # the probe step, then the planned hooks
+        for step, wide in enumerate((False, False, True, True)):  # the probe step, then the planned hooks
             net.wide = wide
             want = full_hook_reference(net, x, names)
             monitor.arm()
-            loss = (net(x) ** 2).sum()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                loss = (net(x) ** 2).sum()
             nodes = graph_nodes(loss)
-            assert [len(getattr(net, n)._forward_pre_hooks) for n in names] == [1] * 4
+            assert [len(getattr(net, n)._forward_pre_hooks) for n in names] == pre_hooks[step]
+            assert [str(w.message).split(":")[0] for w in said] == (["late"] if step == 2 else [])
             loss.backward()
             got = {(e.kind, e.name): e.stats._asdict() for e in monitor.collect().entries}
-            expected = set(want) if step else {k for k in want if k[0] == "grad_output"}
+            expected = {k for k in want if k[0] == "grad_output" or (step > 0 and (step != 2 or k[1] != "late"))}
             assert set(got) == expected
             for key in expected:
                 assert_stats(got[key], ref_stats(want[key]))
-        assert {p.read for p in monitor.plan.values()} == {Read.VIEWS}
-        assert nodes["ViewBackward0"] == graph_nodes((net(x) ** 2).sum())["ViewBackward0"] + 4
+            if step == 1:
+                assert {n: p.read for n, p in monitor.plan.items()} == {
+                    "flat": Read.EDGE, "seq": Read.VIEWS, "sub": Read.VIEWS, "late": Read.EDGE}
+        assert {n: p.read for n, p in monitor.plan.items()} == {
+            "flat": Read.EDGE, "seq": Read.VIEWS, "sub": Read.VIEWS, "late": Read.VIEWS}
+        assert "not one op" in monitor.plan["late"].reason
+        assert nodes["ViewBackward0"] == graph_nodes((net(x) ** 2).sum())["ViewBackward0"] + 3
 
 
 def test_parametrized_linear_is_still_read_exactly():
@@ -252,13 +262,16 @@ def test_handle_restores_every_hook_and_flag():
     monitor = GradientMonitor(net, noise_scale=False, attention_logits=False)  # the probe's hooks: test_noise; attention's: test_forward_stats
     handle = monitor.attach()
     assert hook_snapshot(net) == before  # nothing is registered until the monitor is armed
-    for _ in range(2):  # the probe step, then a step with the planned hooks
+    for step in range(2):  # the probe step, then a step with the planned hooks
         monitor.arm()
-        net(torch.randn(2, 6)).sum().backward()
+        loss = net(torch.randn(2, 6)).sum()
+        # One forward hook per chosen module (net[1] owns no parameter) and, in the probe's
+        # forward, one forward pre-hook; nothing else. The planned layers, one op each, are read
+        # from their edge: no pre-hook (the probe's backward puts the planned hooks in).
+        assert [len(net[i]._forward_pre_hooks) for i in (0, 1, 2, 3, 4)] == [1 - step, 0, 1 - step, 1 - step, 1 - step]
+        loss.backward()
         assert monitor.attach() is handle  # attaching twice does not double the hooks
-        # One forward hook and one forward pre-hook per chosen module (net[1] owns no parameter),
-        # nothing else: the probe's, then from its backward on the planned ones.
-        assert [len(net[i]._forward_pre_hooks) for i in (0, 1, 2, 3, 4)] == [1, 0, 1, 1, 1]
+        assert not any(m._forward_pre_hooks for m in net)
         assert [len(net[i]._forward_hooks) for i in (0, 1, 2, 3, 4)] == [1, 0, 2, 1, 1]
         assert not any(m._backward_hooks or m._backward_pre_hooks for m in net)
         monitor.collect()

@@ -69,7 +69,7 @@ def probe(modules: dict[str, nn.Module], run) -> tuple[Planner, list[str]]:  # n
     for label, module in modules.items():
         handles.append(module.register_forward_pre_hook(lambda m, args, label=label: planner.probe_inputs(label, args)))
         handles.append(module.register_forward_hook(
-            lambda m, args, out, label=label: planner.probe_outputs(label, out) and None))
+            lambda m, args, out, label=label: planner.probe_outputs(label, args, out) and None))
     try:
         run()
     finally:
@@ -88,7 +88,7 @@ def test_every_module_is_probed_first_and_compiled_ones_get_parameters_only():
     assert list(planner.hooked) == ["0"]
 
 
-def test_a_plain_module_is_read_through_views_and_in_place_use_or_structure_or_absence_means_output_only():
+def test_one_op_layers_are_read_from_their_edge_other_modules_through_views_and_in_place_use_or_structure_or_absence_means_output_only():
     class Pair(nn.Module):
         def forward(self, x):  # noqa: ANN001, ANN201
             return {"a": x * 2, "b": x * 3}
@@ -97,8 +97,13 @@ def test_a_plain_module_is_read_through_views_and_in_place_use_or_structure_or_a
         def forward(self, x):  # noqa: ANN001, ANN201
             return x.add_(1)
 
-    model, pair, adds, unused = net(), Pair(), AddsInPlace(), nn.Linear(8, 8)
-    modules = {"plain": model[0], "relu_victim": model[2], "pair": pair, "adds": adds, "unused": unused}
+    class Square(nn.Module):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return x * x
+
+    model, pair, adds, unused, square, seq = net(), Pair(), AddsInPlace(), nn.Linear(8, 8), Square(), nn.Linear(8, 8)
+    modules = {"plain": model[0], "relu_victim": model[2], "pair": pair, "adds": adds, "unused": unused,
+               "square": square, "seq": seq}
 
     def run() -> None:
         h = model[0](torch.randn(3, 4, requires_grad=True))
@@ -106,15 +111,19 @@ def test_a_plain_module_is_read_through_views_and_in_place_use_or_structure_or_a
         out.relu_()  # modifies the Linear's output after it returned
         pair(out)
         adds(out * 1)
+        square(out * 1)
+        seq(out[:, None] * 1)  # a Linear on 3-D input: a view, addmm, a view
 
     planner, in_place = probe(modules, run)
     reads = {label: plan.read for label, plan in planner.plans.items()}
-    assert reads == {"plain": Read.VIEWS, "relu_victim": Read.OUTPUT_ONLY, "pair": Read.OUTPUT_ONLY,
-                     "adds": Read.OUTPUT_ONLY, "unused": Read.OUTPUT_ONLY}
+    assert reads == {"plain": Read.EDGE, "relu_victim": Read.OUTPUT_ONLY, "pair": Read.OUTPUT_ONLY,
+                     "adds": Read.OUTPUT_ONLY, "unused": Read.OUTPUT_ONLY, "square": Read.VIEWS, "seq": Read.VIEWS}
     assert in_place == ["adds", "relu_victim"]
     assert "modified in place" in planner.plans["adds"].reason
     assert "not a tensor or a flat tuple" in planner.plans["pair"].reason
     assert "did not run" in planner.plans["unused"].reason
+    assert "one op" in planner.plans["plain"].reason and "not one op" in planner.plans["seq"].reason
+    assert "one op" not in planner.plans["square"].reason  # not a layer of torch.nn known to be one op
 
 
 def test_a_probe_without_its_backward_is_dropped_and_runs_again():
@@ -122,9 +131,9 @@ def test_a_probe_without_its_backward_is_dropped_and_runs_again():
     planner = Planner({"0": model[0]}, compiled=set())
     planner.start()
     planner.stop()
-    assert not planner.probing and not planner.probe_outputs("0", torch.ones(1))  # no probe: nothing seen
+    assert not planner.probing and not planner.probe_outputs("0", (), torch.ones(1))  # no probe: nothing seen
     assert planner.plans["0"].read is Read.PROBE
     planner, _ = probe({"0": model[0]}, lambda: model[0](torch.randn(2, 4)))
-    assert planner.plans["0"].read is Read.VIEWS
+    assert planner.plans["0"].read is Read.EDGE
     planner.start()  # every plan is lasting: no probe starts again
     assert not planner.probing
