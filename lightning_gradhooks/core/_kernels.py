@@ -16,6 +16,8 @@ or Dynamo setting: options are per call.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import logging
 import os
@@ -96,7 +98,8 @@ def run(function: Callable[..., Tensor], eager: Callable[..., Tensor], compiled:
             kernel = _kernel(function, x.device.type)
             if kernel is not function:
                 try:
-                    return _call(kernel, x, rows, constants)
+                    with _without_autocast(x.device.type):
+                        return _call(kernel, x, rows, constants)
                 except Exception as error:  # a compiler that fails: eager from now on, said once
                     _compiled[function, x.device.type] = function
                     _say(f"torch.compile raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
@@ -108,6 +111,19 @@ def rows_at_a_time(function: Callable[..., Tensor], x: Tensor, *rows: Tensor, **
     parts = [function(x[r : r + EAGER_ROWS], *(t[r : r + EAGER_ROWS] for t in rows), **constants)
              for r in range(0, len(x), EAGER_ROWS)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off around a compiled kernel (a ``collect`` inside the caller's ``autocast``
+    block): its state is part of what a compiled kernel is guarded on, so each new state would
+    compile the kernels again. The statistics' ops keep their dtypes either way."""
+    types = {device_type, "cpu"}
+    if not any(torch.is_autocast_enabled(t) for t in types):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for t in types:
+        stack.enter_context(torch.autocast(t, enabled=False))
+    return stack
 
 
 def _modes_active() -> bool:

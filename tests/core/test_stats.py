@@ -430,6 +430,41 @@ def test_compiles_stay_bounded_over_a_loop_of_a_model_with_many_shapes():
         assert stats._kernels._compiled[function, "cpu"] is not function
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_collect_inside_autocast_compiles_nothing_new_and_gives_the_same_numbers(dtype):
+    """collect() inside the caller's autocast block: autocast's state is part of what a compiled
+    kernel is guarded on, so without care every kernel would compile again."""
+    from torch import nn
+
+    from lightning_gradhooks import GradientMonitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    monitor = GradientMonitor(model, noise_scale=False)
+
+    def step(inside: bool):
+        with monitor.attach(), monitor.arm():
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(x).float().square().mean()
+                if inside:
+                    loss.backward()
+                    record = monitor.collect()
+            if not inside:
+                loss.backward()
+                record = monitor.collect()
+        model.zero_grad(set_to_none=True)
+        return {e.key: (e.stats, e.histogram) for e in record.entries}
+
+    step(False)  # the probe step, and the kernels compiled
+    outside = step(False)
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    inside = step(True)
+    assert counters["unique_graphs"] == before
+    assert inside == outside and len(inside) > 5
+
 @pytest.fixture
 def fresh_kernels(monkeypatch):
     """No kernel compiled and nothing said yet in this process, restored afterwards."""
