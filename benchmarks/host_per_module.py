@@ -3,7 +3,7 @@
     python benchmarks/host_per_module.py [--layers 500] [--rounds 9] [--steps 4] [--threads 1] [--clock cpu|wall]
     python benchmarks/host_per_module.py --profile "outputs"    # cProfile of one variant's steps
     python benchmarks/host_per_module.py --ops                  # aten ops of a logged step beyond a bare one
-    python benchmarks/host_per_module.py --floor                # also the floor of the hooks (class Floor)
+    python benchmarks/host_per_module.py --floor                # also the floors of the hooks (class Floor)
 
 The model, 500 x (Linear(64, 64) + Tanh) on a batch of 32, is so small that a step is bound by
 the host: what an armed step costs beyond a bare one, divided by the watched modules (the Linear
@@ -72,13 +72,15 @@ VARIANTS = {
 
 
 class Floor:
-    """The floor of the monitor's way of reading gradients, in its interface (``--floor``): per
+    """The floor of the monitor's ways of reading gradients, in its interface (``--floor``): per
     watched module, a forward pre-hook and a forward hook put in at ``arm`` and taken out after,
     that do nothing; with ``views``, they also pass the input through a view and hook the autograd
-    nodes of the view and of the output, with a hook that does nothing."""
+    nodes of the view and of the output, with a hook that does nothing (``Read.VIEWS``); with
+    ``edge``, a forward hook alone that puts a post-hook doing nothing on the output's node
+    (``Read.EDGE``: ``grad_output`` and ``grad_input`` from one hook)."""
 
-    def __init__(self, modules: list[nn.Module], views: bool) -> None:
-        self._modules, self._views = modules, views
+    def __init__(self, modules: list[nn.Module], views: bool, edge: bool = False) -> None:
+        self._modules, self._views, self._edge = modules, views, edge
 
     @contextlib.contextmanager
     def attach(self) -> Iterator[None]:
@@ -86,7 +88,10 @@ class Floor:
 
     @contextlib.contextmanager
     def arm(self) -> Iterator[None]:
-        handles = [h for m in self._modules for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
+        if self._edge:
+            handles = [m.register_forward_hook(self._post_edge) for m in self._modules]
+        else:
+            handles = [h for m in self._modules for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
         try:
             yield
         finally:
@@ -108,7 +113,15 @@ class Floor:
             output.grad_fn.register_prehook(_nothing)
 
 
+    def _post_edge(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.grad_fn.register_hook(_nothing_after)
+
+
 def _nothing(grads: tuple) -> None:
+    return None
+
+
+def _nothing_after(grad_inputs: tuple, grad_outputs: tuple) -> None:
     return None
 
 
@@ -130,7 +143,8 @@ def main() -> None:
     monitors = {name: None if options is None else GradientMonitor(model, **options) for name, options in VARIANTS.items()}
     if args.floor:
         linears = [m for m in model if isinstance(m, nn.Linear)]
-        monitors |= {"floor: module hooks": Floor(linears, False), "floor: + views, node hooks": Floor(linears, True)}
+        monitors |= {"floor: module hooks": Floor(linears, False), "floor: + views, node hooks": Floor(linears, True),
+                     "floor: forward hook + one node post-hook": Floor(linears, False, edge=True)}
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
