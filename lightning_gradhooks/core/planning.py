@@ -143,6 +143,11 @@ def _away(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
     return False
 
 
+
+def _one_op_type(module: nn.Module) -> bool:
+    """Whether ``module`` is of a type of :data:`ONE_OP` (a candidate for :attr:`Read.EDGE`)."""
+    return _shards.unsharded_type(module) in ONE_OP
+
 def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
     """The read plan of ``module``, from what the logged steps showed of it (``seen``; None
     before the first logged step's backward). Every plan of the monitor is made here."""
@@ -156,7 +161,7 @@ def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> P
         return Plan(Read.OUTPUT_ONLY, "its output is not a tensor or a flat tuple of tensors, as a full backward hook needs")
     if NOT_RUN in seen:
         return Plan(Read.OUTPUT_ONLY, "it did not run in the first logged step, so in-place use could not be ruled out")
-    if _shards.unsharded_type(module) not in ONE_OP:
+    if not _one_op_type(module):
         return Plan(Read.VIEWS, "grad_input through a view of each input")
     if NOT_ONE_OP in seen:
         return Plan(Read.VIEWS, "grad_input through a view of its input: its forward was not one op on its "
@@ -366,7 +371,7 @@ class Planner:
         outputs = _grad_tensors(output)
         if outputs and not _full_hook_sees(output):
             probe.add(label, STRUCTURED)
-        if outputs and input_edge(output, args) is None:
+        if outputs and _one_op_type(self.hooked[label]) and input_edge(output, args) is None:  # (others: VIEWS)
             probe.add(label, NOT_ONE_OP)
         probe.outputs.append((label, [(t, t._version) for _, t in outputs]))
         return True
