@@ -366,23 +366,29 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def row_moments(x: Tensor) -> Tensor:
-    """Per row of ``x`` (rows, width): finite count, the mean of the finite elements (the
-    pivot), the sum and the sum of squares of the finite elements minus the pivot (the
-    corrected two-pass formula: the row is read once, then again from cache), zero count,
-    finite minimum and maximum, as one ``(rows, 7)`` tensor in float32 (float64 for float64).
+    """Per row of ``x`` (rows, width): finite count, a pivot (the row's first element, 0 where it
+    is not finite), the sum and the sum of squares of the finite elements minus the pivot, zero
+    count, finite minimum and maximum, as one ``(rows, 7)`` tensor in float32 (float64 for
+    float64), in one pass over the row.
 
-    The first of the two reads of a gradient (:func:`reduce_batch`). Plain torch ops, fused
-    into one kernel by ``torch.compile`` (:mod:`lightning_gradhooks.core._kernels`).
+    The pivot is one of the row's elements, so the sum of squares about it is at most ``width + 1``
+    times the sum of squares about the mean, and the variance that :func:`reduce_batch` takes from
+    the two sums keeps all but ``log2(width + 1)`` bits in the worst case (one element far from all
+    the others), and nearly all in the common one; a row whose first element is NaN or Inf (rare:
+    the gradient holds one there) is taken about 0. The first of the two reads of a gradient
+    (:func:`reduce_batch`). Plain torch ops, fused into one kernel by ``torch.compile``
+    (:mod:`lightning_gradhooks.core._kernels`).
     """
     x = x.to(_compute_dtype(x.dtype))
     finite = x.isfinite()
+    pivot = x[:, :1]
+    pivot = torch.where(pivot.isfinite(), pivot, 0.0)
+    shifted = torch.where(finite, x - pivot, 0.0)
     count = finite.sum(1, dtype=x.dtype)
-    pivot = torch.where(finite, x, 0.0).sum(1) / count.clamp(min=1)
-    shifted = torch.where(finite, x - pivot[:, None], 0.0)
     low = torch.where(finite, x, math.inf).amin(1)
     high = torch.where(finite, x, -math.inf).amax(1)
     zeros = (x == 0).sum(1, dtype=x.dtype)
-    return torch.stack([count, pivot, shifted.sum(1), shifted.square().sum(1), zeros, low, high], 1)
+    return torch.stack([count, pivot[:, 0], shifted.sum(1), shifted.square().sum(1), zeros, low, high], 1)
 
 
 def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
@@ -417,7 +423,7 @@ def _chunk_rows(device: torch.device) -> int:
 
 def eager_moments(x: Tensor) -> Tensor:
     """:func:`row_moments` of ``x`` without a compiler: per chunk of rows, the minimum and maximum
-    (NaN or Inf in a row shows in them), the sum (the pivot), the elements minus the pivot written
+    (NaN or Inf in a row shows in them), the elements minus the pivot (the row's first) written
     once into a chunk-sized buffer, their sum and norm, and the zero count; then the rows that are
     not whole and finite again, by :func:`row_moments` itself."""
     compute = _compute_dtype(x.dtype)
@@ -427,7 +433,7 @@ def eager_moments(x: Tensor) -> Tensor:
     for r in range(0, len(x), step):
         chunk = x[r : r + step]
         w = work[: len(chunk)]
-        pivot = chunk.sum(1, dtype=compute).div_(x.shape[1])
+        pivot = chunk[:, 0].to(compute)
         shifted = torch.sub(chunk, pivot[:, None].expand_as(chunk), out=w)  # expanded: faster than broadcast
         chunks.append((pivot, shifted.sum(1), torch.linalg.vector_norm(shifted, dim=1).square_(),
                        torch.eq(chunk, 0, out=w).sum(1), chunk.amin(1).to(compute), chunk.amax(1).to(compute)))

@@ -94,6 +94,16 @@ def test_mean_far_from_zero_keeps_the_std_exact(blocks):
     assert stats_of(t[:100])["std"] == pytest.approx(t[:100].double().std().item(), rel=1e-4)
 
 
+def test_the_std_stays_exact_when_every_row_starts_with_an_outlier(blocks):
+    # The pivot of a row is its first element: the worst case for the one-pass sums is a first
+    # element far from every other (here 1,000 standard deviations), on every row.
+    t = 1000.0 + torch.randn(BIG, generator=torch.Generator().manual_seed(7)) * 1e-3
+    t[:: stats.ROW] += 1.0
+    for x in (t, t[:3000]):
+        assert stats_of(x)["std"] == pytest.approx(x.double().std().item(), rel=1e-4)
+        assert stats_of(x)["mean"] == pytest.approx(x.double().mean().item(), rel=1e-7)
+
+
 @pytest.mark.parametrize("big", [False, True])
 def test_nonfinite_values_are_counted_and_left_out(big, blocks):
     t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf")])
