@@ -440,18 +440,19 @@ def gradient_squares(record: GradientRecord) -> dict[int, float]:
     """The squared norms of the parameter gradients a monitor's record holds (its ``norm``
     statistic; ``inf`` where a gradient is not finite), by ``id`` of the parameter: what
     :meth:`NoiseProbe.collect` takes as ``squares``. Sharded parameters' pieces are left out."""
-    params, sharded = record.parameters, set(record.sharded)
+    # the kind bound once: an enum member read from its class costs 0.2 µs in Python 3.11, per entry
+    params, sharded, param_grad = record.parameters, set(record.sharded), Kind.PARAM_GRAD
     return {id(params[e.name]): math.inf if e.stats.nonfinite else e.stats.norm * e.stats.norm
-            for e in record.entries if e.kind is Kind.PARAM_GRAD and e.name in params and e.name not in sharded}
+            for e in record.entries if e.kind is param_grad and e.name in params and e.name not in sharded}
 
 
 def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) -> float:
     """``Σ |∇p|²`` over ``params``: from ``squares`` (by ``id``) where it has every one whose
     gradient is there, else from the gradients (0 where none has one)."""
     if squares is not None:  # the parameters it lacks (none, commonly: no `.grad` read) have no gradient
-        ids = [id(p) for p in params]
-        if all(params[i].grad is None for i, key in enumerate(ids) if key not in squares):
-            return math.fsum([squares[key] for key in ids if key in squares])
+        values = [squares.get(id(p)) for p in params]
+        if all(p.grad is None for p, value in zip(params, values) if value is None):
+            return math.fsum([value for value in values if value is not None])
     total = _squares(p.grad for p in params if p.grad is not None)
     return 0.0 if total is None else float(total)
 
@@ -545,9 +546,9 @@ class _Source:
             return None
         if dims == 2 and self.kind is nn.Linear and not self.sharded:
             # [examples, input, output gradient]: no op here, reduced with every such layer's at
-            # collect (a few ops in all, under no_grad: the input need not be detached; the step's
-            # dict, dropped at collect or disarm, holds it as the graph does until backward)
-            step[self] = pair = [x.shape[0], x]
+            # collect (a few ops in all); detached: the graph is not held past backward (held, its
+            # nodes are freed at collect instead: no saving, measured)
+            step[self] = pair = [x.shape[0], x.detach()]
             return pair.append
         seen = step[self] = _Seen(self)
         if self.sharded:

@@ -215,6 +215,27 @@ def test_per_example_norms_against_brute_force(name):
     assert ratio(ours) == pytest.approx(ratio(whole), rel=0.25)
 
 
+def test_linear_layers_on_2d_inputs_with_and_without_a_bias_against_brute_force():
+    # Linear layers on 2-D inputs are reduced together by layout (widths, weight and bias counted):
+    # a layer without a bias, or with a frozen weight, beside layers of the same widths with both.
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8),
+                          nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model[6].weight.requires_grad_(False)
+    x = torch.randn(64, 6, generator=g)
+    y = x[:, :1] + torch.randn(64, 1, generator=g)
+    probe = NoiseProbe(model)
+    for step in range(2):
+        xb, yb = x[step * 32:(step + 1) * 32], y[step * 32:(step + 1) * 32]
+        model.zero_grad()
+        probe.arm()
+        mse(model(xb), yb).backward()
+        sample = probe.collect()
+        assert sample.coverage == 1.0
+        assert sample.estimates() == pytest.approx(batch_truth(flat(per_example(model, mse, xb, yb))), rel=1e-4)
+
+
 @pytest.mark.parametrize(("form", "features_in", "features_out", "positions"),
                          [("gram", 16, 32, 5), ("direct", 6, 1, 5), ("sketch", 64, 64, 64)])
 def test_a_linear_over_a_sequence_takes_its_cheapest_form(form, features_in, features_out, positions):
@@ -527,13 +548,15 @@ def test_all_zero_gradients(tmp_path):
     assert messages[-1] == said[0]
 
 
-@pytest.mark.parametrize(("features_in", "features_out", "positions"), [(16, 32, 5), (6, 1, 5), (64, 64, 64)])
+@pytest.mark.parametrize(("features_in", "features_out", "positions"),
+                         [(16, 32, 5), (6, 1, 5), (64, 64, 64), (16, 32, None)])
 def test_per_example_norms_under_fp16_autocast(features_in, features_out, positions):
     # Under autocast the forward's products would be float16 and meet a float32 gradient in the
-    # backward: the probe works in float32 whatever the autocast state, as without autocast.
+    # backward: the probe works in float32 whatever the autocast state, as without autocast (2-D
+    # inputs: float16 inputs and output gradients stacked into float32 buffers).
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(features_in, features_out), nn.Tanh(), nn.Linear(features_out, 3))
-    x = torch.randn(32, positions, features_in, generator=g)
+    x = torch.randn(32, *(() if positions is None else (positions,)), features_in, generator=g)
     estimates = []
     for autocast in (False, True):
         probe = NoiseProbe(model)
