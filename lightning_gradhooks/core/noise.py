@@ -461,10 +461,10 @@ def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) ->
 def _pairs_total(pairs: list[tuple[tuple, Sequence]], scratch: Scratch) -> Tensor | None:
     """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
     each layer's layout (:attr:`_Source.layout`) and ``[examples, input, output gradient]``, with
-    a few ops per group of layers of one layout and device (500 layers of one width: about ten ops). Each group's two
-    stacks go into float32 buffers of ``scratch``, reused from one logged step to the next (500 ×
-    32 × 64 on this CPU: 1.4 against 5.5 ms for the two stacks into fresh tensors, which
-    page-fault); the stack casts to float32 as it copies."""
+    a few ops per group of layers of one layout and device (500 layers of one width: about ten
+    ops). Each group's two stacks go into float32 buffers of ``scratch``, reused from one logged
+    step to the next (500 × 32 × 64 on this CPU: 1.4 against 5.5 ms for the two stacks into fresh
+    tensors, which page-fault); the stack casts to float32 as it copies."""
     groups: dict[tuple, list[list]] = {}
     for layout, pair in pairs:
         groups.setdefault((layout, pair[1].device), []).append(pair)
@@ -531,9 +531,9 @@ class _Source:
     def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
              ) -> Callable[[Tensor], None] | None:
         """Take in one forward of the module into ``step`` (the armed step's layers: a
-        :class:`_Seen`, a Linear on a 2-D input's ``[examples, input, output gradient]``, or None where the
-        layer gives nothing this step); returns what to call with its output's gradient (None:
-        nothing is needed from this call)."""
+        :class:`_Seen`, a Linear on a 2-D input's ``[examples, input, output gradient]``, or None
+        where the layer gives nothing this step); returns what to call with its output's gradient
+        (None: nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
         if self in step:  # called twice: its examples' gradients are sums over calls; left out
