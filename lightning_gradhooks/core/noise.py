@@ -440,56 +440,50 @@ def gradient_squares(record: GradientRecord) -> dict[int, float]:
     """The squared norms of the parameter gradients a monitor's record holds (its ``norm``
     statistic; ``inf`` where a gradient is not finite), by ``id`` of the parameter: what
     :meth:`NoiseProbe.collect` takes as ``squares``. Sharded parameters' pieces are left out."""
-    params, sharded = record.parameters, set(record.sharded)
+    # the kind bound once: an enum member read from its class costs 0.2 µs in Python 3.11, per entry
+    params, sharded, param_grad = record.parameters, set(record.sharded), Kind.PARAM_GRAD
     return {id(params[e.name]): math.inf if e.stats.nonfinite else e.stats.norm * e.stats.norm
-            for e in record.entries if e.kind is Kind.PARAM_GRAD and e.name in params and e.name not in sharded}
+            for e in record.entries if e.kind is param_grad and e.name in params and e.name not in sharded}
 
 
 def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) -> float:
     """``Σ |∇p|²`` over ``params``: from ``squares`` (by ``id``) where it has every one whose
     gradient is there, else from the gradients (0 where none has one)."""
     if squares is not None:  # the parameters it lacks (none, commonly: no `.grad` read) have no gradient
-        ids = [id(p) for p in params]
-        if all(params[i].grad is None for i, key in enumerate(ids) if key not in squares):
-            return math.fsum([squares[key] for key in ids if key in squares])
+        values = [squares.get(id(p)) for p in params]
+        if all(p.grad is None for p, value in zip(params, values) if value is None):
+            return math.fsum([value for value in values if value is not None])
     total = _squares(p.grad for p in params if p.grad is not None)
     return 0.0 if total is None else float(total)
 
 
 @torch.no_grad()
-def _pairs_total(pairs: list[tuple[Tensor, Tensor, tuple[bool, bool]]], scratch: Scratch) -> Tensor | None:
+def _pairs_total(pairs: list[tuple[tuple, Sequence]], scratch: Scratch) -> Tensor | None:
     """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
-    their ``(input, output gradient, (weight counted, bias counted))``, with a few ops per group of
-    layers of one shape (500 layers of one width: about ten ops). Each group's two stacks go into
-    buffers of ``scratch``, reused from one logged step to the next (500 × 32 × 64 on this CPU:
-    1.4 against 5.5 ms for the two stacks into fresh tensors, which page-fault)."""
-    groups: dict[tuple, list[tuple[Tensor, Tensor, tuple[bool, bool]]]] = {}
-    for pair in pairs:
-        x, d, _ = pair
-        groups.setdefault((x.shape, d.shape, x.dtype, d.dtype, x.device), []).append(pair)
+    each layer's layout (:attr:`_Source.layout`) and ``[examples, input, output gradient]``, with
+    a few ops per group of layers of one layout and device (500 layers of one width: about ten
+    ops). Each group's two stacks go into float32 buffers of ``scratch``, reused from one logged
+    step to the next (500 × 32 × 64 on this CPU: 1.4 against 5.5 ms for the two stacks into fresh
+    tensors, which page-fault); the stack casts to float32 as it copies."""
+    groups: dict[tuple, list[list]] = {}
+    for layout, pair in pairs:
+        groups.setdefault((layout, pair[1].device), []).append(pair)
     total = None
-    for i, members in enumerate(groups.values()):
-        x = _stacked(scratch, f"noise {i} inputs", [m[0] for m in members]).float()  # (layers, B, in)
-        d = _stacked(scratch, f"noise {i} output gradients", [m[1] for m in members]).float()  # (layers, B, out)
+    for i, ((layout, device), members) in enumerate(groups.items()):
+        features_in, features_out, weight, bias = layout
+        x = _stacked(scratch, f"noise {i} inputs", [m[1] for m in members], features_in, device)  # (layers, B, in)
+        d = _stacked(scratch, f"noise {i} output gradients", [m[2] for m in members], features_out, device)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
-        flags = {m[2] for m in members}
-        if len(flags) == 1:  # the common case: every layer alike
-            weight, bias = flags.pop()
-            part = (ds * (xs * weight + bias)).sum()
-        else:
-            w = torch.tensor([[float(m[2][0])] for m in members], device=x.device)
-            b = torch.tensor([[float(m[2][1])] for m in members], device=x.device)
-            part = (ds * (xs * w + b)).sum()
+        part = (ds * (xs * weight + bias)).sum()
         total = part if total is None else total + part.to(total.device)
     return total
 
 
-def _stacked(scratch: Scratch, name: str, tensors: list[Tensor]) -> Tensor:
-    """``torch.stack(tensors)``, into a buffer of ``scratch``."""
-    first = tensors[0]
-    shape = (len(tensors), *first.shape)
-    return torch.stack(tensors, out=scratch.get(name, math.prod(shape), first.dtype, first.device).view(shape))
+def _stacked(scratch: Scratch, name: str, tensors: list[Tensor], features: int, device: torch.device) -> Tensor:
+    """``torch.stack(tensors)`` of ``(examples, features)`` tensors, into a float32 buffer of ``scratch``."""
+    shape = (len(tensors), tensors[0].shape[0], features)
+    return torch.stack(tensors, out=scratch.get(name, math.prod(shape), torch.float32, device).view(shape))
 
 
 def _linear_form(positions: int, features_in: int, features_out: int, sketch: bool = True) -> str | None:
@@ -523,6 +517,9 @@ class _Source:
         self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
         #: Whether (weight, bias) count: what a Linear on a 2-D input's ``[input, output gradient]`` gives.
         self.counted = (self.weight, self.bias)
+        #: A Linear's ``(in, out, weight counted, bias counted)``: the layers on 2-D inputs whose
+        #: layouts (and devices) are alike are reduced together (:func:`_pairs_total`).
+        self.layout = (getattr(module, "in_features", 0), getattr(module, "out_features", 0), *self.counted)
         self.elements = sum(p.numel() for p in self.parameters)
         self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
         #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
@@ -534,22 +531,24 @@ class _Source:
     def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
              ) -> Callable[[Tensor], None] | None:
         """Take in one forward of the module into ``step`` (the armed step's layers: a
-        :class:`_Seen`, a Linear on a 2-D input's ``[input, output gradient]``, or None where the
-        layer gives nothing this step); returns what to call with its output's gradient (None:
-        nothing is needed from this call)."""
+        :class:`_Seen`, a Linear on a 2-D input's ``[examples, input, output gradient]``, or None
+        where the layer gives nothing this step); returns what to call with its output's gradient
+        (None: nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return None
         if self in step:  # called twice: its examples' gradients are sums over calls; left out
             step[self] = None
             return None
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        if x is None or x.dim() < 2 or x.shape[0] < 1:
+        dims = -1 if x is None else x.dim()
+        if dims < 2 or x.shape[0] < 1:
             step[self] = None
             return None
-        if self.kind is nn.Linear and x.dim() == 2 and not self.sharded:
-            # [input, output gradient]: no op here, reduced with every such layer's at collect (a
-            # few ops in all); detached: the graph is not held past backward
-            step[self] = pair = [x.detach()]
+        if dims == 2 and self.kind is nn.Linear and not self.sharded:
+            # [examples, input, output gradient]: no op here, reduced with every such layer's at
+            # collect (a few ops in all); detached: the graph is not held past backward (held, its
+            # nodes are freed at collect instead: no saving, measured)
+            step[self] = pair = [x.shape[0], x.detach()]
             return pair.append
         seen = step[self] = _Seen(self)
         if self.sharded:
@@ -645,13 +644,14 @@ class _Seen:
         #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
         self.counted = source.counted
         self.total: Tensor | None = None
-        self.pair: tuple[Tensor, Tensor, tuple[bool, bool]] | None = None  # (input, output gradient, counted)
+        #: The local ``(layout, (examples, input, output gradient))`` (see :func:`_pairs_total`).
+        self.pair: tuple[tuple, tuple[int, Tensor, Tensor]] | None = None
 
     def paired(self, x: Tensor, grad: Tensor) -> None:
         self.grads += 1
         if self.source.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
-        self.pair = (x, grad, self.counted)
+        self.pair = ((x.shape[1], grad.shape[1], *self.counted), (x.shape[0], x, grad))
 
 
 class NoiseProbe:
@@ -888,7 +888,7 @@ class NoiseProbe:
         sources = [source for source, _ in pairs] + [s.source for s in used]
         total = big_sq = None
         if why is None:
-            total = _pairs_total([(pair[0], pair[1], source.counted) for source, pair in pairs]
+            total = _pairs_total([(source.layout, pair) for source, pair in pairs]
                                  + [s.pair for s in used if s.pair is not None], self._scratch)
             self._scratch.trim()
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
@@ -913,21 +913,21 @@ class NoiseProbe:
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
 
     def _usable(self, params: list[Tensor]
-                ) -> tuple[list[_Seen], list[tuple[_Source, list[Tensor]]], int, int | None]:
+                ) -> tuple[list[_Seen], list[tuple[_Source, list]], int, int | None]:
         """The sources that give this step's per-example norms: their records, and the Linear
-        layers on 2-D inputs with their ``[input, output gradient]`` (kept apart: no object per
-        layer); the batch, and why none do (an index into :data:`REASONS`)."""
+        layers on 2-D inputs with their ``[examples, input, output gradient]`` (kept apart: no
+        object per layer); the batch, and why none do (an index into :data:`REASONS`)."""
         wanted = None if params is self._parameters else {id(p) for p in params}
         step = self._step.items() if wanted is None else [
             (source, seen) for source, seen in self._step.items() if all(id(p) in wanted for p in source.parameters)]
-        pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 2]
+        pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 3]
         used = [seen for _, seen in step if type(seen) is _Seen and seen.grads == 1
                 and (seen.total is not None or seen.pair is not None)]
         if not used and not pairs:
             return [], [], self._batch or 0, 4
-        batch = self._batch or max([s.examples for s in used] + [pair[0].shape[0] for _, pair in pairs])
+        batch = self._batch or max([s.examples for s in used] + [pair[0] for _, pair in pairs])
         used = [s for s in used if s.examples == batch]
-        pairs = [(source, pair) for source, pair in pairs if pair[0].shape[0] == batch]
+        pairs = [(source, pair) for source, pair in pairs if pair[0] == batch]
         if not used and not pairs:
             return [], [], batch, 5
         return used, pairs, batch, 6 if batch < 2 else None

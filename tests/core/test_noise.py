@@ -94,6 +94,12 @@ def models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
     xs = torch.randn(512, 5, 16, generator=g)
     ys = xs.sum(-1) / 4 + 0.3 * torch.randn(512, 5, generator=g)
     found["block"] = (Block(), xs, ys)
+    # Linear layers on 2-D inputs are reduced together by layout (widths, weight and bias counted):
+    # layers without a bias or a trainable weight beside layers of the same widths with both
+    mixed = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8),
+                          nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    mixed[6].weight.requires_grad_(False)
+    found["mixed"] = (mixed, x, y)
     return found
 
 
@@ -179,7 +185,7 @@ def test_advice_only_where_the_interval_allows_it():
         "GradHooks: no gradient noise scale estimate: the gradients are all zero."
 
 
-@pytest.mark.parametrize("name", ["linear", "mlp", "block"])
+@pytest.mark.parametrize("name", ["linear", "mlp", "mixed", "block"])
 def test_per_example_norms_against_brute_force(name):
     model, x, y = models()[name]
     probe = NoiseProbe(model)
@@ -527,13 +533,15 @@ def test_all_zero_gradients(tmp_path):
     assert messages[-1] == said[0]
 
 
-@pytest.mark.parametrize(("features_in", "features_out", "positions"), [(16, 32, 5), (6, 1, 5), (64, 64, 64)])
+@pytest.mark.parametrize(("features_in", "features_out", "positions"),
+                         [(16, 32, 5), (6, 1, 5), (64, 64, 64), (16, 32, None)])
 def test_per_example_norms_under_fp16_autocast(features_in, features_out, positions):
     # Under autocast the forward's products would be float16 and meet a float32 gradient in the
-    # backward: the probe works in float32 whatever the autocast state, as without autocast.
+    # backward: the probe works in float32 whatever the autocast state, as without autocast (2-D
+    # inputs: float16 inputs and output gradients stacked into float32 buffers).
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(features_in, features_out), nn.Tanh(), nn.Linear(features_out, 3))
-    x = torch.randn(32, positions, features_in, generator=g)
+    x = torch.randn(32, *(() if positions is None else (positions,)), features_in, generator=g)
     estimates = []
     for autocast in (False, True):
         probe = NoiseProbe(model)
