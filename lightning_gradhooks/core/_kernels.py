@@ -17,7 +17,6 @@ or Dynamo setting: options are per call.
 from __future__ import annotations
 
 import contextlib
-
 import importlib
 import logging
 import os

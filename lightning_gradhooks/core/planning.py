@@ -143,10 +143,10 @@ def _away(edge: tuple[Any, int], x: Tensor, fn: Any) -> bool:
     return False
 
 
-
 def _one_op_type(module: nn.Module) -> bool:
     """Whether ``module`` is of a type of :data:`ONE_OP` (a candidate for :attr:`Read.EDGE`)."""
     return _shards.unsharded_type(module) in ONE_OP
+
 
 def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
     """The read plan of ``module``, from what the logged steps showed of it (``seen``; None
