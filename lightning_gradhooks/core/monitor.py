@@ -277,6 +277,10 @@ class GradientMonitor:
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
+        # The gradient hooks that take no noise callback, made once per (reading, label, histogram,
+        # output index, edge) and put on the nodes of every logged step: no new objects per step
+        # for the cyclic collector to walk (:meth:`_gradient_hook`).
+        self._gradient_hooks: dict[tuple, Callable] = {}
         #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
         self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
@@ -409,6 +413,7 @@ class GradientMonitor:
         if self.noise is not None:
             self.noise.remove()
         self._scratch = Scratch()
+        self._gradient_hooks.clear()
 
     @property
     def armed(self) -> bool:
@@ -600,7 +605,7 @@ class GradientMonitor:
         if node is None:  # a leaf: a module that returns a parameter
             t.register_hook(functools.partial(self._leaf_grad, kind, label, histogram, noise))
         elif noise is None and not self._planner.probing:  # the common case: one call, no check of its own
-            node.register_prehook(functools.partial(self._output_grad, kind, label, histogram, t.output_nr))
+            node.register_prehook(self._gradient_hook(self._output_grad, kind, label, histogram, t.output_nr))
         else:
             node.register_prehook(functools.partial(self._node_grad, kind, label, histogram, t.output_nr, noise))
 
@@ -620,8 +625,21 @@ class GradientMonitor:
             self._hook(output, Kind.GRAD_OUTPUT, label, self._step_histograms, noise)
             return
         edge = None if edge == NO_INPUT else edge
-        output.grad_fn.register_hook(
-            functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr, edge, noise))
+        if noise is None:
+            hook = self._gradient_hook(self._edge_grads, label, self._step_histograms, output.output_nr, edge, None)
+        else:
+            hook = functools.partial(self._edge_grads, label, self._step_histograms, output.output_nr, edge, noise)
+        output.grad_fn.register_hook(hook)
+
+    def _gradient_hook(self, method: Callable, *arguments: Any) -> Callable:
+        """``functools.partial(method, *arguments)``, made once per monitor: a logged step of a
+        500-module model otherwise leaves a thousand objects more (the partial and its bound
+        method, alive with the step's graph) for the cyclic collector's next pass."""
+        key = (method.__func__, *arguments)
+        hook = self._gradient_hooks.get(key)
+        if hook is None:
+            hook = self._gradient_hooks[key] = functools.partial(method, *arguments)
+        return hook
 
     def _edge_grads(self, label: str, histogram: bool, index: int, edge: int | None,
                     noise: Callable[[Tensor], None] | None, grad_inputs: tuple, grad_outputs: tuple) -> None:

@@ -637,6 +637,36 @@ def test_forward_checks_name_the_module_where_nan_is_born():
             assert forward == [] and first.kind != "forward"  # backward names a later module
 
 
+def test_later_logged_steps_make_no_new_gradient_hooks():
+    """The hooks put on autograd nodes live as long as the step's graph, so the cyclic collector
+    walks whatever a logged step makes for them while the loss is held: from the second planned
+    step on (the first is the probe's), a monitor without the noise probe reuses the hooks it
+    made, read the same, and histograms switched off for one step get hooks of their own."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+    monitor = GradientMonitor(model, noise_scale=False)
+    x = torch.randn(4, 8)
+    with monitor.attach():
+        records, young = [], []
+        for histograms in (None, None, None, False, None):
+            gc.collect()  # what earlier steps made is old now
+            with monitor.arm(histograms=histograms):
+                loss = model(x).sum()  # held, as a loop holds it: its graph keeps the node hooks
+                loss.backward()
+                young.append([o for o in gc.get_objects(generation=0) if isinstance(o, functools.partial)])
+                records.append(monitor.collect())
+            model.zero_grad()
+    assert all(young[1]) and len(young[1]) >= 6  # the first planned step makes them
+    assert young[2] == [] and young[4] == []
+    assert len(young[3]) >= 6  # without histograms: other hooks
+    same = [(e.kind, e.name, e.stats, e.histogram) for e in records[1].entries]
+    assert same == [(e.kind, e.name, e.stats, e.histogram) for e in records[2].entries]
+    assert [e.histogram for e in records[3].entries if e.kind == "grad_output"] == [None] * 6
+    assert all(e.histogram is not None for e in records[4].entries if e.kind == "grad_output")
+
+
 def test_a_with_arm_block_pauses_the_cyclic_garbage_collector_and_always_restores_it():
     """Python's GC is off inside `with monitor.arm():` up to collect(), back on after, also when
     the step raises; a bare arm() leaves it on (nothing could switch it back on if the step
