@@ -3,7 +3,7 @@
     python benchmarks/host_per_module.py [--layers 500] [--rounds 9] [--steps 4] [--threads 1] [--clock cpu|wall]
     python benchmarks/host_per_module.py --profile "outputs"    # cProfile of one variant's steps
     python benchmarks/host_per_module.py --ops                  # aten ops of a logged step beyond a bare one
-    python benchmarks/host_per_module.py --floor                # also the floors of the hooks (class Floor)
+    python benchmarks/host_per_module.py --floor                # also the floors of the hooks and reads (class Floor)
 
 The model, 500 x (Linear(64, 64) + Tanh) on a batch of 32, is so small that a step is bound by
 the host: what an armed step costs beyond a bare one, divided by the watched modules (the Linear
@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradhooks import GradientMonitor
+from lightning_gradhooks.core.stats import Reducer, Scratch
 
 #: Ops that make no kernel: views and the like.
 VIEWS = frozenset({"aten.view", "aten.detach", "aten.slice", "aten.unbind", "aten.select", "aten.as_strided",
@@ -77,10 +78,18 @@ class Floor:
     that do nothing; with ``views``, they also pass the input through a view and hook the autograd
     nodes of the view and of the output, with a hook that does nothing (``Read.VIEWS``); with
     ``edge``, a forward hook alone that puts a post-hook doing nothing on the output's node
-    (``Read.EDGE``: ``grad_output`` and ``grad_input`` from one hook)."""
+    (``Read.EDGE``: ``grad_output`` and ``grad_input`` from one hook). With ``read``, the edge's
+    post-hook keeps both gradients, and ``collect`` reads them with the parameters' gradients,
+    each read once: ``"cat"``, one copy of them all into one buffer and one sum of it (the least a
+    batched reduction does: the floor of the monitor's design); ``"reducer"``, the library's
+    :class:`~lightning_gradhooks.core.stats.Reducer` (the statistics, their one transfer and rows,
+    without the monitor's bookkeeping: pending names, entries, the record)."""
 
-    def __init__(self, modules: list[nn.Module], views: bool, edge: bool = False) -> None:
-        self._modules, self._views, self._edge = modules, views, edge
+    def __init__(self, modules: list[nn.Module], views: bool, edge: bool = False, read: str | None = None) -> None:
+        self._modules, self._views, self._edge, self._read = modules, views, edge, read
+        self._parameters = [p for m in modules for p in m.parameters()]
+        self._held: list[torch.Tensor] = []
+        self._scratch = Scratch()
 
     @contextlib.contextmanager
     def attach(self) -> Iterator[None]:
@@ -99,7 +108,16 @@ class Floor:
                 handle.remove()
 
     def collect(self) -> None:
-        pass
+        held, self._held = self._held, []
+        if self._read is None:
+            return
+        grads = [g for g in held if g is not None] + [p.grad for p in self._parameters]  # the first has no grad_input
+        if self._read == "cat":
+            torch.cat([g.view(-1) for g in grads]).sum().item()
+        else:
+            reducer = Reducer(64, self._scratch)
+            reducer.extend(grads, False)
+            reducer.finish()
 
     def _pre(self, module: nn.Module, args: tuple) -> tuple | None:
         if not (self._views and args[0].requires_grad):
@@ -114,7 +132,10 @@ class Floor:
 
 
     def _post_edge(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        output.grad_fn.register_hook(_nothing_after)
+        output.grad_fn.register_hook(self._keep if self._read else _nothing_after)
+
+    def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self._held += (grad_outputs[0], grad_inputs[1])  # Linear's AddmmBackward0: bias, input, weight
 
 
 def _nothing(grads: tuple) -> None:
@@ -134,7 +155,7 @@ def main() -> None:
     parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     parser.add_argument("--profile", default=None, help="profile this variant's steps instead")
     parser.add_argument("--ops", action="store_true", help="count the aten ops of a logged step instead")
-    parser.add_argument("--floor", action="store_true", help="also time the floor of the hooks (class Floor)")
+    parser.add_argument("--floor", action="store_true", help="also time the floors of the hooks and reads (class Floor)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -144,7 +165,9 @@ def main() -> None:
     if args.floor:
         linears = [m for m in model if isinstance(m, nn.Linear)]
         monitors |= {"floor: module hooks": Floor(linears, False), "floor: + views, node hooks": Floor(linears, True),
-                     "floor: forward hook + one node post-hook": Floor(linears, False, edge=True)}
+                     "floor: forward hook + one node post-hook": Floor(linears, False, edge=True),
+                     "floor: + one copy and one sum of the gradients": Floor(linears, False, edge=True, read="cat"),
+                     "floor: + Reducer, no monitor bookkeeping": Floor(linears, False, edge=True, read="reducer")}
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
 

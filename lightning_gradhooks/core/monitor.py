@@ -413,7 +413,6 @@ class GradientMonitor:
         if self.noise is not None:
             self.noise.remove()
         self._scratch = Scratch()
-        self._gradient_hooks.clear()
 
     @property
     def armed(self) -> bool:
