@@ -4,6 +4,7 @@
         [--variants bare,stats,hist,outputs,logits,noise,write,checks] [--threads 1 --clock cpu] [--repo DIR]
     python benchmarks/forward_cost.py --max-logits [--ref DIR] [--rounds 15]
     python benchmarks/forward_cost.py --count-ops
+    python benchmarks/forward_cost.py --kernels [--models encoder] [--steps 5] [--threads 1]
 
 Variants, interleaved round by round in one process, the order rotated each round (the models
 of ``logged_step.py``), each adding one part of the monitor's defaults to the one before:
@@ -26,6 +27,10 @@ per checkout, one after the other, to compare them).
 (:func:`lightning_gradhooks.core.attention.max_logits`) on typical shapes and masks, 1 thread,
 against the same function of the checkout in DIR, interleaved in one process (medians of
 ``--rounds`` rounds of 5 calls; the two must give the same maxima).
+
+``--kernels``: instead, the CPU time a logged step with the defaults spends in the compiled
+statistics (by row function) and in the attention logits' ``q·kᵀ``, beside a bare step: the
+part of a logged step that no saving on the host side can remove.
 
 ``--count-ops``: instead, the aten ops an armed step dispatches on 20 ``Linear(64, 64)`` layers
 with eager statistics (every op counted by a ``TorchDispatchMode``), with the gradients alone and
@@ -130,6 +135,59 @@ def time_max_logits(ref: str | None, rounds: int) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
+def time_kernels(models: list[str], steps: int, threads: int) -> None:
+    """The CPU time a logged step with the monitor's defaults spends in its compiled statistics
+    (each :func:`lightning_gradhooks.core._kernels.run`, by row function) and in the attention
+    logits' extra ``q·kᵀ`` (:func:`lightning_gradhooks.core.attention.max_logits`), against a bare
+    step: what the step costs at least, however little the host adds around them. Timed by
+    wrapping the two functions of this library for the run (this script's process only)."""
+    import torch
+
+    from lightning_gradhooks import GradientMonitor
+    from lightning_gradhooks.core import _kernels, attention
+    from logged_step import make_case
+
+    torch.set_num_threads(threads or torch.get_num_threads())
+    spent: dict[str, float] = {}
+
+    def timed(function, key):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                name = key(args)
+                spent[name] = spent.get(name, 0.0) + time.process_time() - start
+        return call
+
+    _kernels.run = timed(_kernels.run, lambda args: args[0].__name__)
+    attention.max_logits = timed(attention.max_logits, lambda args: "max_logits")
+    print(f"command: python {' '.join(sys.argv)}; torch {torch.__version__}; {torch.get_num_threads()} threads; CPU time")
+    for name in models:
+        model, batch, loss_fn = make_case(name, "cpu")
+        monitor = GradientMonitor(model)
+        bare, armed = [], []
+        with monitor.attach():
+            for step in range(steps + 2):
+                start = time.process_time()
+                loss_fn(model, batch).backward()
+                bare.append(time.process_time() - start)
+                model.zero_grad(set_to_none=True)
+                if step == 2:
+                    spent.clear()  # after the warm-up steps: plans, compiles
+                start = time.process_time()
+                with monitor.arm():
+                    loss_fn(model, batch).backward()
+                    monitor.collect()
+                armed.append(time.process_time() - start)
+                model.zero_grad(set_to_none=True)
+        b, a = statistics.median(bare[2:]), statistics.median(armed[2:])
+        print(f"{name}: bare step {b * 1e3:.1f} ms, logged step {a * 1e3:.1f} ms ({a / b:.3f}x); per logged step:")
+        for key, seconds in sorted(spent.items()):
+            print(f"  {key:<15} {seconds / steps * 1e3:8.1f} ms  {seconds / steps / b:7.2%} of a bare step")
+        spent.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -144,7 +202,11 @@ def main() -> None:
     parser.add_argument("--count-ops", action="store_true", help="count the aten ops of an armed step instead")
     parser.add_argument("--max-logits", action="store_true", help="time max_logits per attention call instead")
     parser.add_argument("--ref", default=None, metavar="DIR", help="with --max-logits: against the checkout in DIR")
+    parser.add_argument("--kernels", action="store_true", help="the time a logged step spends in its kernels instead")
     args = parser.parse_args()
+    if args.kernels:
+        time_kernels(args.models.split(","), args.steps, args.threads)
+        return
     if args.count_ops:
         count_ops()
         return
