@@ -59,6 +59,10 @@ class StatsRow(NamedTuple):
     high: float
 
 
+#: A :class:`StatsRow` from a list of its values, without ``StatsRow._make``'s Python frame (a
+#: step makes one per tensor).
+_as_row = functools.partial(tuple.__new__, StatsRow)
+
 #: The names of :data:`Statistic`, in row order.
 STATISTICS: tuple[str, ...] = StatsRow._fields[:6]
 #: Values in a :class:`StatsRow`.
@@ -146,12 +150,15 @@ class Scratch:
 
 @dataclass(slots=True)
 class _Batch:
-    """Tensors waiting to be reduced together, their positions in the order added, their size,
-    and those added with ``watch`` (:meth:`Reducer.add`): ``(position, tensor, version)``."""
+    """Tensors waiting to be reduced together (flat), their element counts, their positions in
+    the order added, their size in rows' elements, the dtype they are reduced in, and those
+    added with ``watch`` (:meth:`Reducer.add`): ``(position, tensor, version)``."""
 
     tensors: list[Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     elements: int = 0
+    dtype: torch.dtype | None = None
     watched: list[tuple[int, Tensor, int]] = field(default_factory=list)
 
 
@@ -211,27 +218,35 @@ class Reducer:
         numels, limit = self._numels, self._limit or SIZES.get(tensors[0].device.type, DEVICE_SIZES).batch
         self._limit = limit  # elements per batch on this device
         batch = self._open.get(histogram)
+        strided, floats, row, position = torch.strided, _FLOATS, ROW, len(numels)  # locals: a loop per tensor
         for tensor in tensors:
             # _flat's common case inline (a gradient: dense, contiguous, float, not requiring grad).
-            if tensor.dtype in _FLOATS and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.requires_grad:
+            dtype = tensor.dtype
+            if dtype in floats and tensor.layout is strided and tensor.is_contiguous() and not tensor.requires_grad:
                 x = tensor if tensor.dim() == 1 else tensor.view(-1)
             else:
                 x = _flat(tensor)
+                dtype = x.dtype
             numel = x.numel()
-            n = ROW * (-(-numel // ROW) or 1)  # counted as laid out in rows (_rows)
+            n = row * (-(-numel // row) or 1)  # counted as laid out in rows (_rows)
             if batch is None or batch.elements + n > limit:
                 if batch is not None:
                     self._flush(histogram)
-                batch = self._open[histogram] = _Batch()
+                batch = self._open[histogram] = _Batch(dtype=dtype)
+            elif dtype is not batch.dtype:
+                batch.dtype = torch.promote_types(batch.dtype, dtype)
             batch.tensors.append(x)
-            batch.positions.append(len(numels))
-            numels.append(numel)
+            batch.lengths.append(numel)
+            batch.positions.append(position)
             batch.elements += n
+            numels.append(numel)
+            position += 1
 
     def _flush(self, histogram: bool) -> None:
         batch = self._open.pop(histogram)
         self._changed.update(p for p, t, version in batch.watched if t._version != version)
-        moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled)
+        moments, counts = reduce_batch(batch.tensors, self.bins if histogram else None, self._scratch, self.compiled,
+                                       (tuple(batch.lengths), batch.dtype))
         self._blocks.append((moments, counts, batch.positions))
 
     def finish(self) -> list[tuple[StatsRow, list[float] | None] | None]:
@@ -247,9 +262,9 @@ class Reducer:
         parts = [m.reshape(-1) for m, _, _ in blocks] + [c.reshape(-1) for _, c, _ in blocks if c is not None]
         host = torch.cat(parts).to("cpu", torch.float64)  # the one transfer
         positions = [p for _, _, block in blocks for p in block]
-        k = len(positions)
-        rows = finish_rows(host[: k * MOMENTS].view(k, MOMENTS), torch.tensor([numels[p] for p in positions], dtype=torch.float64))
-        rows = map(StatsRow._make, rows.tolist())
+        k, in_order = len(positions), positions == list(range(len(numels)))  # in order: one batch at a time
+        lengths = torch.tensor(numels if in_order else [numels[p] for p in positions], dtype=torch.float64)
+        rows = map(_as_row, finish_rows(host[: k * MOMENTS].view(k, MOMENTS), lengths).tolist())
         if all(c is None for _, c, _ in blocks):  # no histograms: the rows alone
             pairs = zip(rows, itertools.repeat(None))
         else:
@@ -258,7 +273,7 @@ class Reducer:
             counts = iter(host[k * MOMENTS :].clone().view(-1, self.bins).tolist())
             has_counts = (c is not None for _, c, block in blocks for _ in block)
             pairs = ((row, next(counts) if has else None) for row, has in zip(rows, has_counts))
-        if positions == list(range(len(numels))):  # in the order added: one batch at a time
+        if in_order:
             results: list[tuple[StatsRow, list[float] | None] | None] = list(pairs)
         else:
             results = [None] * len(numels)
@@ -483,7 +498,8 @@ def _ones(device: torch.device) -> Tensor:
 
 
 def reduce_batch(
-    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True
+    tensors: Sequence[Tensor], bins: int | None, scratch: Scratch | None = None, compiled: bool = True,
+    known: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Moments (and histograms) of many flat float tensors on one device, in a fixed number of
     ops per block (per cache-sized chunk, eager on the CPU), without reading a value to the host
@@ -498,12 +514,17 @@ def reduce_batch(
     otherwise :func:`eager_moments` and :func:`eager_histograms` run, which read to the host which
     rows are whole and finite, once per block and pass.
 
+    ``known``: the tensors' element counts and their promoted dtype, where the caller has them
+    (:class:`Reducer`: not read again, tensor by tensor).
+
     Returns:
         ``(moments, counts)``: float64 tensors of shape ``(len(tensors), MOMENTS)`` and
         ``(len(tensors), bins)`` (None without ``bins``).
     """
-    device, dtype = tensors[0].device, functools.reduce(torch.promote_types, {t.dtype for t in tensors})
-    layout = _layout(tuple(t.numel() for t in tensors), device, SIZES.get(device.type, DEVICE_SIZES).block)
+    if known is None:
+        known = tuple(t.numel() for t in tensors), functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+    (lengths, dtype), device = known, tensors[0].device
+    layout = _layout(lengths, device, SIZES.get(device.type, DEVICE_SIZES).block)
     row_of, m, f64 = layout.row_of, len(tensors), torch.float64
     blocks = _blocks(tensors, layout, dtype, scratch)
     per_row = _joined([_kernels.run(row_moments, eager_moments, compiled, block) for block in blocks])
