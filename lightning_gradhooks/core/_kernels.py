@@ -37,18 +37,6 @@ EAGER_ROWS = 1024
 # it runs eagerly; what was already logged (the reasons, and "compile" once the first compile was announced).
 _compiled: dict[tuple[Callable, str], Callable] = {}
 _said: set[str] = set()
-#: Row functions compiled into single-threaded code on the CPU (:func:`serial`).
-_serial: set[Callable] = set()
-
-
-def serial(function: Callable) -> Callable:
-    """Mark a row function to be compiled into single-threaded C++ on the CPU (Inductor's
-    ``cpp.threads``, an option of this compile only; GPUs are unaffected): where Inductor would
-    run a scatter in parallel code it calls aten's ``scatter_add_`` on an index it writes out,
-    2.5x slower at 2 threads on a 2-vCPU machine than one thread of the fused kernel
-    (``docs/benchmarks.md``, F1). Returns ``function`` itself."""
-    _serial.add(function)
-    return function
 
 
 def unavailable(device_type: str) -> str | None:
@@ -93,7 +81,7 @@ def _kernel(function: Callable, device_type: str) -> Callable:
 
 
 def _compile(function: Callable) -> Callable:
-    return torch.compile(function, fullgraph=True, options={"cpp.threads": 1} if function in _serial else None)
+    return torch.compile(function, fullgraph=True)
 
 
 def run(function: Callable[..., Tensor], eager: Callable[..., Tensor], compiled: bool, x: Tensor, *rows: Tensor,

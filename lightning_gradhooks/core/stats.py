@@ -406,7 +406,6 @@ def row_moments(x: Tensor) -> Tensor:
     return torch.stack([count, pivot[:, 0], shifted.sum(1), shifted.square().sum(1), zeros, low, high], 1)
 
 
-@_kernels.serial  # a scatter: fused into one single-threaded kernel, not aten's scatter_add_ in parallel code
 def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     """Per row of ``x`` (rows, width): the counts of its finite elements in ``bins`` equal bins,
     each row over the range of its tensor (``ranges``: per row the tensor's minimum and the two
