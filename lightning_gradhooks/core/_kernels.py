@@ -37,6 +37,23 @@ EAGER_ROWS = 1024
 # it runs eagerly; what was already logged (the reasons, and "compile" once the first compile was announced).
 _compiled: dict[tuple[Callable, str], Callable] = {}
 _said: set[str] = set()
+#: Row functions that scatter (:func:`scatter`).
+_scatters: set[Callable] = set()
+#: Rows per call of a scatter's compiled code on the CPU with more than one thread (:func:`scatter`).
+SCATTER_ROWS = 1024
+
+
+def scatter(function: Callable) -> Callable:
+    """Mark a row function that scatters. In parallel code on the CPU (more than one torch thread
+    when it compiles) Inductor does not fuse a scatter: it writes the index out as int64 and calls
+    aten's ``scatter_add_``, and on a block of 4,096 rows of 1,024 float32 that took 15.6-16.3 ms at
+    2 threads on a 2-vCPU machine, against 6.2 ms called on :data:`SCATTER_ROWS` rows at a time
+    (their index stays in cache) and 7.0 ms for the fused kernel that one thread compiles (which
+    is called on whole blocks: each call costs about 0.2 ms more). So with more than one thread,
+    its compiled code on the CPU is called on at most :data:`SCATTER_ROWS` rows at a time. The
+    numbers do not change. Returns ``function`` itself."""
+    _scatters.add(function)
+    return function
 
 
 def unavailable(device_type: str) -> str | None:
@@ -98,6 +115,11 @@ def run(function: Callable[..., Tensor], eager: Callable[..., Tensor], compiled:
             if kernel is not function:
                 try:
                     with _without_autocast(x.device.type):
+                        if (function in _scatters and len(x) > SCATTER_ROWS and x.device.type == "cpu"
+                                and torch.get_num_threads() > 1):
+                            step = SCATTER_ROWS
+                            return torch.cat([_call(kernel, x[r : r + step], tuple(t[r : r + step] for t in rows), constants)
+                                              for r in range(0, len(x), step)])
                         return _call(kernel, x, rows, constants)
                 except Exception as error:  # a compiler that fails: eager from now on, said once
                     _compiled[function, x.device.type] = function

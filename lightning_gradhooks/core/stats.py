@@ -406,6 +406,7 @@ def row_moments(x: Tensor) -> Tensor:
     return torch.stack([count, pivot[:, 0], shifted.sum(1), shifted.square().sum(1), zeros, low, high], 1)
 
 
+@_kernels.scatter  # in parallel CPU code: called on cache-sized pieces of a block
 def row_histograms(x: Tensor, ranges: Tensor, bins: int) -> Tensor:
     """Per row of ``x`` (rows, width): the counts of its finite elements in ``bins`` equal bins,
     each row over the range of its tensor (``ranges``: per row the tensor's minimum and the two

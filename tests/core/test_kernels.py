@@ -77,3 +77,29 @@ def test_unavailable_says_why_torch_compile_cannot_be_used(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++")
     monkeypatch.setenv("PATH", "")
     assert _kernels.unavailable("cpu") == "no C++ compiler (no-such-c++) on PATH"
+
+
+@pytest.mark.skipif(_kernels.unavailable("cpu") is not None, reason="no torch.compile for the CPU here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_scatter_runs_on_pieces_of_a_block_in_parallel_cpu_code_with_the_same_counts(monkeypatch, threads):
+    """With more than one thread, the histogram's compiled code (a scatter) is called on at most
+    SCATTER_ROWS rows at a time; with one, on the whole block. The counts are the eager ones."""
+    calls = []
+    call = _kernels._call
+    monkeypatch.setattr(_kernels, "_call", lambda kernel, x, rows, constants: calls.append(len(x)) or call(kernel, x, rows, constants))
+    monkeypatch.setattr(_kernels, "SCATTER_ROWS", 4)
+    x = torch.randn(10, 1024, generator=torch.Generator().manual_seed(0)) ** 3
+    x[3, 7] = float("nan")
+    finite = torch.where(x.isfinite(), x, 0.0)
+    low, high = finite.amin(), finite.amax()
+    ranges = torch.stack([low.expand(10), torch.ones(10), (8 * (1 - 1e-6) / (high - low)).expand(10),
+                          x.isfinite().sum(1).float()], 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _kernels.run(stats.row_histograms, stats.eager_histograms, True, x, ranges, bins=8)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == ([4, 4, 2] if threads > 1 else [10])
+    expected = _kernels.run(stats.row_histograms, stats.eager_histograms, False, x, ranges, bins=8)
+    assert torch.equal(got, expected) and got[3].sum() == 1024 and got[3, 8] == 1  # the NaN: the last bin
