@@ -4,7 +4,7 @@
         [--variants bare,stats,hist,outputs,logits,noise,write,checks] [--threads 1 --clock cpu] [--repo DIR]
     python benchmarks/forward_cost.py --max-logits [--ref DIR] [--rounds 15]
     python benchmarks/forward_cost.py --count-ops
-    python benchmarks/forward_cost.py --kernels [--models encoder] [--steps 5] [--threads 1]
+    python benchmarks/forward_cost.py --kernels [--models encoder] [--steps 5] [--threads 1] [--clock cpu]
 
 Variants, interleaved round by round in one process, the order rotated each round (the models
 of ``logged_step.py``), each adding one part of the monitor's defaults to the one before:
@@ -28,7 +28,7 @@ per checkout, one after the other, to compare them).
 against the same function of the checkout in DIR, interleaved in one process (medians of
 ``--rounds`` rounds of 5 calls; the two must give the same maxima).
 
-``--kernels``: instead, the CPU time a logged step with the defaults spends in the compiled
+``--kernels``: instead, the time (``--clock``) a logged step with the defaults spends in the compiled
 statistics (by row function) and in the attention logits' ``q·kᵀ``, beside a bare step: the
 part of a logged step that no saving on the host side can remove.
 
@@ -135,8 +135,8 @@ def time_max_logits(ref: str | None, rounds: int) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def time_kernels(models: list[str], steps: int, threads: int) -> None:
-    """The CPU time a logged step with the monitor's defaults spends in its compiled statistics
+def time_kernels(models: list[str], steps: int, threads: int, clock_name: str) -> None:
+    """The time (``--clock``) a logged step with the monitor's defaults spends in its compiled statistics
     (each :func:`lightning_gradhooks.core._kernels.run`, by row function) and in the attention
     logits' extra ``q·kᵀ`` (:func:`lightning_gradhooks.core.attention.max_logits`), against a bare
     step: what the step costs at least, however little the host adds around them. Timed by
@@ -148,38 +148,40 @@ def time_kernels(models: list[str], steps: int, threads: int) -> None:
     from logged_step import make_case
 
     torch.set_num_threads(threads or torch.get_num_threads())
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
     spent: dict[str, float] = {}
 
     def timed(function, key):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            start = time.process_time()
+            start = clock()
             try:
                 return function(*args, **kwargs)
             finally:
                 name = key(args)
-                spent[name] = spent.get(name, 0.0) + time.process_time() - start
+                spent[name] = spent.get(name, 0.0) + clock() - start
         return call
 
     _kernels.run = timed(_kernels.run, lambda args: args[0].__name__)
     attention.max_logits = timed(attention.max_logits, lambda args: "max_logits")
-    print(f"command: python {' '.join(sys.argv)}; torch {torch.__version__}; {torch.get_num_threads()} threads; CPU time")
+    print(f"command: python {' '.join(sys.argv)}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+          f"{clock_name} clock")
     for name in models:
         model, batch, loss_fn = make_case(name, "cpu")
         monitor = GradientMonitor(model)
         bare, armed = [], []
         with monitor.attach():
             for step in range(steps + 2):
-                start = time.process_time()
+                start = clock()
                 loss_fn(model, batch).backward()
-                bare.append(time.process_time() - start)
+                bare.append(clock() - start)
                 model.zero_grad(set_to_none=True)
                 if step == 2:
                     spent.clear()  # after the warm-up steps: plans, compiles
-                start = time.process_time()
+                start = clock()
                 with monitor.arm():
                     loss_fn(model, batch).backward()
                     monitor.collect()
-                armed.append(time.process_time() - start)
+                armed.append(clock() - start)
                 model.zero_grad(set_to_none=True)
         b, a = statistics.median(bare[2:]), statistics.median(armed[2:])
         print(f"{name}: bare step {b * 1e3:.1f} ms, logged step {a * 1e3:.1f} ms ({a / b:.3f}x); per logged step:")
@@ -205,7 +207,7 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="the time a logged step spends in its kernels instead")
     args = parser.parse_args()
     if args.kernels:
-        time_kernels(args.models.split(","), args.steps, args.threads)
+        time_kernels(args.models.split(","), args.steps, args.threads, args.clock)
         return
     if args.count_ops:
         count_ops()
