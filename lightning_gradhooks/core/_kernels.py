@@ -44,14 +44,14 @@ SCATTER_ROWS = 1024
 
 
 def scatter(function: Callable) -> Callable:
-    """Mark a row function that scatters. In parallel code on the CPU (more than one torch thread
-    when it compiles) Inductor does not fuse a scatter: it writes the index out as int64 and calls
+    """Mark a row function that scatters. In parallel code on the CPU (compiled with more than one
+    torch thread) Inductor does not fuse a scatter: it writes the index out as int64 and calls
     aten's ``scatter_add_``, and on a block of 4,096 rows of 1,024 float32 that took 15.6-16.3 ms at
     2 threads on a 2-vCPU machine, against 6.2 ms called on :data:`SCATTER_ROWS` rows at a time
     (their index stays in cache) and 7.0 ms for the fused kernel that one thread compiles (which
-    is called on whole blocks: each call costs about 0.2 ms more). So with more than one thread,
-    its compiled code on the CPU is called on at most :data:`SCATTER_ROWS` rows at a time. The
-    numbers do not change. Returns ``function`` itself."""
+    is called on whole blocks: each call costs about 0.2 ms more). So while torch has more than
+    one thread, its compiled code on the CPU is called on at most :data:`SCATTER_ROWS` rows at a
+    time. The numbers do not change. Returns ``function`` itself."""
     _scatters.add(function)
     return function
 
