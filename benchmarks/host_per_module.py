@@ -83,10 +83,13 @@ class Floor:
     each read once: ``"cat"``, one copy of them all into one buffer and one sum of it (the least a
     batched reduction does: the floor of the monitor's design); ``"reducer"``, the library's
     :class:`~lightning_gradhooks.core.stats.Reducer` (the statistics, their one transfer and rows,
-    without the monitor's bookkeeping: pending names, entries, the record)."""
+    without the monitor's bookkeeping: pending names, entries, the record). ``outputs``: the
+    forward hook also keeps each module's output, read with the gradients (the floor of the
+    output statistics)."""
 
-    def __init__(self, modules: list[nn.Module], views: bool, edge: bool = False, read: str | None = None) -> None:
-        self._modules, self._views, self._edge, self._read = modules, views, edge, read
+    def __init__(self, modules: list[nn.Module], views: bool, edge: bool = False, read: str | None = None,
+                 outputs: bool = False) -> None:
+        self._modules, self._views, self._edge, self._read, self._outputs = modules, views, edge, read, outputs
         self._parameters = [p for m in modules for p in m.parameters()]
         self._held: list[torch.Tensor] = []
         self._scratch = Scratch()
@@ -133,6 +136,8 @@ class Floor:
 
     def _post_edge(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         output.grad_fn.register_hook(self._keep if self._read else _nothing_after)
+        if self._outputs:
+            self._held.append(output.detach())
 
     def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         self._held += (grad_outputs[0], grad_inputs[1])  # Linear's AddmmBackward0: bias, input, weight
@@ -167,6 +172,7 @@ def main() -> None:
         monitors |= {"floor: module hooks": Floor(linears, False), "floor: + views, node hooks": Floor(linears, True),
                      "floor: forward hook + one node post-hook": Floor(linears, False, edge=True),
                      "floor: + one copy and one sum of the gradients": Floor(linears, False, edge=True, read="cat"),
+                     "floor: + the outputs too": Floor(linears, False, edge=True, read="cat", outputs=True),
                      "floor: + Reducer, no monitor bookkeeping": Floor(linears, False, edge=True, read="reducer")}
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
