@@ -14,7 +14,9 @@ of ``--steps`` steps: ``bare`` (no monitor), ``grads`` (``GradientMonitor(histog
 noise_scale=False, activations=False)``), ``outputs`` (the same with ``activations=True``),
 ``outputs + noise`` (the noise probe too), ``outputs + histograms`` (64-bin histograms too).
 Prints per variant the median window, the median per-round ratio to ``bare`` and the median
-per-round (variant - bare) / layers in microseconds, then the same split by phase (:data:`PHASES`).
+per-round (variant - bare) / layers in microseconds, and the first decile of the variant's windows
+less bare's (with ``--steps 1`` and many rounds, the steadiest figure on a shared machine: noise
+only adds), then the same split by phase (:data:`PHASES`).
 ``--clock cpu`` (default) times the process's CPU time (``time.process_time``; with one thread,
 the host's own work, steadier on a shared machine than wall time), ``--clock wall`` wall time. ``--ops`` counts instead the aten ops that one
 logged step (forward, backward, ``collect``) dispatches beyond a bare step, per variant, and those
@@ -233,12 +235,15 @@ def main() -> None:
             phases[name].append([statistics.fmean(p) for p in zip(*window)])
     print(f"command: python benchmarks/host_per_module.py --layers {args.layers} --rounds {args.rounds} "
           f"--steps {args.steps} --threads {args.threads} --clock {args.clock}; torch {torch.__version__}")
-    print(f"| variant | step (ms) | armed / bare | µs per watched module over bare |\n|---|---|---|---|")
+    print(f"| variant | step (ms) | armed / bare | µs per watched module over bare | the same, first deciles |\n"
+          f"|---|---|---|---|---|")
     bare = times["bare"]
+    decile = lambda ts: statistics.quantiles(ts, n=10)[0] if len(ts) > 1 else ts[0]  # noqa: E731
     for name, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, bare))
         extra = statistics.median((t - b) / args.layers * 1e6 for t, b in zip(ts, bare))
-        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {ratio:.2f}x | {extra:.0f} |")
+        low = (decile(ts) - decile(bare)) / args.layers * 1e6
+        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {ratio:.2f}x | {extra:.0f} | {low:.1f} |")
     print(f"\nWhere it goes: µs per watched module over bare, by phase (medians of the per-round differences)\n"
           f"| variant | {' | '.join(PHASES)} |\n|---|{'---|' * len(PHASES)}")
     for name in names[1:]:
