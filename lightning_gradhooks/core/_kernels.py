@@ -17,6 +17,7 @@ or Dynamo setting: options are per call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -115,22 +116,23 @@ def run(function: Callable[..., Tensor], eager: Callable[..., Tensor], compiled:
             if kernel is not function:
                 try:
                     with _without_autocast(x.device.type):
-                        if (function in _scatters and len(x) > SCATTER_ROWS and x.device.type == "cpu"
-                                and torch.get_num_threads() > 1):
-                            step = SCATTER_ROWS
-                            return torch.cat([_call(kernel, x[r : r + step], tuple(t[r : r + step] for t in rows), constants)
-                                              for r in range(0, len(x), step)])
-                        return _call(kernel, x, rows, constants)
+                        call = functools.partial(_call, kernel)
+                        if function in _scatters and x.device.type == "cpu" and torch.get_num_threads() > 1:
+                            return rows_at_a_time(call, x, *rows, rows_per_call=SCATTER_ROWS, **constants)
+                        return call(x, *rows, **constants)
                 except Exception as error:  # a compiler that fails: eager from now on, said once
                     _compiled[function, x.device.type] = function
                     _say(f"torch.compile raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         return eager(x, *rows, **constants)
 
 
-def rows_at_a_time(function: Callable[..., Tensor], x: Tensor, *rows: Tensor, **constants: int) -> Tensor:
-    """``function`` (a compiled source) run as it is, eagerly, :data:`EAGER_ROWS` rows at a time."""
-    parts = [function(x[r : r + EAGER_ROWS], *(t[r : r + EAGER_ROWS] for t in rows), **constants)
-             for r in range(0, len(x), EAGER_ROWS)]
+def rows_at_a_time(function: Callable[..., Tensor], x: Tensor, *rows: Tensor, rows_per_call: int = EAGER_ROWS,
+                   **constants: int) -> Tensor:
+    """``function`` on ``rows_per_call`` rows at a time (one call where the block has no more): a
+    compiled source run as it is, eagerly, :data:`EAGER_ROWS` rows at a time, or a scatter's
+    compiled code in parallel CPU code (:func:`scatter`)."""
+    parts = [function(x[r : r + rows_per_call], *(t[r : r + rows_per_call] for t in rows), **constants)
+             for r in range(0, len(x), rows_per_call)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -156,7 +158,7 @@ def _modes_active() -> bool:
     return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
 
 
-def _call(kernel: Callable, x: Tensor, rows: tuple[Tensor, ...], constants: dict[str, int]) -> Tensor:
+def _call(kernel: Callable, x: Tensor, *rows: Tensor, **constants: int) -> Tensor:
     # Dynamo specializes sizes 0 and 1: a lone row gets a NaN row beside it (not counted).
     n = len(x)
     if n < 2:

@@ -460,19 +460,19 @@ def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) ->
 @torch.no_grad()
 def _pairs_total(pairs: list[tuple[tuple, Sequence]], scratch: Scratch) -> Tensor | None:
     """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
-    each layer's layout (:attr:`_Source.layout`) and ``[examples, input, output gradient]``, with
+    each layer's layout (:attr:`_Source.layout`) and ``[input, output gradient]``, with
     a few ops per group of layers of one layout and device (500 layers of one width: about ten
     ops). Each group's two stacks go into float32 buffers of ``scratch``, reused from one logged
     step to the next (500 × 32 × 64 on this CPU: 1.4 against 5.5 ms for the two stacks into fresh
     tensors, which page-fault); the stack casts to float32 as it copies."""
     groups: dict[tuple, list[list]] = {}
     for layout, pair in pairs:
-        groups.setdefault((layout, pair[1].device), []).append(pair)
+        groups.setdefault((layout, pair[0].device), []).append(pair)
     total = None
     for i, ((layout, device), members) in enumerate(groups.items()):
         features_in, features_out, weight, bias = layout
-        x = _stacked(scratch, f"noise {i} inputs", [m[1] for m in members], features_in, device)  # (layers, B, in)
-        d = _stacked(scratch, f"noise {i} output gradients", [m[2] for m in members], features_out, device)
+        x = _stacked(scratch, f"noise {i} inputs", [m[0] for m in members], features_in, device)  # (layers, B, in)
+        d = _stacked(scratch, f"noise {i} output gradients", [m[1] for m in members], features_out, device)
         # one reduction pass each (vecdot would multiply, then sum)
         xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
         part = (ds * (xs * weight + bias)).sum()
@@ -531,7 +531,7 @@ class _Source:
     def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
              ) -> Callable[[Tensor], None] | None:
         """Take in one forward of the module into ``step`` (the armed step's layers: a
-        :class:`_Seen`, a Linear on a 2-D input's ``[examples, input, output gradient]``, or None
+        :class:`_Seen`, a Linear on a 2-D input's ``[input, output gradient]``, or None
         where the layer gives nothing this step); returns what to call with its output's gradient
         (None: nothing is needed from this call)."""
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
@@ -545,10 +545,10 @@ class _Source:
             step[self] = None
             return None
         if dims == 2 and self.kind is nn.Linear and not self.sharded:
-            # [examples, input, output gradient]: no op here, reduced with every such layer's at
-            # collect (a few ops in all); detached: the graph is not held past backward (held, its
-            # nodes are freed at collect instead: no saving, measured)
-            step[self] = pair = [x.shape[0], x.detach()]
+            # [input, output gradient]: no op here, reduced with every such layer's at collect (a
+            # few ops in all); detached: the graph is not held past backward (held, its nodes are
+            # freed at collect instead: no saving, measured)
+            step[self] = pair = [x.detach()]
             return pair.append
         seen = step[self] = _Seen(self)
         if self.sharded:
@@ -644,14 +644,14 @@ class _Seen:
         #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
         self.counted = source.counted
         self.total: Tensor | None = None
-        #: The local ``(layout, (examples, input, output gradient))`` (see :func:`_pairs_total`).
-        self.pair: tuple[tuple, tuple[int, Tensor, Tensor]] | None = None
+        #: The local ``(layout, (input, output gradient))`` (see :func:`_pairs_total`).
+        self.pair: tuple[tuple, tuple[Tensor, Tensor]] | None = None
 
     def paired(self, x: Tensor, grad: Tensor) -> None:
         self.grads += 1
         if self.source.sharded and _shards.is_dtensor(grad):
             grad = grad.to_local()
-        self.pair = ((x.shape[1], grad.shape[1], *self.counted), (x.shape[0], x, grad))
+        self.pair = ((x.shape[1], grad.shape[1], *self.counted), (x, grad))
 
 
 class NoiseProbe:
@@ -915,19 +915,19 @@ class NoiseProbe:
     def _usable(self, params: list[Tensor]
                 ) -> tuple[list[_Seen], list[tuple[_Source, list]], int, int | None]:
         """The sources that give this step's per-example norms: their records, and the Linear
-        layers on 2-D inputs with their ``[examples, input, output gradient]`` (kept apart: no
-        object per layer); the batch, and why none do (an index into :data:`REASONS`)."""
+        layers on 2-D inputs with their ``[input, output gradient]`` (kept apart: no object per
+        layer); the batch, and why none do (an index into :data:`REASONS`)."""
         wanted = None if params is self._parameters else {id(p) for p in params}
         step = self._step.items() if wanted is None else [
             (source, seen) for source, seen in self._step.items() if all(id(p) in wanted for p in source.parameters)]
-        pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 3]
+        pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 2]
         used = [seen for _, seen in step if type(seen) is _Seen and seen.grads == 1
                 and (seen.total is not None or seen.pair is not None)]
         if not used and not pairs:
             return [], [], self._batch or 0, 4
-        batch = self._batch or max([s.examples for s in used] + [pair[0] for _, pair in pairs])
+        batch = self._batch or max([s.examples for s in used] + [pair[0].shape[0] for _, pair in pairs])
         used = [s for s in used if s.examples == batch]
-        pairs = [(source, pair) for source, pair in pairs if pair[0] == batch]
+        pairs = [(source, pair) for source, pair in pairs if pair[0].shape[0] == batch]
         if not used and not pairs:
             return [], [], batch, 5
         return used, pairs, batch, 6 if batch < 2 else None

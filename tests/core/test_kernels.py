@@ -86,7 +86,7 @@ def test_a_scatter_runs_on_pieces_of_a_block_in_parallel_cpu_code_with_the_same_
     SCATTER_ROWS rows at a time; with one, on the whole block. The counts are the eager ones."""
     calls = []
     call = _kernels._call
-    monkeypatch.setattr(_kernels, "_call", lambda kernel, x, rows, constants: calls.append(len(x)) or call(kernel, x, rows, constants))
+    monkeypatch.setattr(_kernels, "_call", lambda kernel, x, *rows, **constants: calls.append(len(x)) or call(kernel, x, *rows, **constants))
     monkeypatch.setattr(_kernels, "SCATTER_ROWS", 4)
     x = torch.randn(10, 1024, generator=torch.Generator().manual_seed(0)) ** 3
     x[3, 7] = float("nan")
