@@ -79,15 +79,24 @@ def test_unavailable_says_why_torch_compile_cannot_be_used(monkeypatch):
     assert _kernels.unavailable("cpu") == "no C++ compiler (no-such-c++) on PATH"
 
 
+def histograms(x: torch.Tensor, ranges: torch.Tensor, bins: int) -> torch.Tensor:
+    return stats.row_histograms(x, ranges, bins)
+
+
 @pytest.mark.skipif(_kernels.unavailable("cpu") is not None, reason="no torch.compile for the CPU here")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_scatter_runs_on_pieces_of_a_block_in_parallel_cpu_code_with_the_same_counts(monkeypatch, threads):
     """With more than one thread, the histogram's compiled code (a scatter) is called on at most
     SCATTER_ROWS rows at a time; with one, on the whole block. The counts are the eager ones."""
+    assert stats.row_histograms in _kernels._scatters
     calls = []
     call = _kernels._call
     monkeypatch.setattr(_kernels, "_call", lambda kernel, x, *rows, **constants: calls.append(len(x)) or call(kernel, x, *rows, **constants))
     monkeypatch.setattr(_kernels, "SCATTER_ROWS", 4)
+    # A row function of its own (the histogram's, inlined): compiled here, whatever this process's
+    # earlier tests compiled of row_histograms or made it fall back from.
+    monkeypatch.setattr(_kernels, "_scatters", {histograms})
+    monkeypatch.setattr(_kernels, "_compiled", {})
     x = torch.randn(10, 1024, generator=torch.Generator().manual_seed(0)) ** 3
     x[3, 7] = float("nan")
     finite = torch.where(x.isfinite(), x, 0.0)
@@ -97,7 +106,7 @@ def test_a_scatter_runs_on_pieces_of_a_block_in_parallel_cpu_code_with_the_same_
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = _kernels.run(stats.row_histograms, stats.eager_histograms, True, x, ranges, bins=8)
+        got = _kernels.run(histograms, stats.eager_histograms, True, x, ranges, bins=8)
     finally:
         torch.set_num_threads(previous)
     assert calls == ([4, 4, 2] if threads > 1 else [10])
