@@ -186,7 +186,7 @@ def worker(args: argparse.Namespace) -> None:
         loss_fn(model, batch).backward()
         record = monitor.collect()
         from lightning_gradhooks.log._tensorboard import scalar_metrics
-        from lightning_gradhooks.core.records import step_summary
+        from lightning_gradhooks.summary.records import step_summary
 
         metrics = scalar_metrics(record, log.statistics, set())
         stats = step_summary(record)

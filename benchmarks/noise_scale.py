@@ -86,7 +86,7 @@ from many_modules import cases  # noqa: E402
 from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor  # noqa: E402
 from lightning_gradhooks.__main__ import read_folder  # noqa: E402
 from lightning_gradhooks.core.noise import NoiseProbe  # noqa: E402
-from lightning_gradhooks.core.records import Key, Kind  # noqa: E402
+from lightning_gradhooks.summary.records import Key, Kind  # noqa: E402
 
 # -- cost --------------------------------------------------------------------------------
 def cost(argv: list[str]) -> None:

@@ -3,9 +3,9 @@
 Reads the TensorBoard event files under ``LOGDIR`` (each folder holding event files is one run),
 checking every record's length and CRC-32C as TensorBoard writes them, rebuilds every logged
 step from the compact summary GradHooks writes at each (``gradhooks/stats``: packed numbers in an
-event of its own, or the JSON of earlier versions; the scalar charts in logs written before it)
-and prints the report of :mod:`lightning_gradhooks.health`. Works
-while the run is still going. A file that is cut short or damaged is read up to the damage, and
+event of its own) and prints the report of :mod:`lightning_gradhooks.health`. Works while the run
+is still going. Imports neither torch, Lightning nor TensorBoard (:mod:`lightning_gradhooks.summary.events`
+reads the files): it starts in a fraction of a second, on a machine without torch too. A file that is cut short or damaged is read up to the damage, and
 a warning names it and says what was read.
 
 Exit status: 0 (no flag named in ``--fail-on``), 1 (a flag named in ``--fail-on`` was found),
@@ -15,75 +15,21 @@ Exit status: 0 (no flag named in ``--fail-on``), 1 (a flag named in ``--fail-on`
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from lightning_gradhooks.log._tensorboard import OVERVIEW, STATS_TAG, SummaryReader, masked_crc32c
-from lightning_gradhooks.core._text import counted
-from lightning_gradhooks.core.noise import sentence_of
-from lightning_gradhooks.core.records import Key, Kind, Summary
 from lightning_gradhooks.health import FLAGS, HealthReport, Thresholds
+from lightning_gradhooks.health.thresholds import help_of
 from lightning_gradhooks.health.step import Packed, merge_summary
-
-# Longest first: "forward_input_nonfinite" is not kind "forward" with statistic "input_nonfinite".
-_KINDS_LONGEST_FIRST = sorted(Kind, key=len, reverse=True)
-
-
-def _parse_tag(tag: str) -> tuple[Kind, str, str] | None:
-    """``grad_output_norm/net.0`` -> ``(Kind.GRAD_OUTPUT, "norm", "net.0")``; None for other tags.
-
-    The scalar tags of logs written before the compact summary and the numbered sections
-    (today's charts start with ``∇`` and are not read: the summary holds all they hold)."""
-    section, _, name = tag.partition("/")
-    for kind in _KINDS_LONGEST_FIRST:
-        if section.startswith(kind + "_") and name:
-            return kind, section[len(kind) + 1 :], name
-    return None
-
-
-@dataclass
-class _Damage:
-    """Where an event file stops being readable, and what was read before."""
-
-    path: Path
-    offset: int
-    reason: str
-    events: int = 0
-    steps: int = 0  # logged steps with GradHooks data among the events read
-
-
-def read_records(path: Path) -> Iterator[bytes | _Damage]:
-    """The records of a TFRecord file (an event file), each checked against its CRC-32C; a
-    :class:`_Damage` last where the file is cut short or damaged."""
-    data = path.read_bytes()
-    offset = 0
-    while offset < len(data):
-        if len(data) - offset < 12:
-            yield _Damage(path, offset, f"cut short: {counted(len(data) - offset, 'byte')} of a record header")
-            return
-        header = data[offset : offset + 8]
-        (length,) = struct.unpack("<Q", header)
-        (crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
-        if masked_crc32c(header) != crc:
-            yield _Damage(path, offset, "damaged record header (CRC mismatch)")
-            return
-        end = offset + 12 + length + 4
-        if end > len(data):
-            yield _Damage(path, offset, f"cut short: a record of {counted(length, 'byte')}, {len(data) - offset - 12} left")
-            return
-        payload = data[offset + 12 : offset + 12 + length]
-        if masked_crc32c(payload) != struct.unpack("<I", data[end - 4 : end])[0]:
-            yield _Damage(path, offset, "damaged record (CRC mismatch)")
-            return
-        yield payload
-        offset = end
+from lightning_gradhooks.summary.events import OVERVIEW, STATS_TAG, Damage, SummaryReader, read_event, read_records
+from lightning_gradhooks.summary.noise import sentence_of
+from lightning_gradhooks.summary.records import Key, Kind, Summary
+from lightning_gradhooks.summary.text import counted
 
 
 @dataclass
@@ -95,7 +41,7 @@ class Run:
     folder: Path
     parts: dict[int, list[Packed]]
     gradhooks: bool
-    damage: list[_Damage]
+    damage: list[Damage]
 
     @property
     def steps(self) -> dict[int, Summary]:
@@ -137,7 +83,7 @@ _STATS_BYTES, _STATS_WITHIN = STATS_TAG.encode(), 48
 def read_folder(folder: Path) -> Run:
     """Read the event files directly in ``folder``, in name (= creation) order.
 
-    Once a file is seen to hold packed summaries (each an event of its own), its other events
+    Once a file is seen to hold compact summaries (each an event of its own), its other events
     (charts, histograms) are skipped without being parsed: the summaries hold all the report
     reads, and are kept as they are, numbers in an array (:class:`~lightning_gradhooks.health.step.Packed`).
 
@@ -145,79 +91,48 @@ def read_folder(folder: Path) -> Run:
     that an earlier file holds already (a checkpoint older than the last logged step), the
     earlier file's steps from there on are dropped, as TensorBoard drops them: what the resumed
     run logged replaces them, and the report is the resumed run's own."""
-    run, older = Run(folder, defaultdict(list), False, []), defaultdict(dict)
+    run = Run(folder, defaultdict(list), False, [])
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        _read_file(path, run, older)
-    for step, summary in older.items():
-        run.parts[step].append(Packed.of(summary, round_to_float32=False))
+        _read_file(path, run)
     run.parts = dict(run.parts)
     return run
 
 
-def _read_file(path: Path, run: Run, older: dict[int, Summary]) -> None:
-    """Add the GradHooks data of one event file to ``run`` (that of logs written before the packed
-    summary to ``older``: JSON summaries and scalar charts, merged by step)."""
-    from tensorboard.compat.proto.event_pb2 import Event
-
+def _read_file(path: Path, run: Run) -> None:
+    """Add the GradHooks data of one event file to ``run``."""
     parts, events, logged, reader = run.parts, 0, set(), SummaryReader()
     plans: dict[int, tuple[list[Key], list[int], list[str]]] = {}  # each layout's keys, lengths and names
     restart: int | None = None  # the first step of this file with a summary
     for record in read_records(path):
-        if isinstance(record, _Damage):
+        if isinstance(record, Damage):
             record.events, record.steps = events, len(logged)
             run.damage.append(record)
             return
         events += 1
-        if reader.packed and _STATS_BYTES not in record[:_STATS_WITHIN]:
+        if restart is not None and _STATS_BYTES not in record[:_STATS_WITHIN]:
             continue  # charts: not what the report reads
         try:
-            event = Event.FromString(record)
-        except Exception as error:  # a record whose CRC holds but whose bytes are no Event
-            run.damage.append(_Damage(path, -1, f"a record is no event ({type(error).__name__})", events - 1, len(logged)))
+            step, values = read_event(record)
+        except (ValueError, IndexError, UnicodeDecodeError) as error:  # a record whose CRC holds but whose bytes are no event
+            run.damage.append(Damage(path, -1, f"a record is no event ({type(error).__name__})", events - 1, len(logged)))
             return
-        for value in event.summary.value:
-            run.gradhooks = run.gradhooks or value.tag.startswith((OVERVIEW + "/", "0_overview/"))  # today's, an older log's
-            summary = reader.read_packed(value)
-            if summary is not None:  # every statistic of the step, compact
-                if restart is None:
-                    restart = event.step
-                    for steps in (parts, older):
-                        for stale in [s for s in steps if s >= restart]:
-                            del steps[stale]
-                # A step's update ratios come in a summary of their own, later.
-                if isinstance(summary, dict):
-                    merge_summary(older[event.step], summary.items())
-                else:
-                    plan, numbers = summary
-                    laid = plans.get(id(plan))
-                    if laid is None:
-                        laid = plans[id(plan)] = ([key for key, _ in plan], [len(names) for _, names in plan],
-                                                  [name for _, names in plan for name in names])
-                    parts[event.step].append(Packed(*laid, np.frombuffer(numbers, dtype=np.float64)))
-            elif not _read_scalar(value, older, event.step):  # a scalar chart of an older log
+        for value in values:
+            run.gradhooks = run.gradhooks or value.tag.startswith(OVERVIEW + "/")
+            found = reader.read_packed(value)
+            if found is None:
                 continue
+            if restart is None:
+                restart = step
+                for stale in [s for s in parts if s >= restart]:
+                    del parts[stale]
+            plan, numbers = found  # a step's update ratios come in a summary of their own, later
+            laid = plans.get(id(plan))
+            if laid is None:
+                laid = plans[id(plan)] = ([key for key, _ in plan], [len(names) for _, names in plan],
+                                          [name for _, names in plan for name in names])
+            parts[step].append(Packed(*laid, np.frombuffer(numbers, dtype=np.float64)))
             run.gradhooks = True
-            logged.add(event.step)
-
-
-def _read_scalar(value: Any, steps: dict[int, Summary], step: int) -> bool:
-    """Add a scalar chart of a log written before the compact summary to ``steps[step]``; False
-    for other values."""
-    from tensorboard.util import tensor_util
-
-    parsed = _parse_tag(value.tag)
-    if parsed is None:
-        return False
-    if value.HasField("simple_value"):
-        number = value.simple_value
-    elif value.metadata.plugin_data.plugin_name == "scalars":
-        number = float(tensor_util.make_ndarray(value.tensor))
-    else:
-        return False
-    kind, stat, name = parsed
-    stat = "param_norm" if (kind, stat) == (Kind.PARAM, "norm") else stat
-    steps[step].setdefault(Key.of_label(kind, name), {})[stat] = number
-    return True
+            logged.add(step)
 
 
 def report_of(run: Run, thresholds: Thresholds) -> HealthReport:
@@ -235,39 +150,6 @@ def _flag_list(text: str) -> set[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"expected flags from {', '.join(FLAGS)}, got {', '.join(sorted(unknown))}")
     return chosen
-
-
-# One plain sentence per threshold for --help (no markup: argparse prints it as it is).
-_THRESHOLD_HELP = {
-    "vanishing_ratio": "Flag vanishing when a gradient's RMS is below this share of the median RMS of its kind "
-    "at the same step.",
-    "vanishing_steps": "Flag vanishing only after this many logged steps in a row.",
-    "vanishing_update_ratio": "Do not flag vanishing while the parameters it reaches still move by at least this "
-    "share of the model's median update ratio.",
-    "round_off_factor": "Note, not flag, a parameter whose gradient is below this many float round-offs of the "
-    "gradient its module receives: zero by construction.",
-    "exploding_factor": "Flag exploding when a gradient's RMS is this many times the median of its own last values.",
-    "exploding_window": "Take that median over this many of its last logged values.",
-    "exploding_steps": "Flag exploding only after this many logged steps in a row (update ratios too).",
-    "exploding_update_ratio": "Flag exploding when an update ratio (the size of the step over the size of the "
-    "weights) is above this.",
-    "floor_ratio": "Ignore gradients and parameters whose RMS is below this share of the model's median at the "
-    "step (zero- or tiny-initialised ones).",
-    "dead_zero_fraction": "Flag dead when at least this share of a module's output and parameter gradients is zero.",
-    "dead_steps": "Flag dead only after this many logged steps in a row.",
-    "stalled_update_ratio": "Flag stalled when a parameter's update ratio is 0 or below this share of the model's "
-    "median.",
-    "stalled_steps": "Flag stalled only after this many logged steps in a row.",
-    "scaler_skip_steps": ("A gradient scaler that skips every step for this many steps in a row, after it had "
-                          "found a working scale, is nonfinite; fewer is a note."),
-    "scaler_min_scale": "A gradient scaler whose scale falls below this while it skips steps is nonfinite.",
-    "attention_logit_level": "Flag attention_logits when a module's maximum attention logit is above this and still "
-    "rising.",
-    "attention_steps": "Flag attention_logits only after this many rising logged steps in a row.",
-    "activation_factor": "Flag activation_growth when an output's RMS is this many times its early level.",
-    "activation_early_steps": "Take the early level as the median of this many first logged values of the output.",
-    "activation_steps": "Flag activation_growth only after this many logged steps in a row.",
-}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -298,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
         report.add_argument(
             f"--{f.name.replace('_', '-')}", type=int if f.type in (int, "int") else float, default=f.default,
             metavar="N" if f.type in (int, "int") else "X",
-            help=f"{_THRESHOLD_HELP.get(f.name, 'A threshold of the report.')} Default: {f.default}.",
+            help=f"{help_of(f.name)} Default: {f.default}.",
         )
     return parser
 

@@ -220,7 +220,7 @@ def pooled_calls(log_dir: str, name: str, kind: str = "grad_output", optimizer: 
     step, read from the compact summary as the report command reads it (which names the count
     when it is more than one)."""
     from lightning_gradhooks.__main__ import read_folder
-    from lightning_gradhooks.core.records import Key
+    from lightning_gradhooks.summary.records import Key
 
     steps, key = read_folder(Path(log_dir)).steps, Key(kind, name, optimizer)
     return {step: int(stats[key].get("calls", 1)) for step, stats in sorted(steps.items()) if key in stats}

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, redispatch_function
 
 from lightning_gradhooks.core._shards import unsharded_type
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 #: Logits held at once per chunk of queries (16 MiB in float32).
 CHUNK_ELEMENTS = 1 << 22

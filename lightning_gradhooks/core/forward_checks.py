@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 #: A module hook: the module, whether it is a forward pre-hook, the hook (and, for a forward hook
 #: that must run also when the forward raises, True).

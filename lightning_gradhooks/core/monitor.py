@@ -13,7 +13,7 @@ registered through torch's public APIs (``register_forward_hook``, ``register_fo
 ``Node.register_prehook``, ``Node.register_hook``, ``Tensor.register_hook``). The hooks reduce the
 gradients to statistics on the device; :meth:`GradientMonitor.collect` adds the parameter
 gradients and brings everything to the host in one transfer per device, as a
-:class:`~lightning_gradhooks.core.records.GradientRecord`.
+:class:`~lightning_gradhooks.summary.records.GradientRecord`.
 Which modules are watched and how each is read is planned in :mod:`lightning_gradhooks.core.planning`.
 """
 
@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks.core._shards as _shards
-from lightning_gradhooks.core._checks import MAX_BINS, check_bool, check_int
-from lightning_gradhooks.core._text import listed
+from lightning_gradhooks.summary.checks import MAX_BINS, check_bool, check_int
+from lightning_gradhooks.summary.text import listed
 from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
@@ -39,8 +39,9 @@ from lightning_gradhooks.core.planning import (
     NO_INPUT, Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge,
     select_modules,
 )
-from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
-from lightning_gradhooks.core.stats import Reducer, Scratch, StatsRow
+from lightning_gradhooks.summary.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
+from lightning_gradhooks.core.stats import Reducer, Scratch
+from lightning_gradhooks.summary.statistics import StatsRow
 
 __all__ = [
     "GradientEntry", "GradientMonitor", "GradientRecord", "Histogram", "MonitorHandle", "Plan", "Read", "select_modules",

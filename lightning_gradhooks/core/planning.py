@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_gradhooks.core._shards as _shards
-from lightning_gradhooks.core._checks import check_patterns
+from lightning_gradhooks.summary.checks import check_patterns
 from lightning_gradhooks.core.forward_checks import tensor_leaves
 
 __all__ = ["ONE_OP", "Plan", "Planner", "Read", "input_edge", "select_modules"]

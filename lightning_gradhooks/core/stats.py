@@ -1,4 +1,4 @@
-"""Reductions of gradient tensors to statistics and histograms; pooling on the host.
+"""Reductions of gradient tensors to statistics and histograms, on their device.
 
 A :class:`Reducer` takes the gradients of a logged step as hooks see them and reduces them on
 their own device, one source of torch ops on every device, that reads no value to the host until
@@ -17,7 +17,8 @@ source, run as it is, would pass over the rows once per op). Only the sizes depe
 
 The device holds six *moments* per tensor (finite count, mean, sum of squares about the mean,
 finite minimum and maximum, zero count);
-:func:`finish_rows` turns them into :data:`STATISTICS` on the host, for all tensors at once.
+:func:`finish_rows` turns them into the statistics of
+:data:`~lightning_gradhooks.summary.statistics.TABLE`, for all tensors at once.
 Every statistic is over the *finite* elements only, and ``nonfinite`` counts the others, so that
 one NaN does not hide the shape of the rest of the gradient.
 """
@@ -27,50 +28,15 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_gradhooks.core import _kernels
-
-#: Names of the statistics, in the order of a statistics row.
-#: ``norm`` (L2), ``mean``, ``std`` (unbiased, 0 for fewer than two finite elements),
-#: ``absmax``, ``nonfinite`` (count of NaN/Inf elements), ``zero_fraction`` (share of all
-#: elements that are exactly zero: dead ReLUs, unused embedding rows).
-Statistic = Literal["norm", "mean", "std", "absmax", "nonfinite", "zero_fraction"]
-
-
-class StatsRow(NamedTuple):
-    """The statistics of one gradient tensor: :data:`STATISTICS`, then the finite element count
-    and the finite minimum and maximum (the histogram range), used for pooling and histograms.
-    What :func:`reduce`, :meth:`Reducer.finish` and :func:`pool_stats` hand out."""
-
-    norm: float
-    mean: float
-    std: float
-    absmax: float
-    nonfinite: float
-    zero_fraction: float
-    count: float
-    low: float
-    high: float
-
-
-#: A :class:`StatsRow` from a list of its values, without ``StatsRow._make``'s Python frame (a
-#: step makes one per tensor).
-_as_row = functools.partial(tuple.__new__, StatsRow)
-
-#: The names of :data:`Statistic`, in row order.
-STATISTICS: tuple[str, ...] = StatsRow._fields[:6]
-#: Values in a :class:`StatsRow`.
-STATS_WIDTH = len(StatsRow._fields)
-
-#: Moments per tensor on the device: finite count, mean, the sum of squares about the mean,
-#: finite minimum and maximum, count of exact zeros.
-MOMENTS = 6
+from lightning_gradhooks.summary.statistics import MOMENTS, TABLE, Moments, StatsRow, row_of
 
 class Sizes(NamedTuple):
     """How many elements a batch gathers before it is reduced (a bigger gradient is a batch of its
@@ -264,7 +230,7 @@ class Reducer:
         positions = [p for _, _, block in blocks for p in block]
         k, in_order = len(positions), positions == list(range(len(numels)))  # in order: one batch at a time
         lengths = torch.tensor(numels if in_order else [numels[p] for p in positions], dtype=torch.float64)
-        rows = map(_as_row, finish_rows(host[: k * MOMENTS].view(k, MOMENTS), lengths).tolist())
+        rows = map(row_of, finish_rows(host[: k * MOMENTS].view(k, MOMENTS), lengths).tolist())
         if all(c is None for _, c, _ in blocks):  # no histograms: the rows alone
             pairs = zip(rows, itertools.repeat(None))
         else:
@@ -565,7 +531,8 @@ def _joined(parts: list[Tensor]) -> Tensor:
 
 
 def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
-    """Statistics rows (:data:`STATISTICS`, count, low, high) from moments, for many tensors at once.
+    """Statistics rows (:class:`~lightning_gradhooks.summary.statistics.StatsRow`) from moments, for many
+    tensors at once, each statistic as :data:`~lightning_gradhooks.summary.statistics.TABLE` declares it.
 
     Args:
         moments: float64, shape ``(k, MOMENTS)``, as :class:`Reducer` lays them out.
@@ -577,11 +544,8 @@ def finish_rows(moments: Tensor, numels: Tensor) -> Tensor:
     count, mean, spread, low, high, zeros = moments.unbind(1)
     empty = count == 0  # no finite element: every moment is 0
     mean, spread, low, high = (v.masked_fill(empty, 0.0) for v in (mean, spread, low, high))
-    std = (spread / (count - 1)).sqrt_().masked_fill_(count <= 1, 0.0)
-    norm = (spread + count * mean * mean).sqrt_()
-    zero_fraction = (zeros / numels).masked_fill_(numels == 0, 0.0)
-    absmax = torch.maximum(low.abs(), high.abs())
-    return torch.stack([norm, mean, std, absmax, numels - count, zero_fraction, count, low, high], 1)
+    m = Moments(count, mean, spread, low, high, zeros, numels)
+    return torch.stack([s.finish(m, torch) for s in TABLE], 1)
 
 
 
@@ -601,87 +565,3 @@ def reduce(
     for t in tensors:
         reducer.add(t, bins is not None)
     return reducer.finish()
-
-
-def histogram_edges(low: float, high: float, bins: int) -> list[float]:
-    """Right edges of the ``bins`` equal bins that the histograms count into."""
-    width = (high - low) if high > low else 1.0
-    return [low + width * (i + 1) / bins for i in range(bins)]
-
-
-# -- pooling, on the host ------------------------------------------------------------------
-# A module called several times in one step, the micro-batches of one accumulated step and
-# the ranks of a data-parallel job each give several statistics rows for one name. They are
-# pooled as if the gradients had been concatenated into one tensor.
-
-
-def pool_stats(rows: Sequence[StatsRow]) -> StatsRow:
-    """Combine statistics rows into the row of the concatenated tensors.
-
-    ``norm`` is the root of the summed squares, ``mean`` and ``std`` are over all finite
-    elements (the variances combine exactly, by Chan's formula), ``absmax`` and the range are
-    the extremes, ``nonfinite`` is summed and ``zero_fraction`` is weighted by element counts.
-
-    Example:
-        >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
-        >>> pooled = pool_stats([row for row, _ in reduce([a, b])])
-        >>> torch.allclose(torch.tensor(pooled), torch.tensor(reduce([torch.cat([a, b])])[0][0]))
-        True
-    """
-    if len(rows) == 1:
-        return rows[0]
-    count = sum(r.count for r in rows)
-    finite = [r for r in rows if r.count > 0]
-    mean = sum(r.mean * r.count for r in finite) / count if count else 0.0
-    spread = sum(r.std**2 * (r.count - 1) + r.count * (r.mean - mean) ** 2 for r in finite)
-    nonfinite = sum(r.nonfinite for r in rows)
-    return StatsRow(
-        norm=math.sqrt(sum(r.norm**2 for r in rows)),
-        mean=mean,
-        std=math.sqrt(max(spread, 0.0) / (count - 1)) if count > 1 else 0.0,
-        absmax=max(r.absmax for r in rows),
-        nonfinite=nonfinite,
-        zero_fraction=sum(r.zero_fraction * (r.count + r.nonfinite) for r in rows) / max(count + nonfinite, 1),
-        count=count,
-        low=min((r.low for r in finite), default=0.0),
-        high=max((r.high for r in finite), default=0.0),
-    )
-
-
-def merge_histograms(parts: Sequence[tuple[float, float, Sequence[float]]], bins: int) -> tuple[float, float, list[float]]:
-    """Merge histograms of equal bins, each ``(low, high, counts)``.
-
-    The result has ``bins`` equal bins over the combined range. Where the ranges differ, a
-    part's counts are spread over the new bins in proportion to overlap (elements assumed
-    uniform within a bin); the total count is kept exactly, and identical ranges merge exactly.
-    """
-    parts = [p for p in parts if sum(p[2]) > 0]
-    if not parts:
-        return 0.0, 0.0, [0.0] * bins
-    if len(parts) == 1 and len(parts[0][2]) == bins:
-        return parts[0][0], parts[0][1], list(parts[0][2])
-    low, high = min(p[0] for p in parts), max(p[1] for p in parts)
-    total = sum(sum(p[2]) for p in parts)
-    if high <= low:
-        return low, high, [total] + [0.0] * (bins - 1)
-    edges = [low + (high - low) * k / bins for k in range(1, bins)]
-    below = [0.0] * len(edges)
-    for part in parts:
-        for k, mass in enumerate(_masses_below(part, edges)):
-            below[k] += mass
-    cumulative = [0.0, *below, total]
-    return low, high, [max(b - a, 0.0) for a, b in zip(cumulative, cumulative[1:])]
-
-
-def _masses_below(part: tuple[float, float, Sequence[float]], edges: Sequence[float]) -> Iterator[float]:
-    """For each edge, the count of ``part``'s elements below it (uniform within a bin)."""
-    low, high, counts = part
-    if high <= low:  # every element equals `low`
-        total = sum(counts)
-        yield from (total if low < x else 0.0 for x in edges)
-        return
-    prefix = [0.0, *itertools.accumulate(counts)]
-    for x in edges:
-        position = min(max((x - low) / (high - low) * len(counts), 0.0), len(counts))
-        whole = int(position)
-        yield prefix[whole] + ((position - whole) * counts[whole] if whole < len(counts) else 0.0)

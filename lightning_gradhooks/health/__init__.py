@@ -1,7 +1,7 @@
 """The gradient-health report: what looks wrong, where, since when, and why. Python, with numpy arrays.
 
 The :class:`~lightning_gradhooks.health.judge.Judge` takes in the summary of each logged step
-(:func:`~lightning_gradhooks.core.records.step_summary`: from the callback, a plain loop or Fabric, or
+(:func:`~lightning_gradhooks.summary.records.step_summary`: from the callback, a plain loop or Fabric, or
 read back from a TensorBoard log by the ``report`` command: the same numbers, so the same flags)
 and runs its checks over it; :class:`~lightning_gradhooks.health.report.HealthReport` holds a
 judge and renders what it decided. The flags, worst first:
@@ -31,7 +31,7 @@ judge and renders what it decided. The flags, worst first:
 
 Why each definition is what it is (docs/usage.md has the validation): gradients are compared with
 the model's own scale at the same step, or with their own recent median, never with zero or with
-one past value; an RMS (:func:`~lightning_gradhooks.core.records.rms`) is taken over the non-zero
+one past value; an RMS (:func:`~lightning_gradhooks.summary.records.rms`) is taken over the non-zero
 elements only, so that embedding rows and timesteps that no example touches do not read as
 small; a flag needs several logged steps in a row, so a single-step spike is not one. Every
 statistic is judged rounded to float32 (:meth:`~lightning_gradhooks.health.step.Packed.of`), so the

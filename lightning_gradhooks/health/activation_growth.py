@@ -11,7 +11,7 @@ from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.series import Series
 from lightning_gradhooks.health.step import Step, median
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 class ActivationGrowth(Check):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_gradhooks.core.records import Key
+from lightning_gradhooks.summary.records import Key
 
 #: The flags, worst first: the order the report lists them in.
 FLAGS = ("nonfinite", "exploding", "attention_logits", "activation_growth", "vanishing", "dead", "stalled")

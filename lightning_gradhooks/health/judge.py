@@ -37,7 +37,7 @@ from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
 from lightning_gradhooks.health.unowned import Unowned
 from lightning_gradhooks.health.vanishing import Vanishing
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.summary.records import Key, Kind
 
 #: The checks, in the order they judge each step: a check reads what those before it wrote on
 #: the step (see :class:`~lightning_gradhooks.health.step.Step`).
@@ -94,8 +94,8 @@ class Judge:
         return len(self._seen)
 
     def add_stats(self, step: int, stats: Mapping[tuple[str, ...], Mapping[str, float]] | Packed) -> None:
-        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.core.records.Summary`
-        (:func:`~lightning_gradhooks.core.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
+        """Take in statistics of logged step ``step``: its :data:`~lightning_gradhooks.summary.records.Summary`
+        (:func:`~lightning_gradhooks.summary.records.step_summary`), or ``{(kind, name): {statistic: value}}``,
         in record order, or a :class:`~lightning_gradhooks.health.step.Packed` of it (the
         ``report`` command's, read from the log as numbers). Several calls for one step are
         merged (one step, counted once); a call for a later step judges the earlier ones. Statistics of a step already judged are

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_gradhooks.core._text import counted
+from lightning_gradhooks.summary.text import counted
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import PARAM_GROUP, Subject
 from lightning_gradhooks.health.step import Layout, Step

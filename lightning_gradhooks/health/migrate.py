@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_gradhooks.core.records import Key
+from lightning_gradhooks.summary.records import Key
 
 #: The version of the state a judge writes.
 VERSION = 3

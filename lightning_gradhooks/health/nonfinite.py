@@ -9,7 +9,7 @@ from lightning_gradhooks.health.flags import Row
 from lightning_gradhooks.health.origin import origin
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 class NonFinite(Check):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from lightning_gradhooks.core._text import counted
+from lightning_gradhooks.summary.text import counted
 from lightning_gradhooks.health.flags import OVERFLOW_NORM
-from lightning_gradhooks.core.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind
+from lightning_gradhooks.summary.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind
 
 
 def why_bad(kind: str, stats: Mapping[str, float]) -> str | None:

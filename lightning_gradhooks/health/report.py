@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_gradhooks.core._text import counted, listed
+from lightning_gradhooks.summary.text import counted, listed
 from lightning_gradhooks.health.flags import FLAGS, FORWARD_FLAGS, Flag, Row
 from lightning_gradhooks.health.judge import Judge
 from lightning_gradhooks.health.thresholds import Thresholds

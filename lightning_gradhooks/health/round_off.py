@@ -15,7 +15,7 @@ from lightning_gradhooks.health.flags import Flag
 from lightning_gradhooks.health.shape import size_of
 from lightning_gradhooks.health.step import Layout, Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 #: A noted parameter keeps its note while its gradient is below this share of its module's.
 NOTE_HOLD_RATIO = 1e-3

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from lightning_gradhooks.core._text import counted, listed
+from lightning_gradhooks.summary.text import counted, listed
 from lightning_gradhooks.health.flags import FLAGS, FORWARD_FLAGS, PARAM_GROUP, Flag, Row
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 def behind_dead(tracker: Tracker, shape: Shape) -> list[Flag]:

@@ -7,13 +7,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_gradhooks.core._text import counted
+from lightning_gradhooks.summary.text import counted
 from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import Row
 from lightning_gradhooks.health.origin import origin
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.summary.records import Key, Kind
 
 #: Where a step's summary holds what its gradient scaler did (``GradientLog.write_scaler``).
 SCALER = Key(Kind.SCALER, "loss_scale")

@@ -21,7 +21,7 @@ from lightning_gradhooks.health.flags import OVERFLOW_NORM
 from lightning_gradhooks.health.origin import why_bad
 from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.thresholds import Thresholds
-from lightning_gradhooks.core.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind, Summary, rms
+from lightning_gradhooks.summary.records import ACTIVATION_KINDS, GRADIENT_KINDS, Key, Kind, Summary, rms
 
 #: The relative precision of float32 gradients (``torch.finfo(torch.float32).eps``): round-off,
 #: unless a step's summary says the gradients were of another precision (``precision`` entry).
@@ -244,7 +244,7 @@ class Gradients(NamedTuple):
 
     at: np.ndarray  # their positions in the layout
     param: np.ndarray  # bool: a parameter's gradient (``param_grad``)
-    rms: np.ndarray  # float64: each RMS (:func:`~lightning_gradhooks.core.records.rms`), NaN where None
+    rms: np.ndarray  # float64: each RMS (:func:`~lightning_gradhooks.summary.records.rms`), NaN where None
     medians: np.ndarray  # float64: the median RMS of each one's kind at this step, NaN where None
     layout: Layout
 
@@ -260,7 +260,7 @@ class Gradients(NamedTuple):
 
 def _rms(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, zero: np.ndarray,
          unnormed: list[Mapping[str, float]]) -> np.ndarray:
-    """:func:`~lightning_gradhooks.core.records.rms` of many entries at once, NaN where it is None: the
+    """:func:`~lightning_gradhooks.summary.records.rms` of many entries at once, NaN where it is None: the
     same float operations, in arrays. A missing std or zero fraction is -1 (never a value of
     theirs), a missing mean or norm NaN; the entries without a finite norm (``unnormed``, in
     order) are given to ``rms`` itself."""

@@ -1,108 +1,99 @@
 """When the report raises a flag: :class:`Thresholds`, each field range-checked by
-:mod:`lightning_gradhooks.core._checks`. Pure Python."""
+:mod:`lightning_gradhooks.summary.checks`. Pure Python."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from lightning_gradhooks.core._checks import check_int, check_number
+from lightning_gradhooks.summary.checks import check_int, check_number
+
+
+def _threshold(default: float, help: str, accepted: tuple[float, float | None, tuple[bool, bool]] | None = None) -> Any:
+    """A field of :class:`Thresholds`: its default, the one sentence that describes it (the class's
+    docstring, the report command's ``--help``), and the accepted range of a float (a count: 1 or
+    more)."""
+    return field(default=default, metadata={"help": help, "accepted": accepted})
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When the report raises a flag; every field can be overridden, and each is range-checked.
-
-    Attributes:
-        vanishing_ratio: RMS below this share of the median RMS (same kind, same step) ...
-        vanishing_steps: ... for this many logged steps in a row, while the parameters it
-            reaches move by less than ...
-        vanishing_update_ratio: ... this share of the model's median update ratio (a small
-            gradient that an Adam-family optimizer still turns into normal steps is not a
-            problem); where no update was measured, the gradient alone decides.
-        round_off_factor: a parameter gradient whose norm is below this many float round-offs
-            of the gradient its module receives (``grad_output``: ``eps`` of the gradients'
-            precision times the square root of its element count over the parameter's),
-            ``vanishing_steps`` logged steps in a row, is zero by construction (a bias followed
-            by a normalisation layer): a note, never a flag; unless a smaller parameter of the
-            same module gets a gradient above round-off (then the bigger one's is small because
-            its input is: a weight behind a vanishing signal, not a redundant parameter).
-        exploding_factor: RMS this many times the median of its own last values ...
-        exploding_window: ... over this many logged steps (the baseline) ...
-        exploding_steps: ... for this many logged steps in a row (also for update ratios).
-        exploding_update_ratio: ``update_ratio`` (‖Δw‖/‖w_before‖) above this: a step ten
-            times the size of the weights it moves (a random walk of a bias near zero reaches 1-4).
-        floor_ratio: gradients (for ``exploding``) and parameters (for update ratios) whose RMS
-            is below this share of the model's median at the step are at the floor: zero- and
-            tiny-initialised parameters, noise far below the model's own scale; not read.
-        dead_zero_fraction: ``zero_fraction`` at least this, of a module's output gradient and
-            of its parameter gradients ...
-        dead_steps: ... for this many logged steps in a row.
-        stalled_update_ratio: ``update_ratio`` 0 or below this share of the model's median
-            update ratio at the step (over parameters at their own scale, see ``floor_ratio``) ...
-        stalled_steps: ... for this many logged steps in a row.
-        scaler_skip_steps: a gradient scaler that skips every optimizer step for this many steps
-            in a row, after it had found a working scale, has stopped training: ``nonfinite``
-            (fewer: a note; a run from the start of training is a scale coming down from too high) ...
-        scaler_min_scale: ... as has one whose scale falls below this while it skips (below 1 it
-            shrinks gradients that fp16 could hold).
-        attention_logit_level: a maximum attention logit above this, higher than at the logged
-            step before ... (healthy runs of the validation stay below 130, and a healthy causal
-            LM's creeps past Megatron's QK-clip threshold of 100 after a few hundred steps; the
-            unstable ones pass 1,000 within ten steps and reach 1e4-1e5)
-        attention_steps: ... for this many logged steps in a row.
-        activation_factor: an output RMS this many times its early level (the median of its
-            first ``activation_early_steps`` logged values at the model's scale, see
-            ``floor_ratio``) ...
-        activation_early_steps: (the early level's length) ...
-        activation_steps: ... for this many logged steps in a row.
+    """When the report raises a flag; every field can be overridden, and each is range-checked
+    (the fields and what each means: below, generated from the fields).
 
     Raises:
         ValueError: a field out of its range (``Thresholds.<field> expected ..., got ...``).
     """
 
-    vanishing_ratio: float = 1e-3
-    vanishing_steps: int = 3
-    vanishing_update_ratio: float = 1e-2
-    round_off_factor: float = 64.0
-    exploding_factor: float = 100.0
-    exploding_window: int = 5
-    exploding_steps: int = 2
-    exploding_update_ratio: float = 10.0
-    floor_ratio: float = 0.1
-    dead_zero_fraction: float = 0.99
-    dead_steps: int = 3
-    stalled_update_ratio: float = 1e-4
-    stalled_steps: int = 3
-    scaler_skip_steps: int = 8
-    scaler_min_scale: float = 1.0
-    attention_logit_level: float = 1000.0
-    attention_steps: int = 2
-    activation_factor: float = 100.0
-    activation_early_steps: int = 3
-    activation_steps: int = 2
+    vanishing_ratio: float = _threshold(
+        1e-3, "Flag vanishing when a gradient's RMS is below this share of the median RMS of its kind at the same step.",
+        (0.0, 1.0, (False, False)))
+    vanishing_steps: int = _threshold(3, "Flag vanishing only after this many logged steps in a row.")
+    vanishing_update_ratio: float = _threshold(
+        1e-2, "Do not flag vanishing while the parameters it reaches still move by at least this share of the model's "
+        "median update ratio (a small gradient that an Adam-family optimizer still turns into normal steps is not a "
+        "problem); where no update was measured, the gradient alone decides.", (0.0, 1.0, (True, True)))
+    round_off_factor: float = _threshold(
+        64.0, "Note, not flag, a parameter whose gradient is below this many float round-offs of the gradient its "
+        "module receives (eps of the gradients' precision times the square root of grad_output's element count over "
+        "the parameter's), vanishing_steps logged steps in a row: zero by construction (a bias followed by a "
+        "normalisation layer); unless a smaller parameter of the same module gets a gradient above round-off.",
+        (0.0, None, (False, True)))
+    exploding_factor: float = _threshold(
+        100.0, "Flag exploding when a gradient's RMS is this many times the median of its own last values.",
+        (1.0, None, (False, True)))
+    exploding_window: int = _threshold(5, "Take that median over this many of its last logged values.")
+    exploding_steps: int = _threshold(
+        2, "Flag exploding only after this many logged steps in a row (update ratios too).")
+    exploding_update_ratio: float = _threshold(
+        10.0, "Flag exploding when an update ratio (the size of the step over the size of the weights) is above "
+        "this (a random walk of a bias near zero reaches 1-4).", (0.0, None, (False, True)))
+    floor_ratio: float = _threshold(
+        0.1, "Ignore gradients and parameters whose RMS is below this share of the model's median at the step "
+        "(zero- or tiny-initialised ones, noise far below the model's own scale).", (0.0, 1.0, (True, False)))
+    dead_zero_fraction: float = _threshold(
+        0.99, "Flag dead when at least this share of a module's output and parameter gradients is zero.",
+        (0.0, 1.0, (False, True)))
+    dead_steps: int = _threshold(3, "Flag dead only after this many logged steps in a row.")
+    stalled_update_ratio: float = _threshold(
+        1e-4, "Flag stalled when a parameter's update ratio is 0 or below this share of the model's median (over "
+        "parameters at their own scale, see floor_ratio).", (0.0, 1.0, (True, False)))
+    stalled_steps: int = _threshold(3, "Flag stalled only after this many logged steps in a row.")
+    scaler_skip_steps: int = _threshold(
+        8, "A gradient scaler that skips every step for this many steps in a row, after it had found a working "
+        "scale, is nonfinite; fewer is a note.")
+    scaler_min_scale: float = _threshold(
+        1.0, "A gradient scaler whose scale falls below this while it skips steps is nonfinite (below 1 it shrinks "
+        "gradients that fp16 could hold).", (0.0, None, (False, True)))
+    attention_logit_level: float = _threshold(
+        1000.0, "Flag attention_logits when a module's maximum attention logit is above this and still rising "
+        "(healthy runs of the validation stay below 130; unstable ones pass 1,000 within ten steps).",
+        (0.0, None, (False, True)))
+    attention_steps: int = _threshold(2, "Flag attention_logits only after this many rising logged steps in a row.")
+    activation_factor: float = _threshold(
+        100.0, "Flag activation_growth when an output's RMS is this many times its early level.",
+        (1.0, None, (False, True)))
+    activation_early_steps: int = _threshold(
+        3, "Take the early level as the median of this many first logged values of the output (at the model's "
+        "scale, see floor_ratio).")
+    activation_steps: int = _threshold(2, "Flag activation_growth only after this many logged steps in a row.")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value, argument = getattr(self, f.name), f"Thresholds.{f.name}"
-            if f.type in (int, "int"):  # a whole float (from a config file) is a count too
+            accepted = f.metadata["accepted"]
+            if accepted is None:  # a whole float (from a config file) is a count too
                 value = int(value) if isinstance(value, float) and value.is_integer() else value
                 value = check_int(argument, value, 1)
             else:
-                value = check_number(argument, value, *_RANGES[f.name])
+                value = check_number(argument, value, *accepted)
             object.__setattr__(self, f.name, value)
 
 
-# The accepted range of each number: (low, high or None, (low included, high included)).
-_RANGES = {
-    "vanishing_ratio": (0.0, 1.0, (False, False)),
-    "vanishing_update_ratio": (0.0, 1.0, (True, True)),
-    "round_off_factor": (0.0, None, (False, True)),
-    "exploding_factor": (1.0, None, (False, True)),
-    "exploding_update_ratio": (0.0, None, (False, True)),
-    "floor_ratio": (0.0, 1.0, (True, False)),
-    "dead_zero_fraction": (0.0, 1.0, (False, True)),
-    "stalled_update_ratio": (0.0, 1.0, (True, False)),
-    "scaler_min_scale": (0.0, None, (False, True)),
-    "attention_logit_level": (0.0, None, (False, True)),
-    "activation_factor": (1.0, None, (False, True)),
-}
+def help_of(name: str) -> str:
+    """The one sentence that describes a field of :class:`Thresholds`."""
+    return Thresholds.__dataclass_fields__[name].metadata["help"]
+
+
+Thresholds.__doc__ += "\n    Attributes:\n" + "\n".join(
+    f"        {f.name}: {f.metadata['help']} Default: {f.default}." for f in fields(Thresholds))

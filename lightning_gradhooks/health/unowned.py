@@ -6,7 +6,7 @@ from lightning_gradhooks.health.check import Check
 from lightning_gradhooks.health.flags import UNOWNED
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 class Unowned(Check):

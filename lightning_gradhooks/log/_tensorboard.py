@@ -19,7 +19,8 @@ A logged step is written as a single event holding every scalar and histogram of
 same ``simple_value`` and ``HistogramProto`` records that ``SummaryWriter.add_scalar`` and
 ``add_histogram_raw`` write, but serialised once instead of once per tag (~85 us each).
 
-Every logged step also writes its compact summary (:data:`STATS_TAG`: every statistic of every
+Every logged step also writes its compact summary
+(:data:`~lightning_gradhooks.summary.events.STATS_TAG`: every statistic of every
 entry, what the health report and the ``report`` command read) as an event of its own, written
 before the step's charts: packed float64 numbers, whose names (each entry's kind, name and
 statistics: its *layout*) are written once per file, the first time a layout is used, and named
@@ -50,7 +51,6 @@ import weakref
 from collections.abc import Collection
 from typing import Any
 
-import google_crc32c
 from tensorboard.compat.proto import types_pb2
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, SummaryMetadata
@@ -58,14 +58,15 @@ from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-from lightning_gradhooks.core.records import (
-    ACTIVATION_KINDS, FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Key, Kind, Summary, forward_values,
+from lightning_gradhooks.summary.events import OVERVIEW, PACKED, STATS_PLUGIN, STATS_TAG, SummaryLayout, masked_crc32c
+from lightning_gradhooks.summary.records import (
+    ACTIVATION_KINDS, FORWARD_KINDS, GRADIENT_KINDS, GradientEntry, GradientRecord, Kind, Summary, forward_values,
 )
-from lightning_gradhooks.core.stats import STATISTICS, histogram_edges
+from lightning_gradhooks.summary.statistics import STATISTICS, histogram_edges
+
+_BIG_ENDIAN = sys.byteorder == "big"  # a TensorProto's tensor_content is little-endian
 
 
-#: The first section of ours: the total gradient norm, the non-finite total, the flow picture.
-OVERVIEW = "∇1 overview"
 #: The image of :class:`~lightning_gradhooks.log.flow.GradientFlow`.
 FLOW_TAG = f"{OVERVIEW}/gradient_flow"
 #: Every histogram, ``∇6 histograms/<kind>/<name>``.
@@ -76,7 +77,7 @@ _NUMBERS = {(Kind.GRAD_OUTPUT, "norm"): 2, (Kind.GRAD_INPUT, "norm"): 3, (Kind.P
 
 #: The section of the forward statistics: what is charted of each ``output`` and ``attention_logit`` entry.
 FORWARD = "∇8 forward"
-#: The charted statistic of each forward kind (:func:`~lightning_gradhooks.core.records.forward_values`).
+#: The charted statistic of each forward kind (:func:`~lightning_gradhooks.summary.records.forward_values`).
 FORWARD_CHARTS = {Kind.OUTPUT: "rms", Kind.ATTENTION_LOGIT: "max"}
 
 
@@ -100,12 +101,6 @@ UPDATE_SECTIONS = {"update_ratio": section(Kind.PARAM, "update_ratio"), "param_n
 def histogram_tag(entry: GradientEntry) -> str:
     """``∇6 histograms/<kind>/<name>``."""
     return f"{HISTOGRAMS}/{entry.kind}/{entry.key.label}"
-
-
-def masked_crc32c(data: bytes) -> int:
-    """TensorBoard's record checksum: CRC-32C of ``data``, rotated right by 15 bits, plus a constant."""
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def scalar_metrics(
@@ -150,20 +145,8 @@ def scalar_metrics(
     return metrics
 
 
-#: The tag of the compact summary that every logged step writes: every statistic of every entry,
-#: what the health report reads (``python -m lightning_gradhooks report`` reads it back).
-STATS_TAG = "gradhooks/stats"
-_STATS_PLUGIN = "gradhooks"  # a plugin no TensorBoard dashboard shows: no chart, no Text card
-#: The version of the packed summary (``{"v": 2, ...}`` in the plugin data); the JSON summary of
-#: earlier versions has none.
-_PACKED = 2
-#: A summary's layout: ``(kind, label, statistics)`` per entry, in order.
-Layout = tuple[tuple[str, str, tuple[str, ...]], ...]
-_BIG_ENDIAN = sys.byteorder == "big"  # TensorProto's tensor_content is little-endian
-
-
-def stats_value(stats: Summary, layouts: dict[Layout, int] | None = None) -> SummaryProto.Value:
-    """One step's :data:`~lightning_gradhooks.core.records.Summary` as one summary value under
+def stats_value(stats: Summary, layouts: dict[SummaryLayout, int] | None = None) -> SummaryProto.Value:
+    """One step's :data:`~lightning_gradhooks.summary.records.Summary` as one summary value under
     :data:`STATS_TAG`: its numbers as a float64 tensor, and in the plugin data the number of its
     layout (``{"v": 2, "id": n}``), with the layout itself (``"keys": [[kind, label,
     [statistic, ...]], ...]``) the first time.
@@ -179,67 +162,17 @@ def stats_value(stats: Summary, layouts: dict[Layout, int] | None = None) -> Sum
         numbers.byteswap()
     known = layouts is not None and layout in layouts
     if known:
-        header = {"v": _PACKED, "id": layouts[layout]}
+        header = {"v": PACKED, "id": layouts[layout]}
     else:
         number = len(layouts) if layouts is not None else 0
-        header = {"v": _PACKED, "id": number, "keys": [[str(k), label, list(names)] for k, label, names in layout]}
+        header = {"v": PACKED, "id": number, "keys": [[str(k), label, list(names)] for k, label, names in layout]}
         if layouts is not None:
             layouts[layout] = number
     content = json.dumps(header, separators=(",", ":")).encode()
-    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_STATS_PLUGIN, content=content))
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=STATS_PLUGIN, content=content))
     shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=len(numbers))])
     tensor = TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_shape=shape, tensor_content=numbers.tobytes())
     return SummaryProto.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
-
-
-class SummaryReader:
-    """Reads back what :func:`stats_value` wrote to one file (it keeps the file's layouts), and
-    the JSON summary of earlier versions. The optimizer index of a name, written as its
-    ``optimizer_<i>/`` prefix, is read back into its field here, the one place that reads names."""
-
-    def __init__(self) -> None:
-        # Per layout number: (key, statistics) per entry, in the order of the numbers, and how many.
-        self._layouts: dict[int, tuple[list[tuple[Key, tuple[str, ...]]], int]] = {}
-        #: Whether a packed summary was read (a file of this version: each summary is an event of its own).
-        self.packed = False
-
-    def read(self, value: Any) -> Summary | None:
-        """The summary of a summary value read back; None for other values (and for a packed
-        summary whose layout the file never gave, or whose numbers do not fit it)."""
-        found = self.read_packed(value)
-        if found is None or isinstance(found, dict):
-            return found
-        plan, numbers = found
-        it = iter(numbers.tolist())  # zip takes a name first: each entry takes its own numbers, no more
-        return {key: dict(zip(names, it)) for key, names in plan}
-
-    def read_packed(self, value: Any) -> Summary | tuple[list[tuple[Key, tuple[str, ...]]], array] | None:
-        """:meth:`read`, a packed summary left as it is: its layout (``(key, statistics)`` per
-        entry, the same list for every summary of the layout) and its numbers, in order."""
-        if value.tag != STATS_TAG or value.metadata.plugin_data.plugin_name != _STATS_PLUGIN:
-            return None
-        content = value.metadata.plugin_data.content
-        if not content:  # written by a version before the packed summary: JSON rows
-            rows = json.loads(value.tensor.string_val[0])
-            return {Key.of_label(_kind(kind), label): values for kind, label, values in rows}
-        header = json.loads(content)
-        if header.get("v") != _PACKED:  # a later version's: not guessed at
-            return None
-        if "keys" in header:
-            plan = [(Key.of_label(_kind(k), label), tuple(names)) for k, label, names in header["keys"]]
-            self._layouts[header["id"]] = plan, sum(len(names) for _, names in plan)
-        plan, size = self._layouts.get(header["id"], (None, -1))
-        numbers = array("d", value.tensor.tensor_content)
-        if len(numbers) != size:
-            return None
-        self.packed = True
-        if _BIG_ENDIAN:
-            numbers.byteswap()
-        return plan, numbers
-
-
-def _kind(kind: str) -> str:
-    return Kind._value2member_map_.get(kind, kind)
 
 
 def histogram_values(record: GradientRecord) -> list[SummaryProto.Value]:
@@ -285,7 +218,7 @@ class _EventFile:
         os.makedirs(folder, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.gradhooks"
         self.path = os.path.join(folder, name)
-        self.layouts: dict[Layout, int] = {}
+        self.layouts: dict[SummaryLayout, int] = {}
         with open(self.path, "ab") as f:
             f.write(_record(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))
 

@@ -2,7 +2,7 @@
 
 Each rank's hooks see the gradients of its own shard of the batch. :class:`RankReducer` pools
 them into the statistics of the whole global batch, with the same rule that pools the calls of
-a module (:attr:`~lightning_gradhooks.core.records.GradientEntry.calls`): as if the gradients of all
+a module (:attr:`~lightning_gradhooks.summary.records.GradientEntry.calls`): as if the gradients of all
 ranks were one concatenated tensor. It costs one ``all_gather`` per logged step, of one flat
 tensor holding every entry, called after backward and never from inside a hook.
 
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gradhooks.core.records import GradientRecord, Kind, pool_entries
-from lightning_gradhooks.core.stats import STATS_WIDTH, StatsRow
+from lightning_gradhooks.summary.records import GradientRecord, Kind, pool_entries
+from lightning_gradhooks.summary.statistics import STATS_WIDTH, StatsRow
 
 # The flat tensor starts with how many names this rank has outside the layout and the layout's
 # checksum. Then one row per name: calls (0: this rank has no such entry), has-histogram flag,

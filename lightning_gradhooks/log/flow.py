@@ -1,7 +1,7 @@
 """The gradient-flow picture and the custom-scalars layout, for TensorBoard.
 
 :class:`GradientFlow` keeps, for every module, the RMS of its ``grad_output`` at each logged
-step (:func:`~lightning_gradhooks.core.records.rms`, over the non-zero elements: the health report's
+step (:func:`~lightning_gradhooks.summary.records.rms`, over the non-zero elements: the health report's
 RMS, so the picture and the report agree), and draws one image of two panels that share one
 colour scale, ``log10`` of the RMS:
 
@@ -47,8 +47,8 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from lightning_gradhooks.log._tensorboard import FORWARD, FORWARD_CHARTS, OVERVIEW, UPDATE_SECTIONS, forward_chart, section
-from lightning_gradhooks.core.records import GRADIENT_KINDS, GradientRecord, Kind, rms
-from lightning_gradhooks.core.stats import STATISTICS
+from lightning_gradhooks.summary.records import GRADIENT_KINDS, GradientRecord, Kind, rms
+from lightning_gradhooks.summary.statistics import STATISTICS
 
 WIDTH = 720
 HEIGHT = 400
@@ -385,8 +385,8 @@ def custom_scalars_layout(
         kinds: the kinds of gradient to make charts for.
 
     Example:
-        >>> from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Kind
-        >>> from lightning_gradhooks.core.stats import StatsRow
+        >>> from lightning_gradhooks.summary.records import GradientEntry, GradientRecord, Kind
+        >>> from lightning_gradhooks.summary.statistics import StatsRow
         >>> stats = StatsRow(*[0.0] * 6, count=4.0, low=0.0, high=0.0)
         >>> record = GradientRecord([GradientEntry(Kind.GRAD_OUTPUT, "net.0", stats)])
         >>> custom_scalars_layout(["norm"], record)["∇2 grad_output_norm"]

@@ -1,11 +1,11 @@
 """``GradientLog``: everything after :meth:`GradientMonitor.collect`, in any training loop.
 
-A :class:`GradientLog` takes one :class:`~lightning_gradhooks.core.records.GradientRecord` per logged
+A :class:`GradientLog` takes one :class:`~lightning_gradhooks.summary.records.GradientRecord` per logged
 step and owns what follows from it: the histogram cadence (:meth:`GradientLog.arm`), the
 warning that names where NaN/Inf were born and the health report. The rest are units it calls:
 :class:`~lightning_gradhooks.log.distributed.RankPooling` pools a record over the ranks of a
 distributed job, :class:`~lightning_gradhooks.log.updates.UpdateRatios` measures the optimizer
-steps, :class:`~lightning_gradhooks.core.noise.NoiseScale` smooths the noise scale,
+steps, :class:`~lightning_gradhooks.summary.noise.NoiseScale` smooths the noise scale,
 :class:`~lightning_gradhooks.log.flow.GradientFlow` keeps the flow picture; and every step, a
 record's, its update ratios or a caught one, goes out one way, through
 :class:`~lightning_gradhooks.log.writers.Writers` to every writer and on to the report. It never
@@ -42,15 +42,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_gradhooks.core._checks import check_choices, check_instance, check_int, check_number
+from lightning_gradhooks.summary.checks import check_choices, check_instance, check_int, check_number
 from lightning_gradhooks.log._tensorboard import FLOW_TAG, OVERVIEW, UPDATE_SECTIONS, scalar_metrics
-from lightning_gradhooks.core._text import listed
+from lightning_gradhooks.summary.text import listed
 from lightning_gradhooks.log.distributed import RankPooling, rank
 from lightning_gradhooks.log.flow import GradientFlow, have_matplotlib
 from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
-from lightning_gradhooks.core.noise import NoiseScale
-from lightning_gradhooks.core.records import GradientRecord, Key, Kind, Summary, step_summary
-from lightning_gradhooks.core.stats import STATISTICS, Statistic
+from lightning_gradhooks.summary.noise import NoiseScale
+from lightning_gradhooks.summary.records import GradientRecord, Key, Kind, Summary, step_summary
+from lightning_gradhooks.summary.statistics import STATISTICS, ChartedStatistic
 from lightning_gradhooks.log.updates import UpdateRatios
 from lightning_gradhooks.log.writers import Writers
 
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
-LoggedStatistic = Literal[Statistic, "update_ratio", "param_norm"]
+LoggedStatistic = Literal[ChartedStatistic, "update_ratio", "param_norm"]
 #: Every statistic a log can chart, in the order of the docs.
 LOGGED_STATISTICS: tuple[str, ...] = (*STATISTICS, *UPDATE_STATISTICS)
 #: What is charted by default: the per-module norms and the update ratios (with the overview and

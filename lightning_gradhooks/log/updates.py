@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.core.records import GradientRecord
+    from lightning_gradhooks.summary.records import GradientRecord
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:

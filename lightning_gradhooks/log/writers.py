@@ -24,8 +24,8 @@ from typing import Any
 
 from lightning_gradhooks.log._tensorboard import FORWARD, NORM_SECTIONS, OVERVIEW, histogram_tag, write_step
 from lightning_gradhooks.log.flow import custom_scalars_layout
-from lightning_gradhooks.core.records import GradientRecord, Summary
-from lightning_gradhooks.core.stats import histogram_edges
+from lightning_gradhooks.summary.records import GradientRecord, Summary
+from lightning_gradhooks.summary.statistics import histogram_edges
 
 #: The tag of the health report in TensorBoard's Text tab and in W&B.
 REPORT_TAG = "gradhooks/health_report"

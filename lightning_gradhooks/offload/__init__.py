@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from lightning_gradhooks.core._checks import check_bool, check_folder, check_int
+from lightning_gradhooks.summary.checks import check_bool, check_folder, check_int
 from lightning_gradhooks.offload._common import DiskOffloadError, OffloadStats
 from lightning_gradhooks.offload._engine import _Engine
 

@@ -11,7 +11,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn  # shared by both namespaces
 
 from lightning_gradhooks.shell import _trainer
-from lightning_gradhooks.core._text import listed
+from lightning_gradhooks.summary.text import listed
 from lightning_gradhooks.log import GradientLog
 from lightning_gradhooks.core.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk

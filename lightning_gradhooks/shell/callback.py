@@ -15,7 +15,7 @@ import pytorch_lightning
 from typing_extensions import override
 
 from lightning_gradhooks.shell import _trainer
-from lightning_gradhooks.core._checks import (
+from lightning_gradhooks.summary.checks import (
     MAX_BINS, check_bool, check_choices, check_folder, check_int, check_needs, check_overrides, check_patterns,
 )
 from lightning_gradhooks.shell._fit import Fit
@@ -24,7 +24,7 @@ from lightning_gradhooks.log import (
 )
 from lightning_gradhooks.core.monitor import DEFAULT_BINS, GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
-from lightning_gradhooks.core.records import GradientRecord
+from lightning_gradhooks.summary.records import GradientRecord
 from lightning_gradhooks.health import Thresholds
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks.core.forward_checks import ForwardChecks, tensor_leaves
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 class Pair(NamedTuple):

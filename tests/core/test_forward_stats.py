@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_gradhooks import GradientMonitor
 from lightning_gradhooks.core.attention import CHUNK_ELEMENTS, max_logits
-from lightning_gradhooks.core.records import Kind, forward_values, step_summary
+from lightning_gradhooks.summary.records import Kind, forward_values, step_summary
 
 
 def _logged(model: nn.Module, *inputs: torch.Tensor, steps: int = 2, **options):  # noqa: ANN202

@@ -605,7 +605,7 @@ def test_hooks_stay_in_through_every_backward_until_collect():
 
 
 def test_forward_checks_name_the_module_where_nan_is_born():
-    from lightning_gradhooks.core.records import step_summary
+    from lightning_gradhooks.summary.records import step_summary
     from lightning_gradhooks.health import nonfinite_origin
 
     net = model()

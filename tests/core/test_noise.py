@@ -28,8 +28,9 @@ from lightning_gradhooks import GradHooks, GradientMonitor
 from lightning_gradhooks.shell import _trainer
 from lightning_gradhooks.core import noise
 from lightning_gradhooks.__main__ import main, read_folder
-from lightning_gradhooks.core.noise import NoiseProbe, NoiseSample, NoiseScale, NoiseSummary, advice, noise_estimates
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.core.noise import NoiseProbe
+from lightning_gradhooks.summary.noise import NoiseScale, NoiseSummary, advice, noise_estimates
+from lightning_gradhooks.summary.records import Key, Kind
 
 from conftest import hook_snapshot, make_trainer, read_events
 from launch import run_script

@@ -5,11 +5,16 @@ import json
 import pytest
 import torch
 
-from lightning_gradhooks.log._tensorboard import SummaryReader, section, stats_value
-from lightning_gradhooks.core.records import (
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+from lightning_gradhooks.log._tensorboard import section, stats_value
+from lightning_gradhooks.summary.events import SummaryReader, read_event
+from lightning_gradhooks.summary.records import (
     GRADIENT_KINDS, GradientEntry, GradientRecord, Histogram, Key, Kind, pool_entries, single_entry, step_summary,
 )
-from lightning_gradhooks.core.stats import STATISTICS, StatsRow, reduce
+from lightning_gradhooks.core.stats import reduce
+from lightning_gradhooks.summary.statistics import STATISTICS, StatsRow
 
 
 def _entries(kind: Kind, name: str, tensors: list[torch.Tensor], bins: int = 8) -> GradientEntry:
@@ -80,5 +85,6 @@ def test_the_optimizer_index_is_a_field_written_as_a_prefix_and_read_back():
     value = stats_value(summary)
     assert json.loads(value.metadata.plugin_data.content)["keys"] == [["grad_output", "optimizer_3/lstm/0", ["norm"]],
                                                                      ["param", "w", ["update_ratio"]]]
-    assert SummaryReader().read(value) == summary
+    step, (read,) = read_event(Event(step=7, summary=SummaryProto(value=[value])).SerializeToString())
+    assert step == 7 and SummaryReader().read(read) == summary
     assert Key.of_label("grad_output", "optimizer_x/m") == Key(Kind.GRAD_OUTPUT, "optimizer_x/m")

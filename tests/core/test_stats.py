@@ -5,15 +5,8 @@ import pytest
 import torch
 
 from lightning_gradhooks.core import stats
-from lightning_gradhooks.core.stats import (
-    SIZES,
-    STATISTICS,
-    Reducer,
-    histogram_edges,
-    merge_histograms,
-    pool_stats,
-    reduce,
-)
+from lightning_gradhooks.core.stats import SIZES, Reducer, reduce
+from lightning_gradhooks.summary.statistics import STATISTICS, histogram_edges, merge_histograms, pool_stats
 
 #: A tensor read in place on the CPU, block by block, but for its padded last row.
 BIG = (1 << 20) + 3

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_gradhooks.health import HealthReport
 from lightning_gradhooks.health.migrate import VERSION
-from lightning_gradhooks.core.records import Key
+from lightning_gradhooks.summary.records import Key
 
 DATA = Path(__file__).parent / "data"
 

@@ -5,7 +5,7 @@ from health_steps import drive
 from lightning_gradhooks.health.nonfinite import NonFinite
 from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.origin import nonfinite_origin
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.summary.records import Key, Kind
 
 CLEAN = {("grad_output", "b"): {"norm": 1.0}, ("grad_output", "a"): {"norm": 1.0}}
 BAD = {("grad_output", "b"): {"norm": 1.0}, ("grad_output", "a"): {"nonfinite": 4.0}}

@@ -295,7 +295,7 @@ def test_an_update_that_overflows_at_step_0_is_nonfinite_at_step_0_and_a_zero_we
 def test_a_flag_carries_its_kind_and_entry_and_a_read_judges_the_pending_step_in_place(monkeypatch):
     import copy
 
-    from lightning_gradhooks.core.records import Key, Kind
+    from lightning_gradhooks.summary.records import Key, Kind
 
     report = HealthReport()
     for step in range(0, 50, 10):
@@ -315,7 +315,7 @@ def test_a_nan_brought_by_the_all_reduce_names_the_rank_it_came_from():
     the all-reduce. Finite hooks on this rank and a bad param_grad: another rank (DDP run:
     tests/shell/test_ddp.py). Statistics pooled over the ranks (`sync_dist`) that are bad on the
     hooks: born in backward, on that rank."""
-    from lightning_gradhooks.core.records import Key
+    from lightning_gradhooks.summary.records import Key
     from lightning_gradhooks.health import nonfinite_origin
 
     nan = {"nonfinite": 4.0, "norm": math.nan}
@@ -338,7 +338,7 @@ def test_round_off_is_that_of_the_precision_the_gradients_were_computed_in():
     """A bias gradient at 1e-4 of its module's: far above float32 round-off (no note), at
     bfloat16 round-off (a note) when the step's summary says the hooks saw bfloat16 gradients."""
     from lightning_gradhooks import GradientLog
-    from lightning_gradhooks.core.records import Key
+    from lightning_gradhooks.summary.records import Key
 
     def fill(report: HealthReport, eps: float | None) -> None:
         for step in range(3):
@@ -362,7 +362,7 @@ def test_a_learning_rate_cut_to_zero_is_one_row_naming_the_group_since_the_cut()
     """Every parameter of a group stops at once: one row, the group and its learning rate, since
     the first logged step at 0; the tail of a cosine schedule (1e-4 of the peak) is no cut, and a
     parameter whose .grad is None but that something else moves (an EMA copy) is no problem."""
-    from lightning_gradhooks.core.records import Key
+    from lightning_gradhooks.summary.records import Key
 
     def fill(lrs: list[float]) -> HealthReport:
         report = HealthReport()

@@ -10,7 +10,7 @@ from health_steps import step
 
 from lightning_gradhooks.health.flags import Flag, Subject
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Kind, rms
+from lightning_gradhooks.summary.records import Kind, rms
 
 # Every branch of rms and size: missing statistics, a single element (std NaN), all zero,
 # partly zero, no norm, a non-finite norm (math.hypot), zero_fraction NaN.

@@ -13,7 +13,7 @@ from lightning_gradhooks.health.shape import Shape
 from lightning_gradhooks.health.step import Step
 from lightning_gradhooks.health.thresholds import Thresholds
 from lightning_gradhooks.health.tracker import Tracker
-from lightning_gradhooks.core.records import Key, Kind
+from lightning_gradhooks.summary.records import Key, Kind
 
 
 def step(number: int, entries: Mapping[tuple, Mapping[str, float]], shape: Shape | None = None,

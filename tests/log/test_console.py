@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from lightning_gradhooks.__main__ import _parser
 from lightning_gradhooks.core.monitor import select_modules
-from lightning_gradhooks.core._text import counted
+from lightning_gradhooks.summary.text import counted
 from lightning_gradhooks.health import HealthReport, Thresholds
 
 

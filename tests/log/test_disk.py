@@ -1,5 +1,5 @@
 """What a run leaves on disk: the compact summary packed, its layout written once per file and read
-back exactly (also from the JSON summary of earlier versions), histograms on a cadence of their own
+back exactly, histograms on a cadence of their own
 that TensorBoard reads, and the report command reading what it needs."""
 
 from __future__ import annotations
@@ -11,19 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.compat.proto import types_pb2
 from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
-from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor
 from lightning_gradhooks.__main__ import main, read_folder
-from lightning_gradhooks.log._tensorboard import STATS_TAG, _record, histogram_values, write_step
-from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Key, Kind
-from lightning_gradhooks.core.stats import StatsRow, histogram_edges
+from lightning_gradhooks.log._tensorboard import _record, histogram_values, write_step
+from lightning_gradhooks.summary.events import STATS_TAG
+from lightning_gradhooks.summary.records import GradientEntry, GradientRecord, Histogram, Key, Kind
+from lightning_gradhooks.summary.statistics import StatsRow, histogram_edges
 
 from conftest import read_events
 from report_panel import without_noise
@@ -70,24 +66,15 @@ def events_of(path: Path) -> list[Event]:
     return events
 
 
-def old_stats_value(summary: dict) -> SummaryProto.Value:
-    """The compact summary as versions before the packed one wrote it: JSON rows in a string tensor."""
-    rows = [[key.kind, key.label, values] for key, values in summary.items()]
-    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="gradhooks"))
-    tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[json.dumps(rows).encode()], tensor_shape=TensorShapeProto())
-    return SummaryProto.Value(tag=STATS_TAG, tensor=tensor, metadata=metadata)
-
-
-def test_event_files_of_earlier_versions_still_read_and_a_resumed_run_goes_on_in_the_new_format(tmp_path):
-    """An earlier version wrote the JSON summary in the event of the step's charts; a run resumed
-    with this version from its step 1 writes packed summaries to a new file, which replace the
-    old file's steps from there on."""
+def test_a_run_resumed_from_an_older_checkpoint_replaces_the_steps_it_logs_again(tmp_path):
+    """A run resumed from its step 1 writes a new file, whose steps replace the old file's from there on."""
     old, new = summaries()[:2], summaries()[2:]
-    with open(tmp_path / "events.out.tfevents.0000000001.host.1.gradhooks", "wb") as f:
-        f.write(_record(Event(wall_time=1.0, file_version="brain.Event:2").SerializeToString()))
-        for step, summary in enumerate(old):
-            values = [SummaryProto.Value(tag="∇1 overview/total_norm", simple_value=1.0), old_stats_value(summary)]
-            f.write(_record(Event(wall_time=1.0, step=step, summary=SummaryProto(value=values)).SerializeToString()))
+    writer = SummaryWriter(str(tmp_path))
+    for step, summary in enumerate(old):
+        write_step(writer, {"∇1 overview/total_norm": 1.0}, None, step, summary)
+    writer.close()
+    for path in tmp_path.glob("events.*"):  # an earlier process's files: named for an earlier time
+        path.rename(tmp_path / f"events.out.tfevents.0000000001.{path.name.split('.', 4)[-1]}")
     assert {s: bits(v) for s, v in read_folder(tmp_path).steps.items()} == {0: bits(old[0]), 1: bits(old[1])}
     writer = SummaryWriter(str(tmp_path))
     for step, summary in enumerate(new, start=1):

@@ -10,7 +10,7 @@ from array import array
 import pytest
 from torch import nn
 
-from lightning_gradhooks.core.stats import STATISTICS
+from lightning_gradhooks.summary.statistics import STATISTICS
 
 from conftest import read_events
 from test_report import Net, fit_report, mlp
@@ -54,8 +54,8 @@ def test_gradient_flow_image_and_custom_scalars_layout_are_in_the_event_file(tmp
 
 
 def _entry(kind, name, rms, count=4):  # noqa: ANN001, ANN202
-    from lightning_gradhooks.core.records import GradientEntry
-    from lightning_gradhooks.core.stats import StatsRow
+    from lightning_gradhooks.summary.records import GradientEntry
+    from lightning_gradhooks.summary.statistics import StatsRow
 
     # Elements of mean 0 and root mean square `rms`, none zero.
     stats = StatsRow(norm=rms * count**0.5, mean=0.0, std=rms * (count / (count - 1)) ** 0.5, absmax=rms, nonfinite=0.0,
@@ -73,7 +73,7 @@ def test_the_picture_and_the_report_take_one_rms_of_the_same_module():
 
     from lightning_gradhooks import GradientMonitor
     from lightning_gradhooks.log.flow import GradientFlow
-    from lightning_gradhooks.core.records import Key, Kind, rms, step_summary
+    from lightning_gradhooks.summary.records import Key, Kind, rms, step_summary
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -98,7 +98,7 @@ def test_gradient_flow_bars_are_the_heatmaps_last_column_on_its_colour_scale():
     import numpy as np
 
     from lightning_gradhooks.log.flow import GradientFlow, flow_data
-    from lightning_gradhooks.core.records import GradientRecord
+    from lightning_gradhooks.summary.records import GradientRecord
 
     picture = GradientFlow()
     rms = {"net.0": 2e-3, "net.2": 1e-3, "net.4": 0.0}  # net.4 dead at the last step
@@ -124,7 +124,7 @@ def test_gradient_flow_bars_are_the_heatmaps_last_column_on_its_colour_scale():
 
 def test_gradient_flow_labels_fit_with_hundreds_of_modules():
     from lightning_gradhooks.log.flow import FONT_PX, LABEL_CHARS, GradientFlow
-    from lightning_gradhooks.core.records import GradientRecord
+    from lightning_gradhooks.summary.records import GradientRecord
 
     picture = GradientFlow()
     names = [f"encoder.layers.{i}.linear" for i in range(500)]
@@ -139,7 +139,7 @@ def test_custom_scalars_charts_hold_a_block_each_and_at_most_max_lines():
     import re
 
     from lightning_gradhooks.log.flow import chart_groups, custom_scalars_layout
-    from lightning_gradhooks.core.records import GradientRecord
+    from lightning_gradhooks.summary.records import GradientRecord
 
     blocks = [f"blocks.{b}.{m}" for b in range(12) for m in ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp")]
     names = ["patch_embed.proj", "pos_drop", *blocks, "norm", "head"]
@@ -179,7 +179,7 @@ def test_without_matplotlib_one_info_line_and_nothing_else_changes(tmp_path, mon
 
 def test_gradient_flow_is_drawn_within_its_time_budget(monkeypatch):
     from lightning_gradhooks.log import flow
-    from lightning_gradhooks.core.records import GradientRecord
+    from lightning_gradhooks.summary.records import GradientRecord
 
     clock = [100.0]
     monkeypatch.setattr(flow.time, "perf_counter", lambda: clock[0])

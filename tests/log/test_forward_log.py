@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks
 from lightning_gradhooks.__main__ import read_folder
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 
 class TinyLM(pl.LightningModule):

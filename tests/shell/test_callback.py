@@ -7,7 +7,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.log._tensorboard import STATS_TAG
+from lightning_gradhooks.summary.events import STATS_TAG
 from lightning_gradhooks.log import LOGGED_STATISTICS
 
 from conftest import MLP, AdamMLP, GradRecorder, graph_nodes, hook_snapshot, loader, make_trainer, read_events

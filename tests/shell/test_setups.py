@@ -5,7 +5,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.core.stats import STATISTICS, reduce
+from lightning_gradhooks.core.stats import reduce
+from lightning_gradhooks.summary.statistics import STATISTICS
 
 from conftest import MLP, ManualGAN, hook_snapshot, loader, make_trainer, pooled_calls, read_events, tag
 

@@ -1,7 +1,7 @@
 """What the monitor hands back: :class:`GradientRecord`, :class:`GradientEntry`, :class:`Histogram`,
 and the one shape a step's statistics take on their way to the writers, the report and the CLI.
 
-A record's entries hold their statistics as a :class:`~lightning_gradhooks.core.stats.StatsRow`.
+A record's entries hold their statistics as a :class:`~lightning_gradhooks.summary.statistics.StatsRow`.
 :func:`step_summary` turns a step into its *summary*, ``{Key: {statistic: value}}``: what every
 logged step writes to TensorBoard (``gradhooks/stats``), what the health report judges and what the
 ``report`` command reads back. A :class:`Key` names an entry by :class:`Kind`, name and, with
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_gradhooks.core.stats import STATISTICS, StatsRow, merge_histograms, pool_stats
+from lightning_gradhooks.summary.statistics import SCALE_FREE, STATISTICS, StatsRow, merge_histograms, pool_stats, row_of
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.core.noise import NoiseSample
+    from lightning_gradhooks.summary.noise import NoiseSample
 
 
 class Kind(enum.StrEnum):
@@ -76,8 +77,11 @@ FORWARD_KINDS = (Kind.FORWARD, Kind.FORWARD_INPUT, Kind.WEIGHTS)
 #: The kinds of the forward statistics.
 ACTIVATION_KINDS = (Kind.OUTPUT, Kind.ATTENTION_LOGIT)
 
-#: Fields of a row that do not change when a gradient is multiplied by a loss scale.
-_SCALE_FREE = ("nonfinite", "zero_fraction", "count")
+#: A row's chartable statistics, read by name.
+_charted = operator.attrgetter(*STATISTICS)
+
+#: Per field of a row, whether a loss scale multiplies it.
+_SCALED = tuple(name not in SCALE_FREE for name in StatsRow._fields)
 
 #: Where a name of an optimizer's entries is written beside the others' (tags, the summary).
 _OPTIMIZER = "optimizer_{}/"
@@ -142,7 +146,7 @@ class GradientEntry:
         name: the module's qualified name, or the parameter's. A module with several output
             (or input) tensors gives one entry per tensor, named by its position or key in the
             structure: ``"lstm/0"``, ``"lstm/1/0"``, ``"gpt/logits"``.
-        stats: the statistics (:class:`~lightning_gradhooks.core.stats.StatsRow`: ``stats.norm``,
+        stats: the statistics (:class:`~lightning_gradhooks.summary.statistics.StatsRow`: ``stats.norm``,
             ``stats.count``, ...), over the finite elements.
         histogram: present for ``grad_output`` and ``param_grad`` when histograms are on.
         calls: how many gradients were pooled into this entry. A module called several times
@@ -186,7 +190,7 @@ class GradientRecord:
         skipped: chosen parameters that gave no entry, with the reason.
         bins: the monitor's histogram bin count.
         noise: what the step's gradient noise scale is estimated from
-            (:class:`~lightning_gradhooks.core.noise.NoiseSample`); None when not measured.
+            (:class:`~lightning_gradhooks.summary.noise.NoiseSample`); None when not measured.
     """
 
     entries: list[GradientEntry] = field(default_factory=list)
@@ -218,7 +222,7 @@ class GradientRecord:
         entries = []
         for e in self.entries:
             if e.kind in kinds:
-                stats = StatsRow._make(v if f in _SCALE_FREE else v / scale for f, v in zip(StatsRow._fields, e.stats))
+                stats = row_of([v / scale if scaled else v for v, scaled in zip(e.stats, _SCALED)])
                 hist = e.histogram and Histogram(e.histogram.low / scale, e.histogram.high / scale, e.histogram.counts)
                 e = replace(e, stats=stats, histogram=hist)
             entries.append(e)
@@ -270,7 +274,7 @@ def step_summary(
     """
     summary: Summary = {}
     for e in record.entries if record is not None else ():
-        values = dict(zip(STATISTICS, e.stats))
+        values = dict(zip(STATISTICS, _charted(e.stats)))
         if e.kind in ACTIVATION_KINDS:
             values.update(forward_values(e.kind, e.stats))
         if e.calls > 1:
@@ -303,9 +307,7 @@ def forward_values(kind: Kind, row: StatsRow) -> dict[str, float]:
     ``attention_logit``, ``max``, the largest logit (NaN when none was finite).
 
     Example:
-        >>> import torch
-        >>> from lightning_gradhooks.core.stats import reduce
-        >>> (row, _), = reduce([torch.tensor([3.0, -4.0])])
+        >>> row = StatsRow(norm=5.0, mean=-0.5, std=4.95, absmax=4.0, nonfinite=0, zero_fraction=0, count=2, low=-4, high=3)
         >>> forward_values(Kind.OUTPUT, row)
         {'rms': 3.5355339059327378, 'outlier': 1.131370849898476}
     """
