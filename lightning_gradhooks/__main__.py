@@ -215,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in with_data:
         report = report_of(run, thresholds)
         print(f"== {run.folder}\n{report.table(full=args.all)}")
-        sentence = sentence_of(run.of(Key(Kind.NOISE, "gradient")))  # the gradient noise scale, as at the end of fit
+        noise = Key(Kind.NOISE, "gradient")  # the gradient noise scale, as at the end of fit
+        sentence = sentence_of({step: summary[noise] for step, summary in run.of(noise).items()})
         if sentence is not None:
             print(sentence)
         failed |= report.names(args.fail_on)

@@ -121,7 +121,7 @@ class Judge:
         # One errstate for the step: its arrays hold NaN (not told) and inf, and the checks compare and divide them.
         with np.errstate(all="ignore"):
             step = Step(number, packed, previous, subjects, self.shape, self.thresholds, layout)
-            self.shape.learn(step)
+            self.shape.learn(step.layout, step.column)
             for check in self.checks:
                 check(step, self.tracker)
 

@@ -4,14 +4,11 @@ the element count of each parameter and which parameters' gradients are all zero
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import compress
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from lightning_gradhooks.health.step import Step
 
 
 def size_of(mean: np.ndarray, std: np.ndarray, norm: np.ndarray, std_told: np.ndarray) -> np.ndarray:
@@ -41,20 +38,21 @@ class Shape:
         self.sizes: dict[str, float] = {}
         self.zero_grads: set[str] = set()
 
-    def learn(self, step: Step) -> None:
-        """Take in a step (before its checks read it)."""
-        layout, order = step.layout, self.order
+    def learn(self, layout: Any, column: Callable[..., np.ndarray]) -> None:
+        """Take in a step (before its checks read it): its
+        :class:`~lightning_gradhooks.health.step.Layout` and its ``column`` reader (:meth:`Step.column`)."""
+        order = self.order
         if not order.keys() >= layout.gradient_modules:
             for module in layout.gradient_modules:
                 if module not in order:
                     order[module] = len(order)
         grads = layout.param_grads
-        mean, std, norm = (step.column(name)[grads] for name in ("mean", "std", "norm"))
-        elements = size_of(mean, std, norm, step.column("std", -1.0)[grads] != -1.0)
+        mean, std, norm = (column(name)[grads] for name in ("mean", "std", "norm"))
+        elements = size_of(mean, std, norm, column("std", -1.0)[grads] != -1.0)
         names = layout.grad_names
         known = ~np.isnan(elements)
         self.sizes.update(zip(compress(names, known.tolist()), elements[known].tolist()))
-        zeros = step.column("zero_fraction", -1.0)[grads]
+        zeros = column("zero_fraction", -1.0)[grads]
         zero = zeros >= self._dead
         self.zero_grads.difference_update(compress(names, ((zeros != -1.0) & ~zero).tolist()))
         self.zero_grads.update(compress(names, ((zeros != -1.0) & zero).tolist()))

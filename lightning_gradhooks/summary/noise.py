@@ -17,7 +17,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_gradhooks.summary.records import Key, Kind
 
 __all__ = [
     "MIN_VALUES", "REASONS", "SOURCE_NAMES", "NoiseSample", "NoiseScale", "NoiseSummary", "advice", "noise_estimates",
@@ -227,14 +226,13 @@ class NoiseScale:
         self.steps, self.history = state["steps"], [tuple(h) for h in state["history"]]
 
 
-def sentence_of(steps: Mapping[int, Mapping[Key, Mapping[str, float]]]) -> str | None:
-    """The sentence of the end of fit (:meth:`NoiseScale.sentence`) from the compact summaries of
-    the logged steps (by step, as the report command reads them); None where none holds a sample."""
-    scale, key = NoiseScale(), Key(Kind.NOISE, "gradient")
-    for step in sorted(steps):
-        stats = steps[step].get(key)
-        if stats is not None:
-            scale.add_stats(step, stats)
+def sentence_of(samples: Mapping[int, Mapping[str, float]]) -> str | None:
+    """The sentence of the end of fit (:meth:`NoiseScale.sentence`) from the logged steps' compact
+    summaries of the noise (:meth:`NoiseSample.stats`, by step, as the report command reads them);
+    None where there is none."""
+    scale = NoiseScale()
+    for step in sorted(samples):
+        scale.add_stats(step, samples[step])
     return scale.sentence()
 
 

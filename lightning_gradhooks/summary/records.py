@@ -19,12 +19,10 @@ import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from lightning_gradhooks.summary.noise import NoiseSample
 from lightning_gradhooks.summary.statistics import SCALE_FREE, STATISTICS, StatsRow, merge_histograms, pool_stats, row_of
-
-if TYPE_CHECKING:
-    from lightning_gradhooks.summary.noise import NoiseSample
 
 
 class Kind(enum.StrEnum):

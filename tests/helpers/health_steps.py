@@ -25,7 +25,7 @@ def step(number: int, entries: Mapping[tuple, Mapping[str, float]], shape: Shape
     shape = shape or Shape(thresholds.dead_zero_fraction)
     with np.errstate(all="ignore"):  # as the judge builds and reads a step (Judge.add)
         made = Step(number, summary, previous, subjects, shape, thresholds)
-        shape.learn(made)
+        shape.learn(made.layout, made.column)
     return made
 
 
