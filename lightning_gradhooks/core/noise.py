@@ -69,7 +69,6 @@ moving averages, and gives the ratio of the smoothed values.
 
 from __future__ import annotations
 
-import contextlib
 
 import functools
 import math
@@ -78,30 +77,16 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
 import lightning_gradhooks.core._shards as _shards
 from lightning_gradhooks.summary.checks import check_int
-from lightning_gradhooks.summary.noise import SOURCE_NAMES, NoiseSample
+from lightning_gradhooks.core.per_example import SOURCE_TYPES, Seen, Source, pairs_total
+from lightning_gradhooks.summary.noise import NoiseSample
 from lightning_gradhooks.summary.records import GradientRecord, Kind
 from lightning_gradhooks.core.stats import Scratch
-
-#: Random vectors of the sketch of a per-example norm on a 3-D (sequence) input of a Linear.
-SKETCH_VECTORS = 4
-#: Per-example sources: exact types only (a subclass may compute more in its ``forward``), and
-#: those types under FSDP2's ``fully_shard``, which adds no computation.
-SOURCE_TYPES = tuple(getattr(nn, name) for name in SOURCE_NAMES)
-
-
-def _float32(tensor: Tensor) -> contextlib.AbstractContextManager:
-    """Autocast off on ``tensor``'s device: the probe's products stay in the float32 it casts to
-    (under fp16 autocast the forward's would be float16 and meet a float32 gradient)."""
-    kind = tensor.device.type
-    return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext()
-
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -142,203 +127,6 @@ def _known_squares(params: list[Tensor], squares: Mapping[int, float] | None) ->
     return 0.0 if total is None else float(total)
 
 
-@torch.no_grad()
-def _pairs_total(pairs: list[tuple[tuple, Sequence]], scratch: Scratch) -> Tensor | None:
-    """``Σ_l Σ_i ‖x_i‖²‖δ_i‖² (weight) + ‖δ_i‖² (bias)`` over Linear layers on 2-D inputs, from
-    each layer's layout (:attr:`_Source.layout`) and ``[input, output gradient]``, with
-    a few ops per group of layers of one layout and device (500 layers of one width: about ten
-    ops). Each group's two stacks go into float32 buffers of ``scratch``, reused from one logged
-    step to the next (500 × 32 × 64 on this CPU: 1.4 against 5.5 ms for the two stacks into fresh
-    tensors, which page-fault); the stack casts to float32 as it copies."""
-    groups: dict[tuple, list[list]] = {}
-    for layout, pair in pairs:
-        groups.setdefault((layout, pair[0].device), []).append(pair)
-    total = None
-    for i, ((layout, device), members) in enumerate(groups.items()):
-        features_in, features_out, weight, bias = layout
-        x = _stacked(scratch, f"noise {i} inputs", [m[0] for m in members], features_in, device)  # (layers, B, in)
-        d = _stacked(scratch, f"noise {i} output gradients", [m[1] for m in members], features_out, device)
-        # one reduction pass each (vecdot would multiply, then sum)
-        xs, ds = torch.linalg.vector_norm(x, dim=-1).square(), torch.linalg.vector_norm(d, dim=-1).square()
-        part = (ds * (xs * weight + bias)).sum()
-        total = part if total is None else total + part.to(total.device)
-    return total
-
-
-def _stacked(scratch: Scratch, name: str, tensors: list[Tensor], features: int, device: torch.device) -> Tensor:
-    """``torch.stack(tensors)`` of ``(examples, features)`` tensors, into a float32 buffer of ``scratch``."""
-    shape = (len(tensors), tensors[0].shape[0], features)
-    return torch.stack(tensors, out=scratch.get(name, math.prod(shape), torch.float32, device).view(shape))
-
-
-def _linear_form(positions: int, features_in: int, features_out: int, sketch: bool = True) -> str | None:
-    """The cheapest way to the per-example ``‖Σ_t δ_t x_tᵀ‖²`` of a Linear over a sequence, by
-    multiply-adds per example: each example's weight gradient (``T·in·out``), the Gram form
-    ``Σ_{t,s} (δ_t·δ_s)(x_t·x_s)`` (``T²·(in+out)``), both exact, or the sketch over
-    :data:`SKETCH_VECTORS` random vectors (``2·k·T·(in+out)``), unbiased; exact at equal cost.
-    Without ``sketch`` (a model with normalisation layers, which give the estimate instead), None
-    where an exact form costs more than the sketch would: the layer is left out."""
-    t, width = positions, features_in + features_out
-    costs = {"gram": t * t * width, "direct": t * features_in * features_out, "sketch": 2 * SKETCH_VECTORS * t * width}
-    form = min(costs, key=lambda form: (costs[form], form == "sketch"))
-    return form if sketch or form != "sketch" else None
-
-
-class _Source:
-    """One per-example source layer, as it is for every step; what one armed step's forward and
-    output gradient give is a :class:`_Seen`, made at the layer's first forward of the step.
-
-    Under sharding (FSDP2's ``fully_shard``, tensor parallelism), it sees this rank's local
-    tensors: its own examples (FSDP2), or this rank's piece of each example's gradient (tensor
-    parallelism); a parameter that is a replica on this rank (a tensor-parallel bias at mesh
-    coordinate 1) is left to the rank at coordinate 0, as the parameter's statistics are.
-    """
-
-    def __init__(self, module: nn.Module, kind: type) -> None:
-        self.module, self.kind = module, kind
-        self.weight = module.weight is not None and module.weight.requires_grad
-        bias = getattr(module, "bias", None)
-        self.bias = bias is not None and bias.requires_grad
-        self.parameters = [p for p, on in ((module.weight, self.weight), (bias, self.bias)) if on]
-        #: Whether (weight, bias) count: what a Linear on a 2-D input's ``[input, output gradient]`` gives.
-        self.counted = (self.weight, self.bias)
-        #: A Linear's ``(in, out, weight counted, bias counted)``: the layers on 2-D inputs whose
-        #: layouts (and devices) are alike are reduced together (:func:`_pairs_total`).
-        self.layout = (getattr(module, "in_features", 0), getattr(module, "out_features", 0), *self.counted)
-        self.elements = sum(p.numel() for p in self.parameters)
-        self._generator: dict[torch.device, torch.Generator] = {}  # the sketch's, not the user's stream
-        #: Whether the model has sharded (DTensor) parameters: its tensors may be DTensors.
-        self.sharded = False
-        #: Whether a Linear over a sequence may take the sketch (False: the model's normalisation
-        #: layers give the estimate, and such a Linear is left out where no exact form is cheaper).
-        self.sketch = True
-
-    def seen(self, args: tuple, output: object, step: dict[_Source, _Seen | list | None]
-             ) -> Callable[[Tensor], None] | None:
-        """Take in one forward of the module into ``step`` (the armed step's layers: a
-        :class:`_Seen`, a Linear on a 2-D input's ``[input, output gradient]``, or None
-        where the layer gives nothing this step); returns what to call with its output's gradient
-        (None: nothing is needed from this call)."""
-        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
-            return None
-        if self in step:  # called twice: its examples' gradients are sums over calls; left out
-            step[self] = None
-            return None
-        x = args[0] if args and isinstance(args[0], Tensor) else None
-        dims = -1 if x is None else x.dim()
-        if dims < 2 or x.shape[0] < 1:
-            step[self] = None
-            return None
-        if dims == 2 and self.kind is nn.Linear and not self.sharded:
-            # [input, output gradient]: no op here, reduced with every such layer's at collect (a
-            # few ops in all); detached: the graph is not held past backward (held, its nodes are
-            # freed at collect instead: no saving, measured)
-            step[self] = pair = [x.detach()]
-            return pair.append
-        seen = step[self] = _Seen(self)
-        if self.sharded:
-            if _shards.is_dtensor(x):  # tensor parallel: the ranks of its mesh hold the same examples
-                seen.owns_examples = _shards.owns_examples(x)
-                x = x.to_local()
-            m = self.module
-            seen.counted = (self.weight and _shards.reports(m.weight), self.bias and _shards.reports(m.bias))
-        seen.examples = x.shape[0]
-        if self.kind is nn.Linear and x.dim() == 2:  # sharded: this rank's local tensors
-            return functools.partial(seen.paired, x)
-        with _float32(x):
-            saved = self._saved(x.detach())
-        return None if saved is None else functools.partial(self._backward, seen, saved)
-
-    def _vectors(self, examples: int, features: int, device: torch.device) -> Tensor:
-        """Gaussian vectors of the sketch, ``(examples, features, SKETCH_VECTORS)``: fresh ones for
-        each example and layer, so that their errors average out over the batch."""
-        generator = self._generator.get(device)
-        if generator is None:
-            generator = self._generator[device] = torch.Generator(device=device).manual_seed(0)
-        return torch.randn(examples, features, SKETCH_VECTORS, generator=generator, device=device)
-
-    def _saved(self, x: Tensor) -> tuple | None:
-        """What the backward needs of the input, as small as it can be (None: nothing, a sequence
-        Linear left to the normalisation layers)."""
-        m = self.module
-        if self.kind is nn.Linear:
-            x = x.flatten(1, -2).float()  # (B, positions, in)
-            form = _linear_form(x.shape[1], x.shape[2], m.out_features, self.sketch)
-            if form == "sketch":
-                return ("sketch", torch.bmm(x, self._vectors(x.shape[0], x.shape[-1], x.device)))  # (B, positions, k)
-            return None if form is None else (form, x)
-        if self.kind is nn.LayerNorm:
-            return ("normed", F.layer_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
-        if self.kind is nn.RMSNorm:
-            return ("normed", F.rms_norm(x.float(), m.normalized_shape, eps=m.eps), len(m.normalized_shape))
-        # GroupNorm: (B, C, *) normalised per example and group; per-channel weight and bias
-        return ("channels", F.group_norm(x.float(), m.num_groups, eps=m.eps))
-
-    def _backward(self, seen: _Seen, saved: tuple, grad: Tensor) -> None:
-        seen.grads += 1
-        if self.sharded and _shards.is_dtensor(grad):
-            grad = grad.to_local()
-        with _float32(grad):
-            seen.total = self._total(grad.detach().float(), saved, seen.counted)
-
-    @staticmethod
-    def _total(d: Tensor, saved: tuple, counted: tuple[bool, bool]) -> Tensor:
-        """The sum over the examples of their squared gradient norms, from the output's gradient ``d``."""
-        how, b = saved[0], d.shape[0]
-        weight, bias = counted
-        total = d.new_zeros(())
-        if how in ("sketch", "gram", "direct"):  # weight: ‖Σ_t δ_t x_tᵀ‖² per example; bias: ‖Σ_t δ_t‖²
-            d = d.flatten(1, -2)  # (B, positions, out)
-            if weight and how == "sketch":  # E‖Σ_t δ_t (x_t·v)‖² over Gaussian v
-                total = torch.bmm(saved[1].transpose(1, 2), d).square().sum() / SKETCH_VECTORS
-            elif weight and how == "gram":
-                a = saved[1]
-                total = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum()
-            elif weight:
-                total = torch.bmm(saved[1].transpose(1, 2), d).square().sum()  # each example's xᵀδ
-            if bias:
-                total = total + d.sum(1).square().sum()
-        elif how == "normed":  # weight: Σ over positions of δ·x̂, per example; bias: Σ δ
-            shape = (b, -1, math.prod(d.shape[d.dim() - saved[2]:]))
-            if weight:
-                total = (d * saved[1]).reshape(shape).sum(1).square().sum()
-            if bias:
-                total = total + d.reshape(shape).sum(1).square().sum()
-        else:  # channels (GroupNorm): sums over the positions of each channel
-            shape = (b, d.shape[1], -1)
-            if weight:
-                total = (d * saved[1]).reshape(shape).sum(2).square().sum()
-            if bias:
-                total = total + d.reshape(shape).sum(2).square().sum()
-        return total
-
-
-class _Seen:
-    """What one armed step saw of a source layer called once: its output gradients, its examples,
-    and the sum of its examples' squared gradient norms (a device tensor), or, for a Linear on a
-    2-D input under sharding, its local input and output gradient. A hook of a step already
-    collected writes into a ``_Seen`` the probe no longer holds."""
-
-    __slots__ = ("source", "grads", "examples", "owns_examples", "counted", "total", "pair")
-
-    def __init__(self, source: _Source) -> None:
-        self.source = source
-        self.grads, self.examples = 0, 0
-        #: Whether this rank counts its examples (False: a replica of them at another mesh coordinate).
-        self.owns_examples = True
-        #: Whether this rank counts (weight, bias): not where it holds a replica of another rank's piece.
-        self.counted = source.counted
-        self.total: Tensor | None = None
-        #: The local ``(layout, (input, output gradient))`` (see :func:`_pairs_total`).
-        self.pair: tuple[tuple, tuple[Tensor, Tensor]] | None = None
-
-    def paired(self, x: Tensor, grad: Tensor) -> None:
-        self.grads += 1
-        if self.source.sharded and _shards.is_dtensor(grad):
-            grad = grad.to_local()
-        self.pair = ((x.shape[1], grad.shape[1], *self.counted), (x, grad))
-
-
 class NoiseProbe:
     """Measures the raw material of the gradient noise scale on armed steps (see the module's
     docstring for where the two batches come from).
@@ -370,21 +158,21 @@ class NoiseProbe:
         self._model, self._skip = model, frozenset(skip)
         # The layers and parameters, looked up once at the first arm (a deep model's `parameters()`
         # takes ms): after `fully_shard` or `parallelize_module` have made their DTensor parameters.
-        self._sources: list[_Source] = []
+        self._sources: list[Source] = []
         self._parameters: list[Tensor] = []
         self._sharded = False
         self._looked_up = False
         self._handles: list[RemovableHandle] = []
-        self._fed: dict[int, _Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
+        self._fed: dict[int, Source] = {}  # armed: the sources another owner's hooks feed (`saw`)
         # The armed step's sources that ran, in the order they ran: a fresh dict each step, so a
         # hook of an earlier step (a graph kept past its collect) writes where nothing reads.
-        self._step: dict[_Source, _Seen | list | None] = {}
+        self._step: dict[Source, Seen | list | None] = {}
         self._armed = False
         self._batch: int | None = None
         self._accumulation = 1
         self._small: Tensor | None = None  # the sum of each backward's squared gradient norm
         self._backwards = 0  # ... over this many backward passes (micro-batches)
-        self._scratch = Scratch()  # the buffers of _pairs_total's stacks, reused between logged steps
+        self._scratch = Scratch()  # the buffers of pairs_total's stacks, reused between logged steps
         #: The ``all_reduce`` calls made so far (one per collected step with several ranks).
         self.collectives = 0
 
@@ -399,7 +187,7 @@ class NoiseProbe:
                 if p is not None:
                     owners[id(p)] = owners.get(id(p), 0) + 1
         sources = [
-            _Source(m, _shards.unsharded_type(m)) for m in self._model.modules()
+            Source(m, _shards.unsharded_type(m)) for m in self._model.modules()
             if _shards.unsharded_type(m) in SOURCE_TYPES and id(m) not in self._skip
             and getattr(m, "weight", None) is not None
             and all(owners[id(p)] == 1 for p in m._parameters.values() if p is not None)
@@ -475,7 +263,7 @@ class NoiseProbe:
         source = self._fed.get(id(module))
         return None if source is None else source.seen(args, output, self._step)
 
-    def _forward(self, source: _Source, module: nn.Module, args: tuple, output: object) -> None:
+    def _forward(self, source: Source, module: nn.Module, args: tuple, output: object) -> None:
         """The probe's own forward hook (a module no monitor hook feeds): a tensor hook on the output."""
         backward = source.seen(args, output, self._step)
         if backward is not None:
@@ -573,7 +361,7 @@ class NoiseProbe:
         sources = [source for source, _ in pairs] + [s.source for s in used]
         total = big_sq = None
         if why is None:
-            total = _pairs_total([(source.layout, pair) for source, pair in pairs]
+            total = pairs_total([(source.layout, pair) for source, pair in pairs]
                                  + [s.pair for s in used if s.pair is not None], self._scratch)
             self._scratch.trim()
             totals = [s.total for s in used if s.total is not None] + ([total] if total is not None else [])
@@ -598,7 +386,7 @@ class NoiseProbe:
         return self._checked(NoiseSample(batch * float(total), big_sq, 1, batch, "per_example", coverage))
 
     def _usable(self, params: list[Tensor]
-                ) -> tuple[list[_Seen], list[tuple[_Source, list]], int, int | None]:
+                ) -> tuple[list[Seen], list[tuple[Source, list]], int, int | None]:
         """The sources that give this step's per-example norms: their records, and the Linear
         layers on 2-D inputs with their ``[input, output gradient]`` (kept apart: no object per
         layer); the batch, and why none do (an index into :data:`REASONS`)."""
@@ -606,7 +394,7 @@ class NoiseProbe:
         step = self._step.items() if wanted is None else [
             (source, seen) for source, seen in self._step.items() if all(id(p) in wanted for p in source.parameters)]
         pairs = [(source, seen) for source, seen in step if type(seen) is list and len(seen) == 2]
-        used = [seen for _, seen in step if type(seen) is _Seen and seen.grads == 1
+        used = [seen for _, seen in step if type(seen) is Seen and seen.grads == 1
                 and (seen.total is not None or seen.pair is not None)]
         if not used and not pairs:
             return [], [], self._batch or 0, 4

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks, GradientMonitor
 from lightning_gradhooks.shell import _trainer
-from lightning_gradhooks.core import noise
+from lightning_gradhooks.core.per_example import linear_form
 from lightning_gradhooks.__main__ import main, read_folder
 from lightning_gradhooks.core.noise import NoiseProbe
 from lightning_gradhooks.summary.noise import NoiseScale, NoiseSummary, advice, noise_estimates
@@ -226,7 +226,7 @@ def test_per_example_norms_against_brute_force(name):
                          [("gram", 16, 32, 5), ("direct", 6, 1, 5), ("sketch", 64, 64, 64)])
 def test_a_linear_over_a_sequence_takes_its_cheapest_form(form, features_in, features_out, positions):
     # each example's ‖Σ_t δ_t x_tᵀ‖²: exactly (its weight gradient, or the Gram form), or by the sketch
-    assert noise._linear_form(positions, features_in, features_out) == form
+    assert linear_form(positions, features_in, features_out) == form
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = nn.Linear(features_in, features_out)
@@ -255,8 +255,8 @@ def test_with_normalisation_layers_a_linear_over_a_long_sequence_is_left_to_them
     # Gray et al. (2024): the normalisation layers' per-example norms give the estimate. A Linear
     # over a sequence whose exact forms cost more than the sketch is left out (the sketch stays for
     # models without such layers), an exact one that costs no more is kept; the coverage says so.
-    assert noise._linear_form(12, 16, 32, sketch=False) is None and noise._linear_form(12, 16, 32) == "sketch"
-    assert noise._linear_form(5, 16, 32, sketch=False) == "gram" and noise._linear_form(12, 32, 1, sketch=False) == "direct"
+    assert linear_form(12, 16, 32, sketch=False) is None and linear_form(12, 16, 32) == "sketch"
+    assert linear_form(5, 16, 32, sketch=False) == "gram" and linear_form(12, 32, 1, sketch=False) == "direct"
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
