@@ -55,7 +55,8 @@ from lightning_gradhooks.log.updates import UpdateRatios
 from lightning_gradhooks.log.writers import Writers
 
 if TYPE_CHECKING:
-    from lightning_gradhooks.core.monitor import GradientMonitor, _Armed
+    from lightning_gradhooks.core.handles import ArmedStep
+    from lightning_gradhooks.core.monitor import GradientMonitor
 
 #: Statistics of the optimizer step, for parameters on logged steps: ‖Δw‖/‖w‖ and ‖w‖.
 UPDATE_STATISTICS = tuple(UPDATE_SECTIONS)
@@ -177,7 +178,7 @@ class GradientLog:
         return self.histograms and (last is None or step == last or step // n != last // n)
 
     def arm(self, monitor: GradientMonitor, step: int, *, batch_size: int | None = None,
-            accumulation: int = 1) -> _Armed:
+            accumulation: int = 1) -> ArmedStep:
         """Arm ``monitor`` (:meth:`GradientMonitor.arm`) for the step to be logged at ``step``,
         counting histograms only where this log writes them (:meth:`histograms_due`): the one
         place the histogram cadence reaches the monitor. Returns what ``monitor.arm`` returns."""
