@@ -21,7 +21,7 @@ from lightning_gradhooks.offload._files import close_all, pread_all
 from lightning_gradhooks.offload._memory import Streams, bytes_at, host_buffer, to_device, use_here
 from lightning_gradhooks.offload.gate import Gate
 from lightning_gradhooks.offload.ledger import Ledger
-from lightning_gradhooks.offload.records import Handle, HandleRef, Record, State, check_version, view
+from lightning_gradhooks.offload.records import Handle, HandleRef, Record, State
 from lightning_gradhooks.offload.segments import Segments
 
 __all__ = ["Reader"]
@@ -44,6 +44,27 @@ def _reader_main(reader_ref: weakref.ref[Reader], events: queue.SimpleQueue, seg
         reader = reader_ref()
         more = False if reader is None else reader.handle(item)
         del reader, item
+
+
+def _check_version(tensor: torch.Tensor, version: int, dtype: torch.dtype, size: torch.Size) -> None:
+    """Raise, as autograd does without hooks, if a saved tensor changed since it was saved (torch skips its
+    own check whenever saved-tensor hooks are set)."""
+    now = tensor._version
+    if now != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {dtype} tensor of shape {list(size)} saved for backward at version {version} is now at version "
+            f"{now} (checked by save_on_disk, since torch skips this check under saved-tensor hooks; autograd "
+            "raises the same error without offload). Hint: look for an in-place change of this tensor, or of a "
+            "view of it, between the forward and this backward (an operation ending in '_', out=, an optimizer "
+            "step); enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find the operation "
+            "that failed to compute its gradient."
+        )
+
+
+def _view(storage: torch.UntypedStorage, h: Handle, offset: int) -> torch.Tensor:
+    """The tensor ``h`` stands for, over ``storage`` from element ``offset``."""
+    return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)
 
 
 class Reader:
@@ -76,18 +97,18 @@ class Reader:
         """The tensor that ``packed`` (what pack returned) stands for."""
         if type(packed) is tuple:  # kept in memory
             tensor, version = packed
-            check_version(tensor, version, tensor.dtype, tensor.shape)
+            _check_version(tensor, version, tensor.dtype, tensor.shape)
             return tensor
         h, rec = packed, packed.record
-        check_version(h.keeper, h.version, h.dtype, h.size)
+        _check_version(h.keeper, h.version, h.dtype, h.size)
         src, buf, event, asked = self._serve(h, rec)
         if self.prefetch_bytes and not asked:
             self.events.put((rec,))  # prefetch from here
         if src is not None:
-            return view(src.untyped_storage(), h, h.storage_offset)
+            return _view(src.untyped_storage(), h, h.storage_offset)
         if event is not None:
             use_here(buf, event)
-        return view(buf.untyped_storage(), h, h.rel_offset)
+        return _view(buf.untyped_storage(), h, h.rel_offset)
 
     def _serve(self, h: Handle, rec: Record) -> tuple[torch.Tensor | None, torch.Tensor | None, Any, bool]:
         """(source in memory, or bytes read back and their copy's event, whether the reader was asked):

@@ -1,6 +1,6 @@
 """What the disk offload engine keeps per saved tensor: the record (one storage region, its
-lifecycle as one :class:`State` with every allowed transition in one table), the handle that autograd
-keeps instead of the tensor, and the version checks that torch skips under saved-tensor hooks.
+lifecycle as one :class:`State` with every allowed transition in one table) and the handle that
+autograd keeps instead of the tensor.
 
 A handle has no ``__del__``: autograd dropping it fires a :class:`HandleRef`, whose callback is a
 queue's C ``put`` to the reader thread, so a dying handle runs no Python code.
@@ -16,9 +16,7 @@ import torch
 
 from lightning_gradhooks.offload._common import Failure
 
-__all__ = ["TRANSITIONS", "Handle", "HandleRef", "Record", "State", "check_version", "version_keeper", "view"]
-
-_set_versions = torch._C._autograd._unsafe_set_version_counter
+__all__ = ["TRANSITIONS", "Handle", "HandleRef", "Record", "State"]
 
 
 class State(enum.Enum):
@@ -134,38 +132,3 @@ class Handle:
         ref.record = rec
         rec.refs.append(ref)
         return handle
-
-
-def version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """A tensor that shares ``t``'s version counter but none of its memory, and ``t``'s version now;
-    None where torch refuses. Autograd's own saved variables keep the same: the counter, which every
-    view and ``detach()`` alias of the storage bumps, not the data."""
-    version = t._version
-    try:
-        keeper = t.detach()
-        keeper.set_()  # an empty storage; this bumps the shared counter...
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
-    _set_versions((keeper,), (version,))  # ...which is set back at once (one thread: the forward's)
-    return keeper, version
-
-
-def check_version(tensor: torch.Tensor, version: int, dtype: torch.dtype, size: torch.Size) -> None:
-    """Raise, as autograd does without hooks, if a saved tensor changed since it was saved (torch skips its
-    own check whenever saved-tensor hooks are set)."""
-    now = tensor._version
-    if now != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"a {dtype} tensor of shape {list(size)} saved for backward at version {version} is now at version "
-            f"{now} (checked by save_on_disk, since torch skips this check under saved-tensor hooks; autograd "
-            "raises the same error without offload). Hint: look for an in-place change of this tensor, or of a "
-            "view of it, between the forward and this backward (an operation ending in '_', out=, an optimizer "
-            "step); enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find the operation "
-            "that failed to compute its gradient."
-        )
-
-
-def view(storage: torch.UntypedStorage, h: Handle, offset: int) -> torch.Tensor:
-    """The tensor ``h`` stands for, over ``storage`` from element ``offset``."""
-    return torch.empty(0, dtype=h.dtype, device=storage.device).set_(storage, offset, h.size, h.stride)

@@ -16,12 +16,13 @@ from torch import nn
 from lightning_gradhooks.offload._memory import Streams, fix_mmap_threshold, to_pinned
 from lightning_gradhooks.offload.gate import Gate
 from lightning_gradhooks.offload.ledger import Ledger
-from lightning_gradhooks.offload.records import Handle, Record, State, version_keeper
+from lightning_gradhooks.offload.records import Handle, Record, State
 from lightning_gradhooks.offload.writer import Writer
 
 __all__ = ["Spill"]
 
 _Region = tuple[torch.UntypedStorage, int, int, int, int]
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 def _storages(modules: Any) -> set[int]:
@@ -29,6 +30,20 @@ def _storages(modules: Any) -> set[int]:
     tensor parallelism: its shard)."""
     return {getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
             for m in modules for t in itertools.chain(m.parameters(), m.buffers())}
+
+
+def _version_keeper(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A tensor that shares ``t``'s version counter but none of its memory, and ``t``'s version now;
+    None where torch refuses. Autograd's own saved variables keep the same: the counter, which every
+    view and ``detach()`` alias of the storage bumps, not the data."""
+    version = t._version
+    try:
+        keeper = t.detach()
+        keeper.set_()  # an empty storage; this bumps the shared counter...
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    _set_versions((keeper,), (version,))  # ...which is set back at once (one thread: the forward's)
+    return keeper, version
 
 
 class Spill:
@@ -84,7 +99,7 @@ class Spill:
         :class:`~lightning_gradhooks.offload.records.Handle`."""
         gate, ledger = self.gate, self.ledger
         region = self._region(t)
-        keeper = None if region is None else version_keeper(t)
+        keeper = None if region is None else _version_keeper(t)
         if keeper is None:
             with gate.lock:
                 gate.check_usable()
