@@ -174,7 +174,7 @@ class Engine:
             return  # a forked child: its copies were closed after the fork
         self.writer.stop()
         if threading.current_thread() not in gate.threads:
-            self.reader.thread.join()
+            self.reader.join()
 
     def after_fork_in_child(self) -> None:
         """Close this process's copies of the parent's files: a forked child (a DataLoader worker)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_gradhooks.offload._common import Failure
-from lightning_gradhooks.offload.records import Handle, Record, State
+from lightning_gradhooks.offload.records import Record, State
 
 __all__ = ["Ledger"]
 
@@ -167,11 +167,11 @@ class Ledger:
             self.prefetched -= rec.nbytes
             rec.read_error = failure
 
-    def serve_loaded(self, rec: Record, h: Handle) -> tuple[torch.Tensor, Any]:
-        """Unpack ``h`` from ``rec``'s bytes read back: WRITTEN again once every live handle was served."""
+    def serve_loaded(self, rec: Record, uses: int) -> tuple[torch.Tensor, Any]:
+        """Serve a handle's ``uses``-th unpack from ``rec``'s bytes read back: WRITTEN again once every
+        live handle was served as often."""
         buf, event = rec.loaded, rec.load_event
-        h.uses += 1
-        if all(other.uses >= h.uses for other in rec.handles()):  # every live handle served
+        if all(other.uses >= uses for other in rec.handles()):  # every live handle served
             rec.to(State.WRITTEN)  # first: what follows makes no call (the training thread runs this)
             rec.loaded = rec.load_event = None
             self.prefetched -= rec.nbytes

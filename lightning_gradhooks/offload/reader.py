@@ -85,6 +85,10 @@ class Reader:
     def start(self) -> None:
         self.thread.start()
 
+    def join(self) -> None:
+        """Wait until the thread has ended (after the writer thread: it then closes the files)."""
+        self.thread.join()
+
     def sync(self) -> None:
         """Wait until the reader thread has handled every handle death queued so far."""
         if self.thread.is_alive() and not self.gate.forked():
@@ -131,7 +135,8 @@ class Reader:
                     h.uses += 1
                     return src, None, None, asked
                 if state is State.LOADED:
-                    return (None, *self.ledger.serve_loaded(rec, h), asked)
+                    h.uses += 1
+                    return (None, *self.ledger.serve_loaded(rec, h.uses), asked)
                 if state is State.DEAD:
                     raise RuntimeError("save_on_disk: internal error: a saved tensor was never written")
                 ask = (state is State.WRITTEN or state is State.LOADING) and not asked
