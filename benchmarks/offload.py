@@ -118,9 +118,9 @@ def worker(args: argparse.Namespace) -> None:
     variant, folder = args.worker, args.dir or tempfile.gettempdir()
     engine = None
     if variant == "none_mallopt":
-        from lightning_gradhooks.offload._memory import _fix_mmap_threshold
+        from lightning_gradhooks.offload._memory import fix_mmap_threshold
 
-        _fix_mmap_threshold(THRESHOLD)
+        fix_mmap_threshold(THRESHOLD)
     if variant.startswith(("threshold", "budget")):
         budget = int(args.saved * int(variant[6:]) / 100) if variant.startswith("budget") else None
         kwargs = {"fix_mmap_threshold": False} if variant == "threshold_nofix" else {}

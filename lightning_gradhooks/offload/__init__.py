@@ -35,7 +35,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_gradhooks.summary.checks import check_bool, check_folder, check_int
 from lightning_gradhooks.offload._common import DiskOffloadError, OffloadStats
-from lightning_gradhooks.offload._engine import _Engine
+from lightning_gradhooks.offload.engine import Engine
 
 __all__ = ["DiskOffloadError", "OffloadStats", "save_on_disk"]
 
@@ -141,8 +141,8 @@ class save_on_disk(saved_tensors_hooks):  # noqa: N801 - named like torch's save
         check_int("budget_bytes", budget_bytes, allow_none=True)
         check_bool("fix_mmap_threshold", fix_mmap_threshold)
         directory = check_folder("directory", directory, pathlike=True) or tempfile.gettempdir()
-        self._engine = _Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
-                               budget_bytes, fix_mmap_threshold)
+        self._engine = Engine(threshold_bytes, directory, max_bytes_in_flight, prefetch_bytes, segment_bytes,
+                              budget_bytes, fix_mmap_threshold)
         self._depth = 0
         super().__init__(self._engine.pack, self._engine.unpack)
 

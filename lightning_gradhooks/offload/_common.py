@@ -1,12 +1,21 @@
 """Shared by the disk offload modules: the public error and statistics types of
-:mod:`lightning_gradhooks.offload` (defined here so that the engine can raise and return them
-without importing that module; re-exported from there) and the alignment constant."""
+:mod:`lightning_gradhooks.offload` (defined here so that the engine's parts can raise and return them
+without importing that module; re-exported from there), the failures that threads hand to the
+training thread, the alignment constant and the marker that stops a thread."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-_ALIGN = 4096  # file offset alignment of each saved region
+__all__ = ["ALIGN", "STOP", "DiskOffloadError", "Failure", "OffloadStats", "failure", "raise_failure", "round_up"]
+
+ALIGN = 4096  # file offset alignment of each saved region
+STOP = object()  # put in a thread's queue: the thread finishes
+
+# An error for the training thread, kept without traceback or frames: its class, its arguments and
+# the exception that caused it (its traceback dropped), which it is raised from.
+Failure = tuple[type[BaseException], tuple[Any, ...], BaseException]
 
 
 class DiskOffloadError(OSError):
@@ -43,5 +52,24 @@ class OffloadStats:
     budget_bytes: int | None = None  #: the engine's budget (None: every offloadable tensor is written)
 
 
-def _round_up(n: int, k: int) -> int:
+def round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def failure(exc: BaseException, message: str) -> Failure:
+    """``exc``, caught in a thread, as the error the training thread raises: a DiskOffloadError whose
+    message ends with the reason, keeping ``errno``, raised from ``exc``. The tracebacks of ``exc`` and
+    of what it chains are dropped: their frames hold the engine and its buffers."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return DiskOffloadError, (exc.errno, f"{message}: {exc.strerror or exc}"), exc
+    return DiskOffloadError, (f"{message}: {type(exc).__name__}: {exc}",), exc
+
+
+def raise_failure(kept: Failure) -> None:
+    cls, args, cause = kept
+    raise cls(*args) from cause

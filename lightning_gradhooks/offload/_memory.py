@@ -1,5 +1,6 @@
 """Host memory of the disk offload engine: glibc's mmap threshold, zero-copy byte views of raw
-addresses, buffers to read into, and the CUDA copies (staged through page-locked buffers)."""
+addresses, buffers to read into, and the CUDA copies (staged through page-locked buffers) with the
+side streams they run on."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import logging
 import mmap
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
 
-from lightning_gradhooks.offload._common import _ALIGN, _round_up
+from lightning_gradhooks.offload._common import ALIGN, round_up
+
+__all__ = ["Streams", "bytes_at", "fix_mmap_threshold", "host_buffer", "to_device", "to_pinned", "use_here"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 _MMAP_THRESHOLD_MIN, _MMAP_THRESHOLD_MAX = 1 << 20, 32 << 20  # glibc caps it at 32 MiB on 64-bit
 _mmap_threshold: int | None = None  # what this module set, process-wide
 
 
-def _fix_mmap_threshold(threshold_bytes: int) -> None:
+def fix_mmap_threshold(threshold_bytes: int) -> None:
     """On glibc, fix malloc's mmap threshold at ``threshold_bytes`` (within 1 to 32 MiB) unless the
     user chose one (``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable); the
     threshold set is kept in ``_mmap_threshold``. Says so in one INFO line when it sets it.
@@ -54,15 +58,15 @@ def _fix_mmap_threshold(threshold_bytes: int) -> None:
         "offload_fix_mmap_threshold=False) leaves the allocator alone", value)
 
 
-def _bytes_at(address: int, nbytes: int) -> memoryview:
+def bytes_at(address: int, nbytes: int) -> memoryview:
     """A zero-copy byte view of ``nbytes`` of host memory; the caller keeps the owner alive."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _host_buffer(nbytes: int) -> torch.Tensor:
+def host_buffer(nbytes: int) -> torch.Tensor:
     """A CPU byte tensor of ``nbytes`` over a fresh anonymous mapping: it uses huge pages where Linux
     allows, and is unmapped as soon as the tensor dies, so reads back do not grow the heap."""
-    mapping = mmap.mmap(-1, _round_up(nbytes, _ALIGN), flags=mmap.MAP_PRIVATE)  # shared = shmem, no THP
+    mapping = mmap.mmap(-1, round_up(nbytes, ALIGN), flags=mmap.MAP_PRIVATE)  # shared = shmem, no THP
     with contextlib.suppress(AttributeError, OSError):  # MADV_HUGEPAGE is Linux only
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
@@ -75,7 +79,23 @@ def _host_buffer(nbytes: int) -> torch.Tensor:
 # on it are done, so a buffer dropped early is never reused under a running copy.
 
 
-def _to_pinned(src: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
+class Streams:
+    """The CUDA side streams of one engine, one per device, made at first use: the copies to and from
+    pinned host buffers run on them. Their one owner (torch frees a stream with its last reference)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, Any] = {}
+
+    def of(self, device: torch.device) -> Any:
+        """The side stream of ``device``."""
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
+
+
+def to_pinned(src: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
     """Start copying the CUDA byte tensor ``src`` to a new pinned host buffer on the side ``stream``,
     after the work queued so far on the caller's current stream (which computed ``src``); return the
     buffer and the event that marks the copy done."""
@@ -89,9 +109,9 @@ def _to_pinned(src: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
     return pinned, event
 
 
-def _to_device(pinned: torch.Tensor, device: torch.device, stream: Any) -> tuple[torch.Tensor, Any]:
+def to_device(pinned: torch.Tensor, device: torch.device, stream: Any) -> tuple[torch.Tensor, Any]:
     """Start copying the pinned host bytes to a new tensor of ``device`` on the side ``stream``; return it
-    and the event that marks the copy done (see :func:`_use_here`)."""
+    and the event that marks the copy done (see :func:`use_here`)."""
     with torch.cuda.device(device), torch.cuda.stream(stream):
         buf = torch.empty(pinned.numel(), dtype=torch.uint8, device=device)  # allocated on the side stream
         buf.copy_(pinned, non_blocking=True)
@@ -100,7 +120,7 @@ def _to_device(pinned: torch.Tensor, device: torch.device, stream: Any) -> tuple
     return buf, event
 
 
-def _use_here(buf: torch.Tensor, event: Any) -> None:
+def use_here(buf: torch.Tensor, event: Any) -> None:
     """Make the current stream (the backward's) wait for ``buf``'s copy, and tell the caching allocator
     that ``buf``, allocated on the side stream, is used on it."""
     stream = torch.cuda.current_stream(buf.device)

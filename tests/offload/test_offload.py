@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_gradhooks.offload import _engine as _offload_engine  # its I/O calls are patched below
+from lightning_gradhooks.offload import reader, records, writer  # their I/O calls are patched below
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 
 from conftest import FailingBackward
@@ -136,8 +136,8 @@ def test_without_offload_activations_stay_alive() -> None:  # the check above ca
 
 def test_backpressure_bounds_bytes_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = _offload_engine._pwrite_all
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", lambda *a: gate.wait(20) and real(*a))  # a stalled disk
+    real = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda *a: gate.wait(20) and real(*a))  # a stalled disk
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, max_bytes_in_flight=2 * MiB)
     model, x = mlp(depth=4), batch()
     seen: list[int] = []
@@ -294,8 +294,8 @@ def test_keep_in_memory_buffers(engine: save_on_disk) -> None:
 
 def test_in_place_change_before_write_is_an_error(engine: save_on_disk, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = _offload_engine._pwrite_all
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", lambda *a: gate.wait(10) and real(*a))
+    real = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda *a: gate.wait(10) and real(*a))
     x = torch.randn(256, 256, requires_grad=True)
     with engine:
         y = x * 2
@@ -326,7 +326,7 @@ def test_files_have_no_name_mode_0600_raw_bytes(engine: save_on_disk, tmp_path: 
     assert os.listdir(tmp_path) == []  # nothing has a name, even mid-step
     (target,) = files(engine)
     assert target.endswith("(deleted)") or "/#" in target
-    (seg,) = engine._engine._segments.values()
+    (seg,) = engine._engine.segments.by_index.values()
     st = os.fstat(seg.fd)
     assert st.st_nlink == 0 and stat.S_IMODE(st.st_mode) == 0o600
     assert os.pread(seg.fd, x.numel() * 4, 0) == x.numpy().tobytes()  # raw data, no header, no pickle
@@ -521,7 +521,7 @@ def test_interrupted_pack_leaves_nothing_behind(tmp_path: Path, monkeypatch: pyt
                                                budget: int | None) -> None:
     engine = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, budget_bytes=budget)
     model, x = mlp(), batch()
-    monkeypatch.setattr(engine._engine, "_writes", Interrupting(engine._engine._writes, after))
+    monkeypatch.setattr(engine._engine.writer, "jobs", Interrupting(engine._engine.writer.jobs, after))
     with pytest.raises(KeyboardInterrupt):
         with engine:
             model(x)
@@ -537,7 +537,7 @@ def test_interrupted_pack_leaves_nothing_behind(tmp_path: Path, monkeypatch: pyt
 
 
 def test_no_engine_code_when_a_handle_dies(engine: save_on_disk) -> None:
-    assert not hasattr(_offload_engine._Handle, "__del__")
+    assert not hasattr(records.Handle, "__del__")
     model, x = mlp(), batch()
     with engine:
         loss = model(x).sum()
@@ -605,7 +605,7 @@ def test_write_failure_is_clear_and_leaves_nothing(engine: save_on_disk, monkeyp
     def full(fd: int, data: memoryview, off: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", full)
+    monkeypatch.setattr(writer, "pwrite_all", full)
     model, x = mlp(depth=8), batch()
     with pytest.raises(DiskOffloadError) as info:
         with engine:
@@ -628,7 +628,7 @@ def test_late_write_failure_surfaces_at_exit_or_backward(engine: save_on_disk,
         gate.wait(10)
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", late)
+    monkeypatch.setattr(writer, "pwrite_all", late)
     model, x = mlp(depth=1), batch()
     with engine:
         loss = model(x).sum()  # no error yet: the writes are still waiting
@@ -681,7 +681,7 @@ def test_read_error_in_backward_is_clear_and_frees_everything(engine: save_on_di
     with engine:
         loss = model(x).sum()
     engine.flush()
-    monkeypatch.setattr(_offload_engine, "_pread_all", broken)
+    monkeypatch.setattr(reader, "pread_all", broken)
     with pytest.raises(DiskOffloadError) as info:
         loss.backward()
     err = info.value
@@ -750,14 +750,14 @@ def test_prefetch_reads_in_reverse_order_on_reader_thread(tmp_path: Path, monkey
                                                          segment_bytes: int) -> None:
     engine = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path, segment_bytes=segment_bytes)
     reads: list[tuple[int, int, str]] = []
-    real = _offload_engine._pread_all
+    real = reader.pread_all
 
     def spy(fd: int, data: memoryview, off: int) -> None:
-        index = next(s.index for s in list(engine._engine._segments.values()) if s.fd == fd)
+        index = next(s.index for s in list(engine._engine.segments.by_index.values()) if s.fd == fd)
         reads.append((index, off, threading.current_thread().name))
         real(fd, data, off)
 
-    monkeypatch.setattr(_offload_engine, "_pread_all", spy)
+    monkeypatch.setattr(reader, "pread_all", spy)
     model, x = mlp(depth=6), batch()
     with engine:
         loss = model(x).sum()
@@ -789,7 +789,7 @@ def test_engine_collected_without_close_stops_its_threads_and_closes_its_files(t
     with e:
         loss = mlp()(batch()).sum()
     e.flush()
-    threads = e._engine._threads
+    threads = e._engine.gate.threads
     assert len(open_files(tmp_path)) == 1 and all(t.is_alive() for t in threads)
     del e, loss
     gc.collect()

@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.offload import _engine as _offload_engine  # its I/O calls are patched below
+from lightning_gradhooks.offload import reader, segments, writer  # their I/O calls are patched below
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 
 from conftest import MLP, GradRecorder, loader, make_trainer
@@ -65,8 +65,8 @@ def test_bytes_written_are_bytes_saved_minus_the_budget(tmp_path: Path, budget_m
 @pytest.mark.parametrize("prefetch_mib", [0, 4, 32])
 def test_never_holds_more_than_the_budget_plus_one_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           budget_mib: int, prefetch_mib: int) -> None:
-    real = _offload_engine._pwrite_all
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", lambda *a: time.sleep(0.005) or real(*a))  # a slow disk
+    real = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda *a: time.sleep(0.005) or real(*a))  # a slow disk
     budget = budget_mib * MiB
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, budget_bytes=budget, prefetch_bytes=prefetch_mib * MiB)
     model, x = mlp(depth=8), batch()
@@ -99,13 +99,13 @@ def test_budget_is_bitwise_identical_with_retain_graph(tmp_path: Path, budget_mi
 def test_backward_starts_from_memory_and_reads_ahead_the_newest_written(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[tuple[int, str]] = []
-    real = _offload_engine._pread_all
+    real = reader.pread_all
 
     def spy(fd: int, data: memoryview, off: int, *rest: int) -> None:
         reads.append((off, threading.current_thread().name))
         real(fd, data, off, *rest)
 
-    monkeypatch.setattr(_offload_engine, "_pread_all", spy)
+    monkeypatch.setattr(reader, "pread_all", spy)
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, budget_bytes=6 * MiB)
     model, x = mlp(depth=6), batch()
     with e:
@@ -136,7 +136,7 @@ def test_write_failure_drops_what_the_step_kept_too(tmp_path: Path, monkeypatch:
     def full(fd: int, data: memoryview, off: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", full)
+    monkeypatch.setattr(writer, "pwrite_all", full)
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, budget_bytes=4 * MiB)
     model, x = mlp(depth=8), batch()
     with pytest.raises(DiskOffloadError) as info:
@@ -154,7 +154,7 @@ def test_write_failure_drops_what_the_step_kept_too(tmp_path: Path, monkeypatch:
 
 def test_without_a_budget_everything_is_written_and_writes_in_flight_are_bounded(tmp_path: Path) -> None:
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path)
-    assert e._engine.max_in_flight == 32 * MiB  # the default: see docs/offload.md
+    assert e._engine.spill.max_in_flight == 32 * MiB  # the default: see docs/offload.md
     with e:
         loss = mlp(depth=6)(batch()).sum()
     e.flush()
@@ -175,7 +175,7 @@ def test_bad_budget_is_refused_at_construction(tmp_path: Path, value: object) ->
 
 def test_warns_before_enospc_at_setup_and_after_the_first_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     free = {"bytes": 1 << 40}
-    monkeypatch.setattr(_offload_engine, "_free_bytes", lambda fd: free["bytes"])
+    monkeypatch.setattr(segments, "free_bytes", lambda fd: free["bytes"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # plenty of room: no warning
         e = save_on_disk(threshold_bytes=MiB, directory=tmp_path)
@@ -254,7 +254,7 @@ step(again); again.close()
 seen["glibc"] = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
 seen["clamp"] = []
 for asked in (64 << 20, 1):
-    _memory._fix_mmap_threshold(asked)
+    _memory.fix_mmap_threshold(asked)
     seen["clamp"].append(_memory._mmap_threshold)
 print(json.dumps(seen))
 """

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_gradhooks.offload import _engine as _offload_engine  # its I/O calls are patched below
+from lightning_gradhooks.offload import gate as offload_gate
+from lightning_gradhooks.offload import reader, segments, writer  # their I/O calls are patched below
 from lightning_gradhooks.offload import DiskOffloadError, save_on_disk
 
 from test_offload import batch, files, mlp, train_step
@@ -69,7 +70,7 @@ def before(tmp_path: Path) -> set[tuple[str, str]]:
 
 def assert_left_nothing(e: save_on_disk, before: set[tuple[str, str]], folder: Path) -> None:
     """``e`` (closed here if it is not yet) left no thread, descriptor or file behind."""
-    threads = e._engine._threads
+    threads = e._engine.gate.threads
     within(10, e.close)
     for t in threads:
         t.join(10)
@@ -107,7 +108,7 @@ def test_read_ahead_failure_is_raised_at_the_unpack_that_needs_it(tmp_path: Path
     with e:
         loss = model(x).sum()
     e.flush()
-    real_read, real_buffer = _offload_engine._pread_all, _offload_engine._host_buffer
+    real_read, real_buffer = reader.pread_all, reader.host_buffer
     calls: list[set[str]] = []
 
     def buffer(nbytes: int, *a: Any) -> Any:  # each read starts here; the first one (on demand) works
@@ -123,8 +124,8 @@ def test_read_ahead_failure_is_raised_at_the_unpack_that_needs_it(tmp_path: Path
             os.ftruncate(fd, offset + len(data) // 2)  # the file lost its tail: half of the record is there
         real_read(fd, data, offset)
 
-    monkeypatch.setattr(_offload_engine, "_pread_all", read)
-    monkeypatch.setattr(_offload_engine, "_host_buffer", buffer)
+    monkeypatch.setattr(reader, "pread_all", read)
+    monkeypatch.setattr(reader, "host_buffer", buffer)
     with pytest.raises(DiskOffloadError) as info:
         within(10, loss.backward)
     err = info.value
@@ -154,7 +155,7 @@ def test_write_failure_is_raised_in_the_forward_or_at_the_unpack(tmp_path: Path,
     e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path)
     model, x = mlp(), batch()
     gate = threading.Event()
-    real_open = _offload_engine._open_unnamed
+    real_open = segments.open_unnamed
 
     def write(*a: Any) -> None:
         if fault == "late":
@@ -166,8 +167,8 @@ def test_write_failure_is_raised_in_the_forward_or_at_the_unpack(tmp_path: Path,
             raise MemoryError("no memory for a file")
         return real_open(*a)
 
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", write)
-    monkeypatch.setattr(_offload_engine, "_open_unnamed", open_unnamed)
+    monkeypatch.setattr(writer, "pwrite_all", write)
+    monkeypatch.setattr(segments, "open_unnamed", open_unnamed)
 
     def step() -> None:
         with e:
@@ -208,9 +209,9 @@ def check_closed_by_its_thread(e: save_on_disk, err: BaseException, thread: str,
     message = str(err)
     assert f"the {thread} thread failed" in message and str(folder) in message and "closed itself" in message
     assert_caused_by(err, kind)
-    for t in e._engine._threads:
+    for t in e._engine.gate.threads:
         t.join(10)
-    assert not [t for t in threading.enumerate() if t in e._engine._threads]
+    assert not [t for t in threading.enumerate() if t in e._engine.gate.threads]
     assert open_fds() - before == set() and os.listdir(folder) == []
     assert e.closed
     with pytest.raises(DiskOffloadError, match=f"the {thread} thread failed"):
@@ -234,7 +235,7 @@ def test_reader_thread_failing_while_reading_ahead_fails_the_next_unpack(tmp_pat
     def broken() -> bool:
         raise ValueError("read-ahead bookkeeping broke")
 
-    monkeypatch.setattr(e._engine, "_prefetch_one", broken)
+    monkeypatch.setattr(e._engine.reader, "_prefetch_one", broken)
     with pytest.raises(DiskOffloadError) as info:
         within(10, loss.backward)  # the first unpack is served; the next one needs the reader
     err = info.value
@@ -247,14 +248,15 @@ def test_reader_thread_failing_to_close_a_file_fails_the_next_step(tmp_path: Pat
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     e = save_on_disk(threshold_bytes=64 << 10, directory=tmp_path)
     model, x = mlp(), batch()
-    real_close = _offload_engine._close_all
+    real_close = reader.close_all
 
     def close_all(fds: list[int]) -> None:  # as NFS can: the descriptor is closed, close() says EIO
         real_close(fds)
         if any(fd >= 0 for fd in fds):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(_offload_engine, "_close_all", close_all)
+    monkeypatch.setattr(reader, "close_all", close_all)
+    monkeypatch.setattr(writer, "close_all", close_all)
     with e:
         loss = model(x).sum()
     within(10, loss.backward)  # every tensor came back; the reader closes the freed file after
@@ -280,7 +282,7 @@ def test_writer_thread_failing_fails_the_forward(tmp_path: Path, before: set, mo
     def broken(rec: Any) -> None:
         raise RuntimeError("writer bookkeeping broke")
 
-    monkeypatch.setattr(e._engine, "_write", broken)
+    monkeypatch.setattr(e._engine.writer, "_write", broken)
 
     def step() -> None:
         with e:
@@ -299,10 +301,10 @@ def test_writer_thread_failing_fails_the_forward(tmp_path: Path, before: set, mo
 
 def test_a_disk_slower_than_the_waits_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     before: set) -> None:
-    monkeypatch.setattr(_offload_engine, "_WAIT_S", 0.02)  # how often a wait checks on the threads
-    real_write, real_read = _offload_engine._pwrite_all, _offload_engine._pread_all
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", lambda *a: threading.Event().wait(0.1) or real_write(*a))
-    monkeypatch.setattr(_offload_engine, "_pread_all", lambda *a: threading.Event().wait(0.1) or real_read(*a))
+    monkeypatch.setattr(offload_gate, "_WAIT_S", 0.02)  # how often a wait checks on the threads
+    real_write, real_read = writer.pwrite_all, reader.pread_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda *a: threading.Event().wait(0.1) or real_write(*a))
+    monkeypatch.setattr(reader, "pread_all", lambda *a: threading.Event().wait(0.1) or real_read(*a))
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, max_bytes_in_flight=MiB, prefetch_bytes=0)
     model, x = mlp(depth=2), batch()
     ref = train_step(model, x, None)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_gradhooks import GradHooks
-from lightning_gradhooks.offload import _engine as _offload_engine  # its I/O calls are patched below
+from lightning_gradhooks.offload import writer  # their I/O calls are patched below
 from lightning_gradhooks.offload import save_on_disk
 
 from conftest import ManualGAN, loader, make_trainer
@@ -72,8 +72,8 @@ def test_the_issue_example_raises_like_autograd(engine: save_on_disk) -> None:
 
 def test_modified_before_its_write_always_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = _offload_engine._pwrite_all
-    monkeypatch.setattr(_offload_engine, "_pwrite_all", lambda *a: gate.wait(10) and real(*a))  # a stalled disk
+    real = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda *a: gate.wait(10) and real(*a))  # a stalled disk
     e = save_on_disk(threshold_bytes=WRITTEN, directory=tmp_path)
     x = torch.randn(256, 256, requires_grad=True)
     with e:
