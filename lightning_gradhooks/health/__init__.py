@@ -78,8 +78,7 @@ and one line in :data:`~lightning_gradhooks.health.judge.CHECKS`:
 - **How it saves state.** State lives in the check's own attributes; ``state_dict()`` returns it
   as plain Python values and ``load_state_dict(state)`` takes it back, under the check's
   ``name`` in the judge's state. A check absent from a checkpoint (added in a later release)
-  starts fresh; a change of a state's shape is one more step in
-  :mod:`~lightning_gradhooks.health.migrate`, never handled in the check.
+  starts fresh.
 - **How it is rendered.** Rows are grouped from the tracker's flags by
   :mod:`~lightning_gradhooks.health.rows` and rendered by
   :mod:`~lightning_gradhooks.health.report`; a new flag name goes in

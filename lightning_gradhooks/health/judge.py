@@ -25,7 +25,6 @@ from lightning_gradhooks.health.exploding_at_nonfinite import ExplodingAtNonfini
 from lightning_gradhooks.health.exploding_updates import ExplodingUpdates
 from lightning_gradhooks.health.flags import Flag, Row, Subject
 from lightning_gradhooks.health.lr_cut import LrCut
-from lightning_gradhooks.health.migrate import VERSION, upgrade
 from lightning_gradhooks.health.no_gradient import NoGradient
 from lightning_gradhooks.health.nonfinite import NonFinite
 from lightning_gradhooks.health.round_off import RoundOff
@@ -61,6 +60,10 @@ CHECKS: tuple[type[Check], ...] = (
 _SUBJECTS_MAX = 1 << 16
 #: The most layouts (sets of keys) a judge keeps: a model has one or a few.
 _LAYOUTS_MAX = 64
+
+
+#: The version of the state a judge writes and reads.
+VERSION = 3
 
 
 class Judge:
@@ -188,13 +191,15 @@ class Judge:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (the thresholds stay this judge's own); a state of an
-        earlier release is read too (:mod:`~lightning_gradhooks.health.migrate`).
+        """Continue from :meth:`state_dict` (the thresholds stay this judge's own).
 
         Raises:
-            ValueError: ``state`` is not a state of a version this judge reads.
+            ValueError: ``state`` is not a judge's state of :data:`VERSION`.
         """
-        state = upgrade(state, type(self).__name__)
+        version = state.get("version") if isinstance(state, Mapping) else None
+        if version != VERSION:
+            got = version if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"{type(self).__name__}.load_state_dict expected a state of version {VERSION}, got {got!r}")
         self._seen = [int(s) for s in state["seen"]]
         self._pending = {int(step): [Packed.of({Key(Kind(k), n, o): dict(s) for k, n, o, s in stats})]
                          for step, stats in state["pending"]}
