@@ -65,14 +65,31 @@ def test_bytes_written_are_bytes_saved_minus_the_budget(tmp_path: Path, budget_m
 @pytest.mark.parametrize("prefetch_mib", [0, 4, 32])
 def test_never_holds_more_than_the_budget_plus_one_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           budget_mib: int, prefetch_mib: int) -> None:
-    real = writer.pwrite_all
-    monkeypatch.setattr(writer, "pwrite_all", lambda *a: time.sleep(0.005) or real(*a))  # a slow disk
+    # A slow disk. Its first write waits until the forward has seen bytes held: under a 1 MiB budget
+    # those are only writes in flight, which a 5 ms delay alone lets end before the layer's hook once
+    # the op between them (the save comes before the op) takes longer on a loaded machine. A hook that
+    # never sees any lets the writes go after 10 s, and the test fails below.
+    real, looked = writer.pwrite_all, threading.Event()
+
+    def slow_disk(*args: object) -> None:
+        if not looked.wait(timeout=10):
+            looked.set()
+        time.sleep(0.005)
+        real(*args)
+
+    monkeypatch.setattr(writer, "pwrite_all", slow_disk)
     budget = budget_mib * MiB
     e = save_on_disk(threshold_bytes=MiB, directory=tmp_path, budget_bytes=budget, prefetch_bytes=prefetch_mib * MiB)
     model, x = mlp(depth=8), batch()
     seen: list[int] = []
-    for layer in model:  # what the engine holds as the forward goes
-        layer.register_forward_hook(lambda m, i, o: seen.append(e.stats().bytes_in_memory))
+
+    def look(m: torch.nn.Module, i: object, o: object) -> None:  # what the engine holds as the forward goes
+        seen.append(e.stats().bytes_in_memory)
+        if seen[-1] > 0:
+            looked.set()
+
+    for layer in model:
+        layer.register_forward_hook(look)
     for _ in range(2):
         with e:
             loss = model(x).sum()
