@@ -1,291 +1,527 @@
-"""The cost of a logged step (every statistic reduced, written to TensorBoard) and of disk offload,
-on the CPU or a GPU.
+"""What a logged step costs: a plain loop, a Lightning fit, per watched module, beside another checkout.
 
-    python benchmarks/logged_step.py [--device cpu|cuda] [--models resnet18,mlp500,encoder]
-        [--variants "bare,logged,logged_tb"] [--rounds 5] [--steps 5] [--ref DIR] [--offload]
-    python benchmarks/logged_step.py --models resnet18 --variants bare,armed,armed_eager --threads 1 --clock cpu \
-        [--ref DIR --ref-variant armed]    # the statistics compiled, eager, and another checkout's
+    python benchmarks/logged_step.py [--models resnet18,mlp500,encoder] [--variants bare,logged,logged_tb]
+        [--rounds 5] [--steps 5] [--threads 1 --clock cpu] [--device cuda] [--one-process] [--ref DIR]
+    python benchmarks/logged_step.py --per-module [--floor] [--rounds 40 --steps 1]     # host µs per module
+    python benchmarks/logged_step.py --lightning [--models encoder] [--steps 20] [--rounds 3]
+    python benchmarks/logged_step.py --write-only [--models mlp500] [--steps 10]      # the event's writing alone
+    python benchmarks/logged_step.py --kernels [--models encoder] [--threads 1 --clock cpu]
+    python benchmarks/logged_step.py --count-ops
 
-Models: ``resnet18``, ``mlp500`` and ``encoder`` of many_modules.py; ``resnet50`` and ``gpt2``
-(GPT-2 small, 12 x 768, built by transformers from its config: no download). A plain loop, SGD,
-the same batch every step. Variants, each window in a fresh process, interleaved round by round:
+A plain loop over a model of ``_common.make_case`` (the same batch every step): forward, backward,
+SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the order rotated:
 
-- ``bare``: forward, backward, optimizer step;
-- ``logged``: the same with every step logged: ``GradientMonitor.arm``, ``collect`` and
-  ``GradientLog.write`` into a ``SummaryWriter`` (the steps go to our own event file,
-  checksummed in C);
-- a suffix of ``-no<part>`` (one or more) leaves a part of the monitor's defaults out of an
-  ``armed`` or ``logged`` variant: ``-nohist`` (``histograms=False``), ``-nonoise``
-  (``noise_scale=False``), ``-nooutputs`` (``activations=False``: no output statistics) and
-  ``-nologits`` (``attention_logits=False``); e.g. the split of a logged step, part by part:
-  ``--variants bare,armed-nohist-nonoise-nooutputs-nologits,armed-nonoise-nooutputs-nologits,``
-  ``armed-nonoise-nologits,armed-nonoise,armed,logged``;
-- ``armed``, ``armed_eager``: ``GradientMonitor.arm`` and ``collect`` with nothing written, the
-  statistics compiled (``compile_statistics=True``, the default) or not (``False``: the eager
-  sequence that runs where no compiler is);
-- ``logged_tb``: the same, each step's event written through the SummaryWriter's own
-  file writer instead (TensorBoard's pure-Python CRC-32C, in its writer thread): the cost of
-  leaving the writing to TensorBoard;
-- ``logged@ref`` (with ``--ref DIR``): ``logged`` (or ``--ref-variant``) with the library of the
-  checkout in DIR;
-- with ``--offload``: ``offload``, the bare step under ``save_on_disk(threshold_bytes=1 MiB)``.
+- ``bare``: the loop alone;
+- ``armed``: ``with monitor.arm():`` around forward, backward and ``collect()`` (nothing written);
+  ``armed_eager``: the same with ``compile_statistics=False`` (where no compiler is);
+- ``logged``: ``armed``, and ``GradientLog.write`` into a ``SummaryWriter`` (our own event file,
+  checksummed in C), timed up to ``writer.flush()``; ``logged_tb``: each step's event written
+  through the SummaryWriter's own file writer instead (TensorBoard's pure-Python CRC-32C);
+- a suffix ``-no<part>`` (one or more) leaves a default of the monitor out: ``-nohist``
+  (``histograms=False``), ``-nonoise`` (``noise_scale=False``), ``-nooutputs``
+  (``activations=False``), ``-nologits`` (``attention_logits=False``);
+- ``offload``: the bare step under ``save_on_disk(threshold_bytes=1 MiB)``; ``sentinel``: the bare
+  step and the NaN sentinel's check before the optimizer step (``catch_nonfinite=True``);
+  ``wandb``: ``wandb.watch(model, log="all", log_freq=1)``, offline, and ``run.log({})`` each step;
+- ``<variant>@ref`` (with ``--ref DIR``): the variant with the library of the checkout in DIR.
 
-A window is 2 untimed steps, then ``--steps`` steps timed together up to ``writer.flush()``
-(which waits for the writer thread's checksums and writes) and, on a GPU,
-``torch.cuda.synchronize()``. Reported: the median over rounds of the window's mean step, its
-ratio to ``bare`` (median of per-round ratios), for logged variants what a logged step adds per
-watched module in µs (median of per-round figures), the event-file bytes per step (all files), and
-on a GPU the peak ``torch.cuda.max_memory_allocated`` of the window. ``--clock cpu`` times the
-process's CPU time instead of wall time (with ``--threads 1``, the work itself, steadier on a
-shared machine). Each window's time is printed
-as it comes, so a run stopped by a time limit still shows what it measured.
+By default each window (2 untimed steps, then ``--steps`` timed together) runs in a fresh process
+(the other checkout's with ``PYTHONPATH``); reported per variant: the median window's mean step,
+its median per-round ratio to ``bare``, what a step adds per watched module in µs, the event
+bytes per step and on a GPU the peak ``max_memory_allocated``. ``--one-process``: every variant in
+this process (the other checkout imported beside this one), a window of 1 untimed step and
+``--steps`` timed; steadier, and the first deciles of the windows are printed too.
+``--clock cpu`` times the process's CPU time (with ``--threads 1``, the work itself).
 
-``--write-only``: the time of writing one logged step's event alone (the same scalars,
-histograms and compact summary, written ``--steps`` times up to ``writer.flush()``), where a
-loaded machine's noise on the step would hide it; ``bare`` then times nothing.
+``--per-module``: host time per watched module on ``mlp500`` (a step bound by the host), in one
+process, 1 thread, CPU time, no optimizer: ``grads`` (``armed-nohist-nonoise-nooutputs``),
+``outputs`` (``armed-nohist-nonoise``), ``outputs+noise`` (``armed-nohist``), ``outputs+histograms``
+(``armed-nonoise``). ``--floor`` adds the floor of the design, in the monitor's interface: per
+Linear a forward hook putting one post-hook on the output's autograd node (``Read.EDGE``) that
+does nothing (``floor_hooks``); that keeps ``grad_output`` and ``grad_input``, read at collect with
+the parameters' gradients by one copy into one buffer and one sum (``floor_read``); and each
+output kept and read with them (``floor_outputs``).
+
+``--lightning``: a Lightning fit with a TensorBoardLogger, ``--steps`` steps (the first 2 left
+out): ``plain``, ``GradHooks every step``, ``GradHooks every 50 steps``; mean and median step.
+``--write-only``: one logged step's event (scalars, histograms, summary) written ``--steps`` times
+up to ``writer.flush()``, ``logged`` and ``logged_tb`` and ``@ref``, in fresh processes.
+``--kernels``: the time a logged step with the defaults spends in the compiled statistics (by
+row function) and the attention logits' ``q·kᵀ``, beside a bare step: what no saving on the host
+can remove. ``--count-ops``: the aten ops an armed step dispatches on 20 ``Linear(64, 64)`` with
+eager statistics, with the gradients alone and with the outputs too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# A worker of ``--ref DIR`` imports the library from DIR.
-sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(HERE.parent))
-sys.path.insert(1, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
-MiB = 1 << 20
+C.use_repo()
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-
-def make_case(name: str, device: str):  # noqa: ANN201
-    """(model, batch, loss function) on ``device``."""
-    import torch
-    from torch.nn import functional as F
-
-    if name in ("resnet18", "mlp500", "encoder"):
-        from many_modules import cases
-
-        case = cases(device)[name]
-        torch.manual_seed(0)
-        return case.make(), case.batch, case.loss
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    if name == "resnet50":
-        from transformers import ResNetConfig, ResNetForImageClassification  # ResNetConfig() is ResNet-50
-
-        batch = (torch.randn(16, 3, 224, 224, generator=g), torch.randint(0, 1000, (16,), generator=g))
-        if device == "cpu":
-            batch = (torch.randn(2, 3, 128, 128, generator=g), batch[1][:2])
-        model = ResNetForImageClassification(ResNetConfig(num_labels=1000))
-        loss = lambda m, b: F.cross_entropy(m(pixel_values=b[0]).logits, b[1])  # noqa: E731
-    elif name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel  # GPT2Config() is GPT-2 small
-
-        shape = (4, 512) if device == "cuda" else (2, 128)
-        batch = (torch.randint(0, 50257, shape, generator=g),)
-        model = GPT2LMHeadModel(GPT2Config())
-        loss = lambda m, b: m(input_ids=b[0], labels=b[0]).loss  # noqa: E731
-    else:
-        raise SystemExit(f"unknown model {name!r}")
-    return model.to(device), tuple(t.to(device) for t in batch), loss
-
-
-#: What a variant's ``-no<part>`` suffix turns off of the monitor's defaults.
 PARTS = {"hist": "histograms", "noise": "noise_scale", "outputs": "activations", "logits": "attention_logits"}
-BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload")
+BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload", "sentinel", "wandb",
+         "floor_hooks", "floor_read", "floor_outputs")
+PER_MODULE = {"grads": "armed-nohist-nonoise-nooutputs", "outputs": "armed-nohist-nonoise",
+              "outputs+noise": "armed-nohist", "outputs+histograms": "armed-nonoise"}
 
 
-def variant_options(variant: str) -> tuple[str, dict[str, bool]]:
-    """A variant's base and the monitor's options it turns off: ``armed-nohist-nologits`` is
-    ``("armed", {"histograms": False, "attention_logits": False})``."""
-    base, *parts = variant.split("-no")
-    unknown = [p for p in parts if p not in PARTS]
-    if base not in BASES or unknown or (parts and not base.startswith(("armed", "logged"))):
-        raise SystemExit(f"variant expected one of {', '.join(BASES)}, armed and logged variants followed by "
-                         f"-no<part> with part in {', '.join(PARTS)}; got {variant!r}")
-    return base, {PARTS[p]: False for p in parts}
+def parse(variant: str) -> tuple[str, dict[str, bool], bool]:
+    """``armed-nohist@ref`` is ``("armed", {"histograms": False}, True)``."""
+    name, ref = variant.removesuffix("@ref"), variant.endswith("@ref")
+    base, *parts = PER_MODULE.get(name, name).split("-no")
+    if base not in BASES or any(p not in PARTS for p in parts) or (parts and not base.startswith(("armed", "logged"))):
+        raise SystemExit(f"variant expected one of {', '.join(BASES + tuple(PER_MODULE))}, armed and logged ones "
+                         f"followed by -no<part> (part in {', '.join(PARTS)}), optionally @ref; got {variant!r}")
+    return base, {PARTS[p]: False for p in parts}, ref
+
+
+class Floor:
+    """The floor of the monitor's design on Linear layers, in its interface (see ``--floor``)."""
+
+    def __init__(self, model: nn.Module, read: bool, outputs: bool) -> None:
+        self.modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        self.parameters = [p for m in self.modules for p in m.parameters()]
+        self.read, self.outputs, self.held = read, outputs, []
+
+    @contextlib.contextmanager
+    def arm(self):  # noqa: ANN201
+        handles = [m.register_forward_hook(self._forward) for m in self.modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _forward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.grad_fn.register_hook(self._keep if self.read else lambda grad_inputs, grad_outputs: None)
+        if self.outputs:
+            self.held.append(output.detach())
+
+    def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self.held += (grad_outputs[0], grad_inputs[1])  # Linear's AddmmBackward0: bias, input, weight
+
+    def collect(self) -> None:
+        held, self.held = self.held, []
+        if self.read:
+            grads = [g for g in held if g is not None] + [p.grad for p in self.parameters]
+            torch.cat([g.reshape(-1) for g in grads]).sum().item()
+
+
+class Loop:
+    """One model, its optimizer and batch; :meth:`window` times a variant from the initial weights."""
+
+    def __init__(self, name: str, device: str, optimizer: bool = True, ref: str | None = None) -> None:
+        import lightning_gradhooks
+
+        self.model, self.batch, self.loss = C.make_case(name, device)
+        self.device, self.state = device, {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4) if optimizer else None
+        self.folder = tempfile.mkdtemp()
+        self.packages = {False: lightning_gradhooks, True: C.import_checkout(ref, self.folder) if ref else None}
+        self.monitors: dict[str, object] = {}
+        self.modules = len(lightning_gradhooks.GradientMonitor(self.model).modules)
+        self.wandb = None
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def setup(self, variant: str):  # noqa: ANN201, C901
+        """A step function of ``variant``, with what it needs attached until the block ends."""
+        base, options, ref = parse(variant)
+        package, model = self.packages[ref], self.model
+        folder = tempfile.mkdtemp(dir=self.folder)
+        monitor = log = writer = engine = sentinel = None
+        with contextlib.ExitStack() as stack:
+            if base.startswith(("armed", "logged")):
+                key = f"{variant}/{base == 'armed_eager'}"
+                if key not in self.monitors:  # one monitor per variant: compiled once
+                    self.monitors[key] = package.GradientMonitor(model, **options, compile_statistics=base != "armed_eager")
+                monitor = self.monitors[key]
+                stack.enter_context(monitor.attach())
+            if base.startswith("floor"):
+                monitor = Floor(model, base != "floor_hooks", base == "floor_outputs")
+            if base.startswith("logged"):
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(folder)
+                stack.callback(writer.close)
+                log = package.GradientLog(writer, optimizers=[self.optimizer] if self.optimizer else [], echo=None)
+                stack.callback(log.close)
+                if base == "logged_tb":
+                    stack.enter_context(through_tensorboard(package))
+            if base == "offload":
+                engine = package.save_on_disk(C.MiB, folder)
+                engine.keep_in_memory(model)
+                stack.callback(engine.close)
+            if base == "sentinel":
+                from importlib import import_module
+
+                sentinel = import_module(package.__name__ + ".core.sentinel").NonfiniteSentinel(model.named_parameters())
+            if base == "wandb":
+                self.wandb = self.wandb or start_wandb(self.folder)
+                self.wandb.watch(model, log="all", log_freq=1, idx=0)
+                stack.callback(self.wandb.unwatch, model)
+
+            def step(i: int) -> None:
+                with monitor.arm() if monitor is not None else contextlib.nullcontext():
+                    with engine if engine is not None else contextlib.nullcontext():
+                        loss = self.loss(model, self.batch)
+                    loss.backward()
+                    if log is not None:
+                        log.write(monitor.collect(), i)
+                    elif monitor is not None:
+                        monitor.collect()
+                if sentinel is not None:
+                    sentinel.check()
+                if self.wandb is not None and base == "wandb":
+                    self.wandb.log({})
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                model.zero_grad(set_to_none=True)
+
+            def sync() -> None:
+                if writer is not None:
+                    writer.flush()  # waits for the checksums and writes
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+
+            step.sync, step.folder = sync, folder
+            yield step
+
+    def window(self, variant: str, steps: int, untimed: int, clock) -> float:  # noqa: ANN001
+        self.model.load_state_dict(self.state)
+        with self.setup(variant) as step:
+            for i in range(untimed):
+                step(i)
+            step.sync()
+            start = clock()
+            for i in range(untimed, untimed + steps):
+                step(i)
+            step.sync()
+            return (clock() - start) / steps
+
+
+@contextlib.contextmanager
+def through_tensorboard(package):  # noqa: ANN001, ANN201
+    """While active, the log writes each step's event through the SummaryWriter's own file writer."""
+    from importlib import import_module
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    log_module, tb = writes(package), import_module(package.__name__ + ".log._tensorboard")
+
+    def write_step(writer, metrics, record, step, stats=None):  # noqa: ANN001, ANN202
+        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
+        values += tb.histogram_values(record) if record is not None else []
+        values += [tb.stats_value(stats)] if stats else []
+        writer._get_file_writer().add_summary(Summary(value=values), step)
+
+    kept, log_module.write_step = log_module.write_step, write_step
+    try:
+        yield
+    finally:
+        log_module.write_step = kept
+
+
+def writes(package):  # noqa: ANN001, ANN201
+    """The module whose ``write_step`` the log calls."""
+    from importlib import import_module
+
+    try:
+        return import_module(package.__name__ + ".log.writers")
+    except ImportError:  # an older checkout
+        return import_module(package.__name__ + ".log")
+
+
+def start_wandb(folder: str):  # noqa: ANN201
+    import wandb
+
+    os.environ["WANDB_SILENT"] = "true"
+    return wandb.init(mode="offline", dir=folder, project="gradhooks-bench")
+
+
+def write_only(loop: Loop, variant: str, steps: int, clock) -> float:  # noqa: ANN001
+    """The time of writing one logged step's event, ``steps`` times, up to ``writer.flush()``."""
+    from importlib import import_module
+
+    if parse(variant)[0] == "bare":
+        return 0.0
+    with loop.setup(variant) as step:
+        step(0)
+        step(1)
+        package = loop.packages[parse(variant)[2]]
+        log_module = writes(package)
+        tb = import_module(package.__name__ + ".log._tensorboard")
+        records = import_module(package.__name__ + ".core.records")
+        monitor = next(m for k, m in loop.monitors.items() if k.startswith(variant + "/"))
+        with monitor.arm():
+            loop.loss(loop.model, loop.batch).backward()
+            record = monitor.collect()
+        loop.model.zero_grad(set_to_none=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(step.folder)
+        metrics, stats = tb.scalar_metrics(record, ("norm", "update_ratio"), set()), records.step_summary(record)
+        start = clock()
+        for i in range(2, 2 + steps):
+            log_module.write_step(writer, metrics, record, i, stats)
+        writer.flush()
+        seconds = (clock() - start) / steps
+        writer.close()
+        return seconds
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from torch.utils.tensorboard import SummaryWriter
-
-    from lightning_gradhooks import GradientLog, GradientMonitor, log as log_module
-    from lightning_gradhooks.offload import save_on_disk
-
-    (variant, options), device = variant_options(args.worker), args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    model, batch, loss_fn = make_case(args.model, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    folder = tempfile.mkdtemp()
-    writer = SummaryWriter(folder)
-    logged = variant.startswith("logged")
-    monitor = GradientMonitor(model, **options, compile_statistics=variant != "armed_eager") \
-        if logged or variant.startswith("armed") else None
-    if variant == "logged_tb":
-        from lightning_gradhooks.log import _tensorboard
-
-        def through_summary_writer(writer, metrics, record, step, stats=None):  # noqa: ANN001, ANN202
-            values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
-            values += _tensorboard.histogram_values(record) if record is not None else []
-            values += [_tensorboard.stats_value(stats)] if stats else []
-            writer._get_file_writer().add_summary(Summary(value=values), step)  # TensorBoard's pure-Python checksum
-
-        log_module.write_step = through_summary_writer  # this benchmark process only
-    log = GradientLog(writer, optimizers=[optimizer], echo=None) if logged else None
-    offload = save_on_disk(MiB, folder) if variant == "offload" else None
-    if offload is not None:
-        offload.keep_in_memory(model)
-    attach = monitor.attach() if monitor is not None else None
-    if attach is not None:
-        attach.__enter__()
-
-    def step(i: int) -> None:
-        if monitor is not None:
-            monitor.arm()
-        if offload is not None:
-            with offload:
-                loss = loss_fn(model, batch)
-        else:
-            loss = loss_fn(model, batch)
-        loss.backward()
-        if log is not None:
-            log.write(monitor.collect(), i)
-        elif monitor is not None:
-            monitor.collect()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def sync() -> None:
-        writer.flush()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    for i in range(2):
-        step(i)
-    sync()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = clock()
-    if args.write_only and log is None:
-        pass  # bare: nothing to write
-    elif args.write_only:  # one step's event, written again and again
-        monitor.arm()
-        loss_fn(model, batch).backward()
-        record = monitor.collect()
-        from lightning_gradhooks.log._tensorboard import scalar_metrics
-        from lightning_gradhooks.summary.records import step_summary
-
-        metrics = scalar_metrics(record, log.statistics, set())
-        stats = step_summary(record)
-        sync()
-        t0 = clock()
-        for i in range(2, 2 + args.steps):
-            log_module.write_step(writer, metrics, record, i, stats)
+    """One window of one variant in this process (see :func:`processes`)."""
+    loop = Loop(args.model, args.device)
+    clock = C.clock(args.clock)
+    if args.write_only:
+        mean = write_only(loop, args.worker.removesuffix("@ref"), args.steps, clock)
     else:
-        for i in range(2, 2 + args.steps):
-            step(i)
-    sync()
-    mean = (clock() - t0) / args.steps
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    if log is not None:
-        log.close()
-    if attach is not None:
-        attach.__exit__(None, None, None)
-    writer.close()
-    if offload is not None:
-        offload.close()
-    event_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if "tfevents" in f)
-    shutil.rmtree(folder)
-    modules = len(monitor.modules) if monitor is not None else 0
-    print(json.dumps({"mean": mean, "peak": peak, "event_bytes": event_bytes / (2 + args.steps), "modules": modules}))
+        mean = loop.window(args.worker.removesuffix("@ref"), args.steps, 2, clock)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(loop.folder) for f in fs if "tfevents" in f]
+    event_bytes = sum(os.path.getsize(f) for f in files) / (2 + args.steps)
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+    loop.close()
+    C.result({"mean": mean, "peak": peak, "modules": loop.modules, "event_bytes": event_bytes})
+
+
+def processes(args: argparse.Namespace, model: str, variants: list[str]) -> None:
+    """Each window in a fresh process, the variants interleaved round by round."""
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for variant in C.rotated(variants, r):
+            extra = ["--write-only"] * args.write_only
+            results[variant].append(C.run_worker(Path(__file__), [
+                "--worker", variant, "--model", model, "--device", args.device, "--steps", str(args.steps),
+                "--threads", str(args.threads), "--clock", args.clock, *extra], args.ref if variant.endswith("@ref") else None))
+            print(f"  {model} round {r + 1} {variant}: {results[variant][-1]['mean'] * 1e3:.1f} ms", flush=True)
+    bare = results[variants[0]]
+    print(f"\n{model}: {args.rounds} rounds x {args.steps} steps, medians\n| variant | step (ms) | vs bare | "
+          f"µs per module | event bytes per step |" + (" peak memory |" if args.device == "cuda" else "")
+          + "\n|---|---|---|---|---|" + "---|" * (args.device == "cuda"))
+    for variant, res in results.items():
+        modules = res[0]["modules"]
+        cells = [variant, f"{statistics.median(r['mean'] for r in res) * 1e3:.1f}",
+                 f"{statistics.median(r['mean'] / max(b['mean'], 1e-12) for r, b in zip(res, bare)):.3f}x",
+                 f"{statistics.median((r['mean'] - b['mean']) / modules * 1e6 for r, b in zip(res, bare)):.0f}",
+                 f"{statistics.median(r['event_bytes'] for r in res) / 1024:.0f} KiB"]
+        if args.device == "cuda":
+            cells.append(f"{statistics.median(r['peak'] for r in res) / C.MiB:.0f} MiB")
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def one_process(args: argparse.Namespace, model: str, variants: list[str]) -> None:
+    """Every variant in this process, interleaved; a window is 1 untimed step and ``--steps`` timed."""
+    loop = Loop(model, args.device, optimizer=not args.per_module, ref=args.ref)
+    clock = C.clock(args.clock)
+    try:
+        for variant in variants:  # compile, plan the reads
+            loop.window(variant, 1, 1, clock)
+        windows = {v: (lambda v=v: loop.window(v, args.steps, 1, clock)) for v in variants}
+        times = C.interleave(windows, args.rounds, f"{model} ")
+    finally:
+        loop.close()
+    per = 500 if args.per_module else loop.modules
+    print(f"\n{model}: {args.rounds} rounds x {args.steps} steps in one process; µs per watched module ({per})")
+    C.table(times, variants[0], per=per, deciles=True)
+
+
+def lightning(args: argparse.Namespace, model_name: str) -> None:
+    """Fits with a TensorBoardLogger: plain, GradHooks every step and every 50 steps."""
+    import logging
+    import warnings
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_gradhooks import GradHooks
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    model, batch, loss = C.make_case(model_name, args.device)
+    state, clock = {k: v.clone() for k, v in model.state_dict().items()}, C.clock(args.clock)
+
+    class Fit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, b, i):  # noqa: ANN001, ANN201
+            return loss(self.model, b)
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.times, self.start = [], 0.0
+
+        def on_train_batch_start(self, *a) -> None:  # noqa: ANN002
+            self.start = clock()
+
+        def on_train_batch_end(self, *a) -> None:  # noqa: ANN002
+            self.times.append(clock() - self.start)
+
+    medians: dict[str, list[float]] = {}
+
+    def fit(name: str, callbacks: list, folder: str) -> float:
+        model.load_state_dict(state)
+        timer = Timer()
+        trainer = pl.Trainer(max_steps=args.steps, logger=TensorBoardLogger(folder), callbacks=[*callbacks, timer],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             log_every_n_steps=50, accelerator=args.device)
+        trainer.fit(Fit(), torch.utils.data.DataLoader([batch] * args.steps, batch_size=None))
+        medians.setdefault(name, []).append(statistics.median(timer.times[2:]))
+        return statistics.fmean(timer.times[2:])
+
+    variants = {"plain": lambda: [], "GradHooks every step": lambda: [GradHooks(every_n_steps=1)],
+                "GradHooks every 50 steps": lambda: [GradHooks(every_n_steps=50)]}
+    with tempfile.TemporaryDirectory() as folder:
+        fit("GradHooks every step", variants["GradHooks every step"](), folder)  # compile once
+        medians.clear()
+        times = C.interleave({n: (lambda n=n, m=m: fit(n, m(), folder)) for n, m in variants.items()}, args.rounds,
+                             f"{model_name} ")
+    print(f"\n{model_name}, Lightning: {args.rounds} fits of {args.steps} steps (first 2 left out); the mean step")
+    C.table(times, "plain")
+    print("the median step")
+    C.table(medians, "plain")
+
+
+def kernels(args: argparse.Namespace, model_name: str) -> None:
+    """The time a logged step spends in its compiled statistics and attention logits (see the docstring)."""
+    from lightning_gradhooks import GradientMonitor
+    from lightning_gradhooks.core import _kernels, attention
+
+    clock, spent = C.clock(args.clock), {}
+
+    def timed(function, key):  # noqa: ANN001, ANN202
+        def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            start = clock()
+            try:
+                return function(*a, **k)
+            finally:
+                spent[key(a)] = spent.get(key(a), 0.0) + clock() - start
+        return call
+
+    run, logits = _kernels.run, attention.max_logits
+    _kernels.run, attention.max_logits = timed(run, lambda a: a[0].__name__), timed(logits, lambda a: "max_logits")
+    try:
+        model, batch, loss = C.make_case(model_name, args.device)
+        monitor, bare, armed = GradientMonitor(model), [], []
+        with monitor.attach():
+            for step in range(args.steps + 2):
+                start = clock()
+                loss(model, batch).backward()
+                bare.append(clock() - start)
+                model.zero_grad(set_to_none=True)
+                if step == 2:
+                    spent.clear()  # after the warm-up steps: plans, compiles
+                start = clock()
+                with monitor.arm():
+                    loss(model, batch).backward()
+                    monitor.collect()
+                armed.append(clock() - start)
+                model.zero_grad(set_to_none=True)
+    finally:
+        _kernels.run, attention.max_logits = run, logits
+    b, a = statistics.median(bare[2:]), statistics.median(armed[2:])
+    print(f"{model_name}: bare step {b * 1e3:.1f} ms, logged step {a * 1e3:.1f} ms ({a / b:.3f}x); per logged step:")
+    for key, seconds in sorted(spent.items()):
+        print(f"  {key:<15} {seconds / args.steps * 1e3:8.1f} ms  {seconds / args.steps / b:7.2%} of a bare step")
+
+
+def count_ops() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_gradhooks import GradientMonitor
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model, x, counts = nn.Sequential(*[nn.Linear(64, 64) for _ in range(20)]), torch.randn(32, 64), {}
+    for name, outputs in (("gradients", False), ("gradients and outputs", True)):
+        monitor = GradientMonitor(model, compile_statistics=False, noise_scale=False, activations=outputs)
+        with monitor.attach():
+            for _ in range(2):  # the second step: read plans settled
+                Count.ops = 0
+                with Count(), monitor.arm():
+                    model(x).sum().backward()
+                    monitor.collect()
+        counts[name] = Count.ops
+    print(f"aten ops of an armed step on 20 Linear(64, 64): {counts}; "
+          f"{(counts['gradients and outputs'] - counts['gradients']) / 20:.0f} per output")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--models", default="resnet18,mlp500,encoder")
+    parser.add_argument("--models", default="resnet18,mlp500,encoder", help="of " + ", ".join(C.MODELS))
+    parser.add_argument("--variants", default=None, help="comma-separated, starting with bare (default: "
+                        "bare,logged,logged_tb; --per-module: bare,grads,outputs,outputs+noise,outputs+histograms)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--variants", default="bare,logged,logged_tb",
-                        help="comma-separated, starting with bare (default: %(default)s)")
-    parser.add_argument("--ref", default=None, metavar="DIR", help="also run `logged` with the checkout in DIR")
-    parser.add_argument("--ref-variant", default="logged",
-                        help="what the checkout of --ref runs (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in each window (default: torch's)")
-    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall time, or the process's CPU time")
-    parser.add_argument("--offload", action="store_true", help="also run the bare step under save_on_disk")
-    parser.add_argument("--write-only", action="store_true",
-                        help="time only the writing of one logged step's event (scalars, histograms, summary), "
-                             "up to writer.flush(); bare: 0")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--repo", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per window (--lightning: steps per fit)")
+    parser.add_argument("--ref", default=None, metavar="DIR", help="the checkout that @ref variants run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--one-process", action="store_true", help="every variant in this process")
+    parser.add_argument("--per-module", action="store_true", help="host µs per watched module on mlp500")
+    parser.add_argument("--floor", action="store_true", help="with --per-module: the floors of the design too")
+    parser.add_argument("--lightning", action="store_true", help="Lightning fits instead")
+    parser.add_argument("--write-only", action="store_true", help="the writing of one step's event alone")
+    parser.add_argument("--kernels", action="store_true", help="the time in the compiled statistics and logits")
+    parser.add_argument("--count-ops", action="store_true", help="the aten ops of an armed step")
+    for hidden in ("--worker", "--model", "--repo"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.per_module:
+        args.models, args.one_process, args.threads, args.clock = "mlp500", True, args.threads or 1, "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.worker:
-        worker(args)
-        return
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device here")
-    runs = [(v, None) for v in args.variants.split(",")]
-    for variant, _ in runs:
-        variant_options(variant)  # an unknown variant: said before the first window
-    runs += [(args.ref_variant, args.ref)] if args.ref else []
-    runs += [("offload", None)] if args.offload else []
-    if runs[0] != ("bare", None):
-        raise SystemExit(f"--variants expected to start with bare, got {args.variants!r}")
-    label = lambda variant, repo: f"{variant}@ref" if repo else variant  # noqa: E731
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {args.device}; {os.cpu_count()} logical CPUs; {args.threads or 'default'} torch threads; "
-          f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}" + (f"; ref {args.ref}" if args.ref else ""))
+        return worker(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    C.header(args.device)
+    if args.count_ops:
+        return count_ops()
+    default = "bare,grads,outputs,outputs+noise,outputs+histograms" if args.per_module else "bare,logged,logged_tb"
+    variants = (args.variants or default).split(",") + ["floor_hooks", "floor_read", "floor_outputs"] * args.floor
+    for variant in variants:
+        parse(variant)  # an unknown variant: said before the first window
+    if variants[0] != "bare" or (any(v.endswith("@ref") for v in variants) and not args.ref):
+        raise SystemExit(f"--variants expected to start with bare, and --ref DIR with @ref variants; got {variants}")
+    start = time.perf_counter()
     for model in args.models.split(","):
-        results: dict[str, list[dict]] = {label(v, r): [] for v, r in runs}
-        for _ in range(args.rounds):
-            for variant, repo in runs:
-                cmd = [sys.executable, __file__, "--worker", variant, "--model", model, "--device", args.device,
-                       "--steps", str(args.steps), "--threads", str(args.threads), "--clock", args.clock,
-                       *(["--repo", repo] if repo else []),
-                       *(["--write-only"] if args.write_only else [])]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise SystemExit(f"{model} / {label(variant, repo)} failed:\n{done.stderr[-4000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                results[label(variant, repo)].append(result)
-                print(f"  {model} round {len(results[label(variant, repo)])} {label(variant, repo)}: "
-                      f"{result['mean'] * 1e3:.1f} ms", flush=True)  # a run stopped by a time limit shows this much
-        print(f"\n{model}: {args.rounds} rounds x {args.steps} steps, medians")
-        print(f"  {'variant':<20}{'step':>10}{'vs bare':>9}{'us/module':>11}{'event':>10}"
-              + (f"{'peak mem':>11}" if args.device == "cuda" else ""))
-        for name, res in results.items():
-            step = statistics.median(r["mean"] for r in res)
-            ratio = statistics.median(r["mean"] / max(b["mean"], 1e-9)
-                                      for r, b in zip(res, results["bare"], strict=True))
-            event = statistics.median(r["event_bytes"] for r in res)
-            shown = "-" if args.write_only else f"{ratio:.3f}x"  # nothing to compare with
-            # Host and device time a logged step adds, per watched module (median of per-round figures).
-            modules = res[0]["modules"]  # 0 for bare: no monitor
-            shown_module = "-"
-            if modules and not args.write_only:
-                shown_module = f"{statistics.median((r['mean'] - b['mean']) / modules * 1e6 for r, b in zip(res, results['bare'])):.0f}"
-            line = f"  {name:<20}{step * 1e3:>8.1f}ms{shown:>9}{shown_module:>11}{event / 1024:>7.0f} KiB"
-            if args.device == "cuda":
-                line += f"{statistics.median(r['peak'] for r in res) / MiB:>7.0f} MiB"
-            print(line, flush=True)
+        if args.lightning:
+            lightning(args, model)
+        elif args.kernels:
+            kernels(args, model)
+        elif args.one_process:
+            one_process(args, model, variants)
+        else:
+            processes(args, model, variants)
+    print(f"wall time: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
