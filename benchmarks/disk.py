@@ -1,41 +1,31 @@
 """What a run leaves on disk, what TensorBoard shows of it, and how fast ``python -m lightning_gradhooks report`` reads it.
 
     python benchmarks/disk.py [--ref DIR] [--layers 200] [--steps 40] [--every 50]
-        [--cli-layers 500] [--cli-steps 40] [--rounds 5]
+        [--cli-layers 200] [--cli-steps 200] [--model mlp|encoder] [--rounds 5] [--folder F] [--report-only]
     python benchmarks/disk.py --charts
 
-A plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
+Disk: a plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
 (``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
 ``GradientMonitor(model)`` and ``GradientLog(SummaryWriter(folder), optimizers=[optimizer])``:
-``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default
-``log_every_n_steps``), then ``log.close()`` (``--worker write --model encoder``: a
-``--layers``-layer ``nn.TransformerEncoder`` instead, d 64, 4 heads, feed-forward 128, batch
-8 x 16, AdamW). Each run is written in a fresh process that imports
-the library from this checkout, or from the checkout in ``--ref DIR`` (``git worktree add DIR
-<commit>``): the two side by side.
+``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default),
+then ``log.close()``, written in a fresh process with the library of this checkout, or of the
+checkout in ``--ref DIR`` beside it. Reported per watched module per logged step: the bytes of
+every event file, by part (histograms, the compact summary, scalars, images, the rest); each
+record's bytes, framing included, shared among its values by size.
 
-Reported, per watched module per logged step: the bytes of every event file of the run folder
-(ours and the SummaryWriter's), by part: histograms, the compact summary (``gradhooks/stats``),
-scalars, images (the flow picture) and the rest (the custom-scalars layout, the report's text,
-event and record framing of the other parts). Each record's bytes (framing included) are shared
-among its values in proportion to their sizes.
+The report command: a run written the same way by each checkout (``--cli-layers``,
+``--cli-steps``; ``--model encoder``: an ``nn.TransformerEncoder`` of ``--cli-layers`` layers
+instead, d 64, 4 heads, feed-forward 128, batch 8 x 16, AdamW), kept in ``--folder`` when given
+(written once, then reused), read by that checkout: the whole process ``python -m
+lightning_gradhooks report FOLDER`` (wall time, interpreter start included), and in process,
+the imports done, ``main(["report", folder])`` (CPU and wall time) and its reading of the event
+files alone (``read_folder``); the fastest of ``--repeat`` calls, in ``--rounds`` rounds of fresh
+processes, the order rotated; medians of µs per module per logged step. Each command's output is
+checked against the report the run printed at its end.
 
-Then the report command: a run of the ``--cli-layers`` + 1 module MLP, ``--cli-steps`` logged
-steps, written by each checkout, is read by that checkout's ``main(["report", folder])``
-(in-process, the imports done; stdout discarded), and by this checkout's reading the ``--ref``
-run (old event files). Timed: the whole command, and its reading of the event files alone
-(``read_folder``; the rest is judging the steps and printing the report), the fastest of
-``--repeat`` calls after an untimed one, in process CPU time and in wall time. ``--rounds`` rounds,
-one fresh process per variant and round, the order rotated each round; the median over rounds
-of the time per module per logged step.
-Each command's output is checked against the report the run printed at its end.
-
-``--charts``: how many charts and sections GradHooks gives, with the defaults and with every
-statistic. Counts what TensorBoard would show for two logged steps of a plain loop
-(GradientMonitor and GradientLog into a SummaryWriter, the same log the callback writes) on a
-ResNet-18, a ViT-Tiny and GPT-2 small: scalar tags, histogram tags, images, and the sections of
-ours (tags up to their first ``/`` that start with ``∇``). Counts, not timings: the same on any
-machine.
+``--charts``: how many charts and sections TensorBoard shows for two logged steps of a plain loop
+on a ResNet-18, a ViT-Tiny and GPT-2 (3 layers), with the defaults and with every statistic
+charted: scalar tags, histogram tags and the sections of ours. Counts: the same on any machine.
 """
 
 from __future__ import annotations
@@ -55,9 +45,10 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# A worker imports the library from its --repo.
-sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(HERE.parent))
+sys.path.insert(0, str(HERE))
+import _common as C  # noqa: E402
 
+C.use_repo()  # a worker imports the library from its --repo
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -100,7 +91,7 @@ def time_cli(folder: str, repeat: int) -> dict:
     """The fastest of ``repeat`` calls (after an untimed one): the whole command, and reading the
     event files alone (``read_folder``), in process CPU time (on a shared machine, wall time
     counts the other processes' turns too) and wall time."""
-    from lightning_gradhooks.__main__ import main, read_folder
+    from lightning_gradhooks.__main__ import main, read_folder  # noqa: I001
 
     result: dict = {"out": ""}
     for i in range(repeat + 1):
@@ -117,6 +108,10 @@ def time_cli(folder: str, repeat: int) -> dict:
             for name, value in zip(("command_cpu", "command_wall", "read_cpu", "read_wall"), (*command, *read)):
                 result[name] = min(result.get(name, value), value)
         result["out"] = buffer.getvalue()
+    for _ in range(repeat):  # the whole process, interpreter start included, as a CI guard runs it
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "lightning_gradhooks", "report", folder], capture_output=True, check=True)
+        result["process_wall"] = min(result.get("process_wall", 1e9), time.perf_counter() - start)
     return result
 
 
@@ -125,16 +120,11 @@ def worker(args: argparse.Namespace) -> None:
         result = write_run(args.layers, args.steps, args.every, args.folder, args.model)
     else:
         result = time_cli(args.folder, args.repeat)
-    print("RESULT " + json.dumps(result))
+    C.result(result)
 
 
 def run_worker(repo: Path, *arguments: str) -> dict:
-    command = [sys.executable, __file__, "--repo", str(repo), *arguments]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise SystemExit(f"worker failed: {' '.join(command)}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return C.run_worker(Path(__file__), list(arguments), repo)
 
 
 def bytes_by_part(folder: str) -> dict[str, float]:
@@ -216,15 +206,8 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0, eos_token_id=0))
 
 
-def _resnet18() -> nn.Module:
-    sys.path.insert(0, str(HERE))
-    from many_modules import ResNet18
-
-    return ResNet18()
-
-
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Callable]] = {
-    "ResNet-18": (_resnet18, lambda: torch.randn(2, 3, 64, 64), lambda m, x: m(x).square().mean()),
+    "ResNet-18": (C.ResNet18, lambda: torch.randn(2, 3, 64, 64), lambda m, x: m(x).square().mean()),
     "ViT-Tiny": (VitTiny, lambda: torch.randn(2, 3, 224, 224), lambda m, x: m(x).square().mean()),
     "GPT-2, 3 layers": (gpt2, lambda: torch.randint(0, 1000, (2, 32)), lambda m, x: m(x, labels=x).loss),
 }
@@ -285,68 +268,83 @@ def main() -> None:
     parser.add_argument("--ref", type=Path, help="a checkout to compare with (the 'before')")
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--model", choices=("mlp", "encoder"), default="mlp",
-                        help="--worker write: the MLP, or an encoder of --layers layers (d 64, 4 heads, AdamW)")
+                        help="the report command's run: the MLP, or an encoder of --cli-layers layers (d 64, 4 heads, AdamW)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--cli-layers", type=int, default=500)
-    parser.add_argument("--cli-steps", type=int, default=40)
+    parser.add_argument("--cli-layers", type=int, default=200)
+    parser.add_argument("--cli-steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls of the command per process (the fastest)")
-    parser.add_argument("--worker", choices=("write", "cli"))
-    parser.add_argument("--repo", type=Path)
-    parser.add_argument("--folder")
+    parser.add_argument("--repeat", type=int, default=2, help="timed calls of the command per process (the fastest)")
+    parser.add_argument("--report-only", action="store_true", help="time the report command only")
+    parser.add_argument("--folder", help="where the report command's runs are written (kept; reused when there)")
     parser.add_argument("--charts", action="store_true", help="count the charts and sections TensorBoard shows")
+    parser.add_argument("--worker", choices=("write", "cli"), help=argparse.SUPPRESS)
+    parser.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.charts:
-        return charts()
     if args.worker:
         return worker(args)
-    checkouts = {"after": HERE.parent} | ({"before": args.ref.resolve()} if args.ref else {})
+    C.header()
+    if args.charts:
+        return charts()
+    checkouts = {"after": C.ROOT} | ({"before": args.ref.resolve()} if args.ref else {})
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"# Disk: {args.layers + 1}-module MLP, {args.steps} logged steps every {args.every}, defaults")
-        print("| checkout | total | " + " | ".join(PARTS) + " | (bytes per module per logged step) |")
-        print("| --- | --- | " + " | ".join("---" for _ in PARTS) + " | |")
-        for name, repo in checkouts.items():
-            folder = f"{tmp}/disk-{name}"
-            facts = run_worker(repo, "--worker", "write", "--layers", str(args.layers), "--steps", str(args.steps),
-                               "--every", str(args.every), "--folder", folder)
-            per = facts["modules"] * facts["steps"]
-            parts = bytes_by_part(folder)
-            total = sum(parts.values())
-            shares = " | ".join(f"{parts.get(p, 0) / per:.0f} ({100 * parts.get(p, 0) / total:.0f} %)" for p in PARTS)
-            print(f"| {name} | **{total / per:.0f}** | {shares} | {total / 1e6:.2f} MB in all |")
-        print(f"\n# The report command: {args.cli_layers + 1}-module MLP, {args.cli_steps} logged steps every {args.every}")
-        runs = {}
-        for name, repo in checkouts.items():
-            folder = f"{tmp}/cli-{name}"
+        if not args.report_only:
+            disk_bytes(args, checkouts, tmp)
+        report_command(args, checkouts, args.folder or tmp)
+
+
+def disk_bytes(args: argparse.Namespace, checkouts: dict[str, Path], tmp: str) -> None:
+    print(f"# Disk: {args.layers + 1}-module MLP, {args.steps} logged steps every {args.every}, defaults")
+    print("| checkout | total | " + " | ".join(PARTS) + " | (bytes per module per logged step) |")
+    print("| --- | --- | " + " | ".join("---" for _ in PARTS) + " | |")
+    for name, repo in checkouts.items():
+        folder = f"{tmp}/disk-{name}"
+        facts = run_worker(repo, "--worker", "write", "--layers", str(args.layers), "--steps", str(args.steps),
+                           "--every", str(args.every), "--folder", folder)
+        per = facts["modules"] * facts["steps"]
+        parts = bytes_by_part(folder)
+        total = sum(parts.values())
+        shares = " | ".join(f"{parts.get(p, 0) / per:.0f} ({100 * parts.get(p, 0) / total:.0f} %)" for p in PARTS)
+        print(f"| {name} | **{total / per:.0f}** | {shares} | {total / 1e6:.2f} MB in all |", flush=True)
+
+
+def report_command(args: argparse.Namespace, checkouts: dict[str, Path], tmp: str) -> None:
+    """Each checkout's run read by its own command, rounds of fresh processes, the order rotated."""
+    print(f"\n# The report command: a {args.model} of {args.cli_layers} layers, {args.cli_steps} logged steps "
+          f"every {args.every}")
+    runs = {}
+    for name, repo in checkouts.items():
+        folder = f"{tmp}/cli-{args.model}{args.cli_layers}x{args.cli_steps}-{name}"
+        facts_file = Path(folder) / "facts.json"
+        if not facts_file.is_file():  # written once, kept in --folder
             facts = run_worker(repo, "--worker", "write", "--layers", str(args.cli_layers), "--steps",
-                               str(args.cli_steps), "--every", str(args.every), "--folder", folder)
-            runs[name] = (folder, facts)
-        variants = {name: (repo, runs[name]) for name, repo in checkouts.items()}
-        if args.ref:
-            variants["after, reading the before run"] = (HERE.parent, runs["before"])
-        columns = ("command_cpu", "command_wall", "read_cpu", "read_wall")
-        times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for r in range(args.rounds):
-            order = list(variants)
-            order = order[r % len(order):] + order[: r % len(order)]
-            for name in order:
-                repo, (folder, facts) = variants[name]
-                result = run_worker(repo, "--worker", "cli", "--folder", folder, "--repeat", str(args.repeat))
-                if f"== {folder}\n{facts['report']}" not in result["out"]:
-                    raise SystemExit(f"{name}: the command's report is not the printed one:\n{result['out']}\n---\n{facts['report']}")
-                for column in columns:
-                    times[name][column].append(result[column] / (facts["modules"] * facts["steps"]) * 1e6)
-        print("µs per module per logged step, median over rounds (each round's values after the slash):")
-        print("| checkout | command, CPU | command, wall | reading alone, CPU | reading alone, wall |")
-        print("| --- | --- | --- | --- | --- |")
-        for name, by_column in times.items():
-            cells = [f"**{statistics.median(v):.1f}** / {', '.join(f'{x:.0f}' for x in v)}" for v in by_column.values()]
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        if args.ref:
+                               str(args.cli_steps), "--every", str(args.every), "--folder", folder, "--model", args.model)
+            facts_file.write_text(json.dumps(facts))
+        runs[name] = (folder, json.loads(facts_file.read_text()))
+    variants = {name: (repo, runs[name]) for name, repo in checkouts.items()}
+    columns = ("process_wall", "command_cpu", "command_wall", "read_cpu")
+    times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in range(args.rounds):
+        for name in C.rotated(list(variants), r):
+            repo, (folder, facts) = variants[name]
+            result = run_worker(repo, "--worker", "cli", "--folder", folder, "--repeat", str(args.repeat))
+            if facts["report"] not in result["out"]:
+                raise SystemExit(f"{name}: the command's report is not the printed one:\n{result['out']}\n---\n{facts['report']}")
             for column in columns:
-                ratios = [b / a for a, b in zip(times["after"][column], times["before"][column])]
-                print(f"before / after, {column}, median of per-round ratios: {statistics.median(ratios):.1f}x")
+                times[name][column].append(result[column] / (facts["modules"] * facts["steps"]) * 1e6)
+            print(f"  round {r + 1} {name}: " + ", ".join(f"{c} {times[name][c][-1]:.1f}" for c in columns), flush=True)
+    print("µs per module per logged step, median over rounds (the rounds after the slash); the whole process is "
+          "`python -m lightning_gradhooks report FOLDER`, interpreter start included\n"
+          "| checkout | whole process, wall | command in process, CPU | the same, wall | reading alone, CPU |\n"
+          "| --- | --- | --- | --- | --- |")
+    for name, by_column in times.items():
+        cells = [f"**{statistics.median(v):.1f}** / {', '.join(f'{x:.1f}' for x in v)}" for v in by_column.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.ref:
+        for column in columns:
+            ratios = [b / a for a, b in zip(times["after"][column], times["before"][column])]
+            print(f"before / after, {column}, median of per-round ratios: {statistics.median(ratios):.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -27,17 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import torch
-from torch import Tensor, nn
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
-from lightning_gradhooks import GradientMonitor
+from lightning_gradhooks import GradientMonitor  # noqa: E402
 
 
 class Scale(nn.Module):
@@ -68,13 +70,6 @@ def timed(step, device: str) -> float:
     if device != "cpu":
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def machine(device: str = "cpu") -> str:
-    if device != "cpu":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
 
 
 def floor(args: argparse.Namespace) -> None:
@@ -111,11 +106,11 @@ def floor(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in C.rotated(names, r):
             times[name].append(statistics.median(timed(variants[name], args.device) for _ in range(args.steps)))
     for monitor in monitors.values():
         monitor.remove()
-    print(f"floor: {args.modules} x (y = x * s) on {args.elements} float32 elements; {machine(args.device)}")
+    print(f"floor: {args.modules} x (y = x * s) on {args.elements} float32 elements; {C.machine(args.device)}")
     print(f"big gradients reduced per armed step: {big[0]}; {args.rounds} rounds of {args.steps} steps, medians")
     print("| variant | step ms | statistics ms (armed - bare) | us per module | reads of the gradient bytes |")
     print("| --- | --- | --- | --- | --- |")
@@ -146,7 +141,7 @@ def first_step() -> None:
 
 
 def compile_time() -> None:
-    print(f"compile time at the first logged step; {machine()}")
+    print(f"compile time at the first logged step; {C.machine()}")
     print("| run | first logged step s | a later one s | compile s | graphs compiled |")
     print("| --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as cache:

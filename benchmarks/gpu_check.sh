@@ -48,6 +48,6 @@ run 120 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/core/test_
 run 40 "the floor, compiled and eager" python benchmarks/floor.py --device cuda --rounds 3
 for model in resnet50 gpt2; do
     run 100 "GPU figures, $model" python benchmarks/logged_step.py --device cuda --models "$model" \
-        --variants bare,logged --offload --rounds 2 --steps 5
+        --variants bare,logged,offload --rounds 2 --steps 5
 done
 exit $status

@@ -2,54 +2,34 @@
 
     python benchmarks/logged_step.py [--models resnet18,mlp500,encoder] [--variants bare,logged,logged_tb]
         [--rounds 5] [--steps 5] [--threads 1 --clock cpu] [--device cuda] [--one-process] [--ref DIR]
-    python benchmarks/logged_step.py --per-module [--floor] [--rounds 40 --steps 1]     # host µs per module
+    python benchmarks/logged_step.py --per-module [--floor] [--rounds 40 --steps 1]   # host µs per module
     python benchmarks/logged_step.py --lightning [--models encoder] [--steps 20] [--rounds 3]
-    python benchmarks/logged_step.py --write-only [--models mlp500] [--steps 10]      # the event's writing alone
-    python benchmarks/logged_step.py --kernels [--models encoder] [--threads 1 --clock cpu]
-    python benchmarks/logged_step.py --count-ops
+    python benchmarks/logged_step.py --kernels [--models encoder]                   # time in the kernels
+    python benchmarks/logged_step.py --count-ops                                     # aten ops per output
 
-A plain loop over a model of ``_common.make_case`` (the same batch every step): forward, backward,
+A plain loop over a model of ``_common.make_case``, the same batch every step: forward, backward,
 SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the order rotated:
+``bare``; ``armed`` (``with monitor.arm():`` around forward, backward and ``collect()``) and
+``armed_eager`` (``compile_statistics=False``); ``logged`` (also ``GradientLog.write`` into a
+``SummaryWriter``, timed up to ``writer.flush()``) and ``logged_tb`` (the event written through
+TensorBoard's own writer and its pure-Python CRC-32C instead); a suffix ``-no<part>`` leaves a
+default out: ``-nohist``, ``-nonoise``, ``-nooutputs`` (``activations=False``), ``-nologits``;
+``offload`` (the bare step under ``save_on_disk(threshold_bytes=1 MiB)``); ``sentinel`` (the bare
+step and the NaN sentinel's check before the optimizer step); ``wandb``
+(``wandb.watch(model, log="all", log_freq=1)``, offline, ``run.log({})`` each step); and
+``<variant>@ref``, the variant with the library of the checkout in ``--ref DIR``.
 
-- ``bare``: the loop alone;
-- ``armed``: ``with monitor.arm():`` around forward, backward and ``collect()`` (nothing written);
-  ``armed_eager``: the same with ``compile_statistics=False`` (where no compiler is);
-- ``logged``: ``armed``, and ``GradientLog.write`` into a ``SummaryWriter`` (our own event file,
-  checksummed in C), timed up to ``writer.flush()``; ``logged_tb``: each step's event written
-  through the SummaryWriter's own file writer instead (TensorBoard's pure-Python CRC-32C);
-- a suffix ``-no<part>`` (one or more) leaves a default of the monitor out: ``-nohist``
-  (``histograms=False``), ``-nonoise`` (``noise_scale=False``), ``-nooutputs``
-  (``activations=False``), ``-nologits`` (``attention_logits=False``);
-- ``offload``: the bare step under ``save_on_disk(threshold_bytes=1 MiB)``; ``sentinel``: the bare
-  step and the NaN sentinel's check before the optimizer step (``catch_nonfinite=True``);
-  ``wandb``: ``wandb.watch(model, log="all", log_freq=1)``, offline, and ``run.log({})`` each step;
-- ``<variant>@ref`` (with ``--ref DIR``): the variant with the library of the checkout in DIR.
-
-By default each window (2 untimed steps, then ``--steps`` timed together) runs in a fresh process
-(the other checkout's with ``PYTHONPATH``); reported per variant: the median window's mean step,
-its median per-round ratio to ``bare``, what a step adds per watched module in µs, the event
-bytes per step and on a GPU the peak ``max_memory_allocated``. ``--one-process``: every variant in
-this process (the other checkout imported beside this one), a window of 1 untimed step and
-``--steps`` timed; steadier, and the first deciles of the windows are printed too.
-``--clock cpu`` times the process's CPU time (with ``--threads 1``, the work itself).
-
-``--per-module``: host time per watched module on ``mlp500`` (a step bound by the host), in one
-process, 1 thread, CPU time, no optimizer: ``grads`` (``armed-nohist-nonoise-nooutputs``),
-``outputs`` (``armed-nohist-nonoise``), ``outputs+noise`` (``armed-nohist``), ``outputs+histograms``
-(``armed-nonoise``). ``--floor`` adds the floor of the design, in the monitor's interface: per
-Linear a forward hook putting one post-hook on the output's autograd node (``Read.EDGE``) that
-does nothing (``floor_hooks``); that keeps ``grad_output`` and ``grad_input``, read at collect with
-the parameters' gradients by one copy into one buffer and one sum (``floor_read``); and each
-output kept and read with them (``floor_outputs``).
-
-``--lightning``: a Lightning fit with a TensorBoardLogger, ``--steps`` steps (the first 2 left
-out): ``plain``, ``GradHooks every step``, ``GradHooks every 50 steps``; mean and median step.
-``--write-only``: one logged step's event (scalars, histograms, summary) written ``--steps`` times
-up to ``writer.flush()``, ``logged`` and ``logged_tb`` and ``@ref``, in fresh processes.
-``--kernels``: the time a logged step with the defaults spends in the compiled statistics (by
-row function) and the attention logits' ``q·kᵀ``, beside a bare step: what no saving on the host
-can remove. ``--count-ops``: the aten ops an armed step dispatches on 20 ``Linear(64, 64)`` with
-eager statistics, with the gradients alone and with the outputs too.
+By default each window (2 untimed steps, ``--steps`` timed) runs in a fresh process: the median
+step, its median per-round ratio to ``bare``, µs per watched module, event bytes per step, and on a
+GPU the peak ``max_memory_allocated``. ``--one-process``: every variant in this process (the other
+checkout imported beside this one), windows of 1 untimed step and ``--steps`` timed, with the
+first deciles too. ``--clock cpu``: the process's CPU time (with ``--threads 1``, the work itself).
+``--per-module``: ``mlp500`` in one process, 1 thread, CPU time, no optimizer: ``grads``,
+``outputs``, ``outputs+noise``, ``outputs+histograms`` (see ``PER_MODULE``); ``--floor`` adds the
+floor of the design (class ``Floor``). ``--lightning``: fits with a TensorBoardLogger, plain and
+``GradHooks`` every step and every 50 steps; mean and median step (the first 2 left out).
+``--kernels``: the time a logged step spends in the compiled statistics and the attention
+logits' ``q·kᵀ``, beside a bare step: what no saving on the host can remove.
 """
 
 from __future__ import annotations
@@ -62,7 +42,9 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib import import_module
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -89,7 +71,10 @@ def parse(variant: str) -> tuple[str, dict[str, bool], bool]:
 
 
 class Floor:
-    """The floor of the monitor's design on Linear layers, in its interface (see ``--floor``)."""
+    """The floor of the monitor's design on Linear layers, in its interface: per Linear a forward hook
+    that puts one post-hook on the output's node (``Read.EDGE``); ``floor_hooks``: it does nothing;
+    ``floor_read``: it keeps ``grad_output`` and ``grad_input``, read at collect with the parameters'
+    gradients by one copy into one buffer and one sum; ``floor_outputs``: each output read with them."""
 
     def __init__(self, model: nn.Module, read: bool, outputs: bool) -> None:
         self.modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -140,88 +125,80 @@ class Loop:
             self.wandb.finish()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    @contextlib.contextmanager
-    def setup(self, variant: str):  # noqa: ANN201, C901
-        """A step function of ``variant``, with what it needs attached until the block ends."""
+    def _attach(self, variant: str, stack: contextlib.ExitStack, folder: str) -> SimpleNamespace:
+        """What ``variant`` puts in (a monitor or floor, a log and its writer, an offload engine, the
+        sentinel), attached until ``stack`` closes."""
         base, options, ref = parse(variant)
         package, model = self.packages[ref], self.model
-        folder = tempfile.mkdtemp(dir=self.folder)
-        monitor = log = writer = engine = sentinel = None
-        with contextlib.ExitStack() as stack:
-            if base.startswith(("armed", "logged")):
-                key = f"{variant}/{base == 'armed_eager'}"
-                if key not in self.monitors:  # one monitor per variant: compiled once
-                    self.monitors[key] = package.GradientMonitor(model, **options, compile_statistics=base != "armed_eager")
-                monitor = self.monitors[key]
-                stack.enter_context(monitor.attach())
-            if base.startswith("floor"):
-                monitor = Floor(model, base != "floor_hooks", base == "floor_outputs")
-            if base.startswith("logged"):
-                from torch.utils.tensorboard import SummaryWriter
+        p = SimpleNamespace(base=base, monitor=None, log=None, writer=None, engine=None, sentinel=None)
+        if base.startswith(("armed", "logged")):
+            key = f"{variant}/{base == 'armed_eager'}"
+            if key not in self.monitors:  # one monitor per variant: compiled once
+                self.monitors[key] = package.GradientMonitor(model, **options, compile_statistics=base != "armed_eager")
+            p.monitor = self.monitors[key]
+            stack.enter_context(p.monitor.attach())
+        if base.startswith("floor"):
+            p.monitor = Floor(model, base != "floor_hooks", base == "floor_outputs")
+        if base.startswith("logged"):
+            from torch.utils.tensorboard import SummaryWriter
 
-                writer = SummaryWriter(folder)
-                stack.callback(writer.close)
-                log = package.GradientLog(writer, optimizers=[self.optimizer] if self.optimizer else [], echo=None)
-                stack.callback(log.close)
-                if base == "logged_tb":
-                    stack.enter_context(through_tensorboard(package))
-            if base == "offload":
-                engine = package.save_on_disk(C.MiB, folder)
-                engine.keep_in_memory(model)
-                stack.callback(engine.close)
-            if base == "sentinel":
-                from importlib import import_module
+            p.writer = stack.enter_context(contextlib.closing(SummaryWriter(folder)))
+            p.log = package.GradientLog(p.writer, optimizers=[self.optimizer] if self.optimizer else [], echo=None)
+            stack.callback(p.log.close)
+            if base == "logged_tb":
+                stack.enter_context(through_tensorboard(package))
+        if base == "offload":
+            p.engine = stack.enter_context(contextlib.closing(package.save_on_disk(C.MiB, folder)))
+            p.engine.keep_in_memory(model)
+        if base == "sentinel":
+            p.sentinel = import_module(package.__name__ + ".core.sentinel").NonfiniteSentinel(model.named_parameters())
+        if base == "wandb":
+            self.wandb = self.wandb or start_wandb(self.folder)
+            self.wandb.watch(model, log="all", log_freq=1, idx=0)
+            stack.callback(self.wandb.unwatch, model)
+        return p
 
-                sentinel = import_module(package.__name__ + ".core.sentinel").NonfiniteSentinel(model.named_parameters())
-            if base == "wandb":
-                self.wandb = self.wandb or start_wandb(self.folder)
-                self.wandb.watch(model, log="all", log_freq=1, idx=0)
-                stack.callback(self.wandb.unwatch, model)
+    def _step(self, p: SimpleNamespace, i: int) -> None:
+        with p.monitor.arm() if p.monitor is not None else contextlib.nullcontext():
+            with p.engine if p.engine is not None else contextlib.nullcontext():
+                loss = self.loss(self.model, self.batch)
+            loss.backward()
+            if p.log is not None:
+                p.log.write(p.monitor.collect(), i)
+            elif p.monitor is not None:
+                p.monitor.collect()
+        if p.sentinel is not None:
+            p.sentinel.check()
+        if p.base == "wandb":
+            self.wandb.log({})
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
 
-            def step(i: int) -> None:
-                with monitor.arm() if monitor is not None else contextlib.nullcontext():
-                    with engine if engine is not None else contextlib.nullcontext():
-                        loss = self.loss(model, self.batch)
-                    loss.backward()
-                    if log is not None:
-                        log.write(monitor.collect(), i)
-                    elif monitor is not None:
-                        monitor.collect()
-                if sentinel is not None:
-                    sentinel.check()
-                if self.wandb is not None and base == "wandb":
-                    self.wandb.log({})
-                if self.optimizer is not None:
-                    self.optimizer.step()
-                model.zero_grad(set_to_none=True)
-
-            def sync() -> None:
-                if writer is not None:
-                    writer.flush()  # waits for the checksums and writes
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-
-            step.sync, step.folder = sync, folder
-            yield step
+    def _sync(self, p: SimpleNamespace) -> None:
+        if p.writer is not None:
+            p.writer.flush()  # waits for the checksums and writes
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
     def window(self, variant: str, steps: int, untimed: int, clock) -> float:  # noqa: ANN001
+        """The mean of ``steps`` steps of ``variant`` after ``untimed`` ones, from the initial weights."""
         self.model.load_state_dict(self.state)
-        with self.setup(variant) as step:
+        with contextlib.ExitStack() as stack:
+            p = self._attach(variant, stack, tempfile.mkdtemp(dir=self.folder))
             for i in range(untimed):
-                step(i)
-            step.sync()
+                self._step(p, i)
+            self._sync(p)
             start = clock()
             for i in range(untimed, untimed + steps):
-                step(i)
-            step.sync()
+                self._step(p, i)
+            self._sync(p)
             return (clock() - start) / steps
 
 
 @contextlib.contextmanager
 def through_tensorboard(package):  # noqa: ANN001, ANN201
     """While active, the log writes each step's event through the SummaryWriter's own file writer."""
-    from importlib import import_module
-
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     log_module, tb = writes(package), import_module(package.__name__ + ".log._tensorboard")
@@ -241,8 +218,6 @@ def through_tensorboard(package):  # noqa: ANN001, ANN201
 
 def writes(package):  # noqa: ANN001, ANN201
     """The module whose ``write_step`` the log calls."""
-    from importlib import import_module
-
     try:
         return import_module(package.__name__ + ".log.writers")
     except ImportError:  # an older checkout
@@ -256,45 +231,10 @@ def start_wandb(folder: str):  # noqa: ANN201
     return wandb.init(mode="offline", dir=folder, project="gradhooks-bench")
 
 
-def write_only(loop: Loop, variant: str, steps: int, clock) -> float:  # noqa: ANN001
-    """The time of writing one logged step's event, ``steps`` times, up to ``writer.flush()``."""
-    from importlib import import_module
-
-    if parse(variant)[0] == "bare":
-        return 0.0
-    with loop.setup(variant) as step:
-        step(0)
-        step(1)
-        package = loop.packages[parse(variant)[2]]
-        log_module = writes(package)
-        tb = import_module(package.__name__ + ".log._tensorboard")
-        records = import_module(package.__name__ + ".core.records")
-        monitor = next(m for k, m in loop.monitors.items() if k.startswith(variant + "/"))
-        with monitor.arm():
-            loop.loss(loop.model, loop.batch).backward()
-            record = monitor.collect()
-        loop.model.zero_grad(set_to_none=True)
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(step.folder)
-        metrics, stats = tb.scalar_metrics(record, ("norm", "update_ratio"), set()), records.step_summary(record)
-        start = clock()
-        for i in range(2, 2 + steps):
-            log_module.write_step(writer, metrics, record, i, stats)
-        writer.flush()
-        seconds = (clock() - start) / steps
-        writer.close()
-        return seconds
-
-
 def worker(args: argparse.Namespace) -> None:
     """One window of one variant in this process (see :func:`processes`)."""
     loop = Loop(args.model, args.device)
-    clock = C.clock(args.clock)
-    if args.write_only:
-        mean = write_only(loop, args.worker.removesuffix("@ref"), args.steps, clock)
-    else:
-        mean = loop.window(args.worker.removesuffix("@ref"), args.steps, 2, clock)
+    mean = loop.window(args.worker.removesuffix("@ref"), args.steps, 2, C.clock(args.clock))
     files = [os.path.join(d, f) for d, _, fs in os.walk(loop.folder) for f in fs if "tfevents" in f]
     event_bytes = sum(os.path.getsize(f) for f in files) / (2 + args.steps)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
@@ -307,10 +247,9 @@ def processes(args: argparse.Namespace, model: str, variants: list[str]) -> None
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for variant in C.rotated(variants, r):
-            extra = ["--write-only"] * args.write_only
             results[variant].append(C.run_worker(Path(__file__), [
                 "--worker", variant, "--model", model, "--device", args.device, "--steps", str(args.steps),
-                "--threads", str(args.threads), "--clock", args.clock, *extra], args.ref if variant.endswith("@ref") else None))
+                "--threads", str(args.threads), "--clock", args.clock], args.ref if variant.endswith("@ref") else None))
             print(f"  {model} round {r + 1} {variant}: {results[variant][-1]['mean'] * 1e3:.1f} ms", flush=True)
     bare = results[variants[0]]
     print(f"\n{model}: {args.rounds} rounds x {args.steps} steps, medians\n| variant | step (ms) | vs bare | "
@@ -318,9 +257,10 @@ def processes(args: argparse.Namespace, model: str, variants: list[str]) -> None
           + "\n|---|---|---|---|---|" + "---|" * (args.device == "cuda"))
     for variant, res in results.items():
         modules = res[0]["modules"]
+        ratio = statistics.median(r["mean"] / max(b["mean"], 1e-12) for r, b in zip(res, bare))
+        extra = statistics.median((r["mean"] - b["mean"]) / modules * 1e6 for r, b in zip(res, bare))
         cells = [variant, f"{statistics.median(r['mean'] for r in res) * 1e3:.1f}",
-                 f"{statistics.median(r['mean'] / max(b['mean'], 1e-12) for r, b in zip(res, bare)):.3f}x",
-                 f"{statistics.median((r['mean'] - b['mean']) / modules * 1e6 for r, b in zip(res, bare)):.0f}",
+                 f"{ratio:.3f}x", f"{extra:.0f}",
                  f"{statistics.median(r['event_bytes'] for r in res) / 1024:.0f} KiB"]
         if args.device == "cuda":
             cells.append(f"{statistics.median(r['peak'] for r in res) / C.MiB:.0f} MiB")
@@ -488,7 +428,6 @@ def main() -> None:
     parser.add_argument("--per-module", action="store_true", help="host µs per watched module on mlp500")
     parser.add_argument("--floor", action="store_true", help="with --per-module: the floors of the design too")
     parser.add_argument("--lightning", action="store_true", help="Lightning fits instead")
-    parser.add_argument("--write-only", action="store_true", help="the writing of one step's event alone")
     parser.add_argument("--kernels", action="store_true", help="the time in the compiled statistics and logits")
     parser.add_argument("--count-ops", action="store_true", help="the aten ops of an armed step")
     for hidden in ("--worker", "--model", "--repo"):

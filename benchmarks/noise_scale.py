@@ -1,57 +1,34 @@
-"""How big should my batch be, and what does asking cost? The gradient noise scale, three ways.
+"""How big should my batch be, and what does asking cost? The gradient noise scale, four ways.
 
-    python benchmarks/noise_scale.py cost [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1] [--probe-alone]
+    python benchmarks/noise_scale.py cost [--models resnet18,mlp500,encoder] [--rounds 15] [--threads 1]
     python benchmarks/noise_scale.py advice SEED LABEL_NOISE
-    python benchmarks/noise_scale.py figure [--out docs/noise_scale.png] [--steps 400] [--every 10]
     python benchmarks/noise_scale.py heldout [--seeds 0,1]
+    python benchmarks/noise_scale.py figure [--out docs/noise_scale.png] [--steps 400] [--every 10]
 
-``cost``: what the noise scale adds to a logged step, on the three models of many_modules.py.
+``cost``: what the noise scale adds to a logged step (``_common.make_case``'s models): ``arm``,
+forward and backward (one batch, ``k=1``: per-example norms; or two micro-batches, ``k=2``),
+``collect``, ``GradientLog.write`` (histograms on), SGD step. Three monitors on the model:
+``off`` (``noise_scale=False``), ``on`` (the default) and ``clocked`` (``on`` with a
+``ProbeClock``: this thread's CPU time inside what the monitor calls of the probe, its own cost
+taken off). One step of each per round, the order rotated, after two untimed rounds; prints
+medians (wall and CPU), the per-round ratios ``on / off`` with quartiles, and the probe's own
+CPU time as a share of its logged step: the steadiest figure on a loaded host (it leaves out what
+the probe makes the monitor do, which only ``on / off`` shows). ``PYTHONPATH=OTHER``: another
+checkout's library.
 
-    A logged step in a plain loop: ``monitor.arm(...)``, forward and backward (one batch, or the
-    same batch as two micro-batches of half its size), ``monitor.collect()``, ``GradientLog.write``
-    to a ``SummaryWriter`` in a temporary folder (histograms on, the defaults), SGD step, zero_grad.
-    Two monitors on the same model, attached together (an unarmed monitor has no hook in): one with
-    ``noise_scale=False`` (``off``), one with the default ``noise_scale=True`` (``on``). Variants:
-    ``off`` / ``on`` with one backward (the noise probe reads per-example norms) and ``off, k=2`` /
-    ``on, k=2`` with two micro-batches (the probe reads each micro-batch's gradient). Every
-    round runs one step of each variant, in an order rotated each round, after two untimed rounds.
-    Each step is timed twice: wall clock and the process's CPU time (``time.process_time``, all
-    threads), which a host shared with other work disturbs less. Prints the median of each
-    variant and the median of the per-round ratios ``on / off`` (same model, same k), both clocks,
-    and the probe's own CPU time on the steps of a third monitor, ``clocked`` (the ``on`` monitor
-    with a ``ProbeClock``: this thread's CPU time inside what the monitor calls of the probe, whose
-    wrappers cost time of their own, so they are kept out of ``on``), as a share of its logged
-    step's CPU time: the steadiest figure on a loaded host, where the ``on / off`` ratios swing by
-    more than the probe costs; but it leaves out what the probe makes the monitor do (its hooks'
-    longer path, the inputs and output gradients held until ``collect``), which only ``on / off``
-    shows.
-    Runs against another checkout's library as well (``PYTHONPATH=OTHER``): it times the same calls.
+``advice``: the sentence against the truth: a GroupNorm CNN at learning rate 0 (the truth does
+not move), the exact noise scale of the data set from every example's gradient (``torch.func``),
+and for one process (per-example norms) and accumulation x4 the summary and the sentence.
 
-    ``--probe-alone``: the ``NoiseProbe`` by itself (armed, forward and backward, collected) against
-    the bare step, interleaved, process CPU time: the probe's share without the monitor's own cost.
+``heldout``: the per-example estimate against brute force over every parameter on models no
+choice of the probe was tuned on: a 2-layer GPT-2 LM, a 2-layer BERT classifier (``transformers``)
+and a 2-layer ``nn.TransformerEncoder`` classifier (random init, synthetic data, 20 % label
+noise; 8 batches of 32 at fixed weights): coverage, the ratio of the summed estimates, and
+whether it is within the 25 % the tests allow.
 
-``advice``: the noise-scale sentence against the truth: a GroupNorm CNN at learning rate 0, so the
-truth does not move (docs/usage.md, "How big should my batch be"); the table's rows are
-``advice 0 1``, ``advice 1 4`` and ``advice 2 1``. Prints the exact noise scale of the whole data set (every example's
-gradient, ``torch.func``) and, for one process (per-example norms) and accumulation x4, the
-summary and the sentence of the end of fit.
-
-``heldout``: the per-example estimate on models no choice of the probe was tuned on, against brute
-force over every parameter: a 2-layer GPT-2 LM and a 2-layer BERT classifier from ``transformers``
-and torch's own 2-layer ``nn.TransformerEncoder`` as a classifier (random init, no dropout;
-synthetic data with a signal and 20 % label noise). 8 batches of 32 at
-fixed weights; every example's gradient by a loop; prints the coverage, the ratio of the summed
-``tr(Σ)`` and ``|G|²`` of the probe's estimates and of the brute force's, and whether they agree
-within the 25 % the tests allow (docs/usage.md).
-
-``figure``: the figure of docs/usage.md: the noise scale GradHooks logs in a real fit, against
-brute force. A Lightning fit (SGD, lr 0.05, batch 32, no accumulation: per-example norms) of an MLP
-classifier on a synthetic task (a random teacher network's labels, 20 % of them flipped), with
-``GradHooks(every_n_steps=...)`` and a TensorBoardLogger. At each logged step a callback also
-computes the exact noise scale of the whole training set from every example's gradient
-(``torch.func.vmap(grad(...))``). The figure reads the event files back: the raw per-step
-estimate ``tr(Σ)/|G|²`` of the compact summary (dots), the smoothed ``∇1 overview/noise_scale``
-(line), the brute-force value (dashes) and the batch (a horizontal line).
+``figure``: docs/noise_scale.png: a Lightning fit of an MLP classifier (SGD, batch 32, 20 % flipped
+labels) with ``GradHooks``; at each logged step the exact noise scale of the training set; the
+raw estimates (dots), ``∇1 overview/noise_scale`` (line), the truth (dashes), the batch.
 """
 
 from __future__ import annotations
@@ -81,7 +58,7 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from many_modules import cases  # noqa: E402
+import _common as C  # noqa: E402
 
 from lightning_gradhooks import GradHooks, GradientLog, GradientMonitor  # noqa: E402
 from lightning_gradhooks.__main__ import read_folder  # noqa: E402
@@ -95,19 +72,12 @@ def cost(argv: list[str]) -> None:
     parser.add_argument("--models", default="resnet18,mlp500,encoder")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--probe-alone", action="store_true", help="the noise probe alone against bare steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if args.probe_alone:
-        for name in args.models.split(","):
-            probe_alone(cases()[name], args.rounds)
-        return
+    C.header()
     folder = tempfile.TemporaryDirectory()
     for name in args.models.split(","):
-        case = cases()[name]
-        torch.manual_seed(0)
-        model = case.make()
+        model, batch, loss = C.make_case(name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay, so every window is alike
         monitors = {"off": GradientMonitor(model, noise_scale=False), "on": GradientMonitor(model),
                     "clocked": GradientMonitor(model)}
@@ -115,7 +85,6 @@ def cost(argv: list[str]) -> None:
         writer = SummaryWriter(f"{folder.name}/{name}")
         logs = {key: GradientLog(writer, [optimizer], echo=None) for key in monitors}
         handles = [m.attach() for m in monitors.values()]
-        batch = case.batch
         half = tuple(t[: len(t) // 2] for t in batch), tuple(t[len(t) // 2:] for t in batch)
         step_no = [0]
 
@@ -125,7 +94,7 @@ def cost(argv: list[str]) -> None:
             start, cpu = time.perf_counter(), time.process_time()
             with monitor.arm(batch_size=len(batch[0]) // k, accumulation=k):
                 for part in ((batch,) if k == 1 else half):
-                    (case.loss(model, part) / k).backward()
+                    (loss(model, part) / k).backward()
                 logs[key].write(monitor.collect(), step_no[0])
             optimizer.step()
             optimizer.zero_grad()
@@ -140,18 +109,7 @@ def cost(argv: list[str]) -> None:
                 took = step(*v)
                 if r >= 0:
                     times[v].append(took)
-        for v in variants:
-            wall, cpu = (statistics.median(t[i] for t in times[v]) for i in (0, 1))
-            print(f"{name:9s} {v[0]:3s} k={v[1]}  wall {1000 * wall:8.1f} ms  cpu {1000 * cpu:8.1f} ms")
-        for k in (1, 2):
-            for i, clock in enumerate(("wall", "cpu")):
-                ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
-                print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
-                      f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
-            own = sorted(t[2] / t[1] for t in times["clocked", k])
-            print(f"{name:9s} probe's own CPU time k={k}: {1000 * statistics.median(t[2] for t in times['clocked', k]):.1f} "
-                  f"ms, {statistics.median(own):.1%} of the logged step (quartiles {own[len(own) // 4]:.1%}-"
-                  f"{own[3 * len(own) // 4]:.1%})")
+        print_cost(name, variants, times)
         sample = logs["on"].noise_scale.value
         print(f"{name:9s} noise scale of its batch: {sample if sample is None else round(sample, 1)}")
         for h in handles:
@@ -160,6 +118,22 @@ def cost(argv: list[str]) -> None:
             log.close()
         writer.close()
     folder.cleanup()
+
+
+def print_cost(name: str, variants: list, times: dict) -> None:
+    """Medians of each variant, ``on / off`` per round with quartiles, and the probe's own share."""
+    for v in variants:
+        wall, cpu = (statistics.median(t[i] for t in times[v]) for i in (0, 1))
+        print(f"{name:9s} {v[0]:3s} k={v[1]}  wall {1000 * wall:8.1f} ms  cpu {1000 * cpu:8.1f} ms")
+    for k in (1, 2):
+        for i, clock in enumerate(("wall", "cpu")):
+            ratios = sorted(on[i] / off[i] for on, off in zip(times["on", k], times["off", k]))
+            print(f"{name:9s} on/off k={k} {clock:4s} median {statistics.median(ratios):.3f}  "
+                  f"(quartiles {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f})")
+        own = sorted(t[2] / t[1] for t in times["clocked", k])
+        print(f"{name:9s} probe's own CPU time k={k}: {1000 * statistics.median(t[2] for t in times['clocked', k]):.1f} "
+              f"ms, {statistics.median(own):.1%} of the logged step (quartiles {own[len(own) // 4]:.1%}-"
+              f"{own[3 * len(own) // 4]:.1%})")
 
 
 class ProbeClock:
@@ -192,32 +166,6 @@ class ProbeClock:
             return result
 
         return timed
-
-
-def probe_alone(case, rounds: int) -> None:  # noqa: ANN001
-    torch.manual_seed(0)
-    model = case.make()
-    probe = NoiseProbe(model)
-
-    def step(on: bool) -> float:
-        cpu = time.process_time()
-        if on:
-            probe.arm()
-        case.loss(model, case.batch).backward()
-        if on:
-            probe.collect()
-        model.zero_grad()
-        return time.process_time() - cpu
-
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(-2, rounds):
-        for on in ((True, False) if r % 2 else (False, True)):
-            took = step(on)
-            if r >= 0:
-                times[on].append(took)
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    print(f"{case.name:9s} probe alone: bare {1000 * off:.1f} ms, the probe adds {1000 * (on - off):.1f} ms "
-          f"({(on - off) / on:.1%} of the step with it), CPU medians")
 
 
 # -- advice ------------------------------------------------------------------------------

@@ -32,11 +32,9 @@ Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [-
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,9 +45,10 @@ import torch
 import torch.utils.checkpoint  # imported before the RSS baseline, not during the first step
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-# A worker of ``--ref DIR`` imports the library from DIR.
-sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+C.use_repo()  # a worker of ``--ref DIR`` imports the library from DIR
 
 from lightning_gradhooks.offload import save_on_disk  # noqa: E402
 
@@ -169,8 +168,8 @@ def worker(args: argparse.Namespace) -> None:
     if docs_dir is not None:
         extra = {"files_left": len(os.listdir(docs_dir))}
         os.rmdir(docs_dir)
-    print(json.dumps({"variant": variant, "times": times, "peak_over_baseline": peak - baseline,
-                      "peak_over_start": peak - start, **extra}))
+    C.result({"variant": variant, "times": times, "peak_over_baseline": peak - baseline,
+              "peak_over_start": peak - start, **extra})
 
 
 def activation_bytes(args: argparse.Namespace) -> int:
@@ -281,31 +280,6 @@ def engine_bandwidth(folder: str, total: int, block: int = 64 * MiB) -> tuple[fl
 # ----------------------------------------------------------------------------- driver
 
 
-def git_head(folder: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def filesystem(folder: str) -> str:
-    try:
-        lines = subprocess.run(["df", "-T", folder], capture_output=True, text=True, check=True).stdout.splitlines()
-        fields = lines[-1].split()
-        return f"{fields[1]} on {fields[0]} (mounted at {fields[-1]})"
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=None, help="folder to offload to (default: the temp folder)")
@@ -319,9 +293,6 @@ def main() -> None:
     parser.add_argument("--io-mib", type=int, default=1024, help="MiB moved by each bandwidth test")
     parser.add_argument("--io-repeats", type=int, default=3, help="repetitions of each bandwidth test")
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
-                        help="run the variants with MALLOC_MMAP_THRESHOLD_=BYTES: a fixed glibc mmap threshold, so "
-                             "freed tensors of that size or more go back to the system and RSS follows live memory")
     parser.add_argument("--ref", default=None, metavar="DIR",
                         help="also run the offload variants with the library of the checkout in DIR")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -334,9 +305,8 @@ def main() -> None:
 
     folder = args.dir or tempfile.gettempdir()
     os.makedirs(folder, exist_ok=True)
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"machine: {os.cpu_count()} cores, {cpu_model()}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; folder {folder}: {filesystem(folder)}")
+    C.header()
+    print(f"folder: {folder}")
     saved = activation_bytes(args)
     print(f"workload: {args.depth} x (Linear({args.width}, {args.width}) + GELU), batch {args.batch}, fp32; "
           f"saved for backward in tensors of 1 MiB or more: {saved / MiB:.0f} MiB per step")
@@ -345,31 +315,27 @@ def main() -> None:
     if args.ref:
         runs += [(f"{v}@ref", v, args.ref) for v in args.variants
                  if v.startswith(("threshold", "budget")) and v != "threshold_nofix"]
-        print(f"ref: {args.ref} at {git_head(args.ref)}; this checkout at {git_head(str(REPO))}")
     labels = [label for label, _, _ in runs]
     results: dict[str, list[dict]] = {label: [] for label in labels}
     forwarded = ["--batch", str(args.batch), "--width", str(args.width), "--depth", str(args.depth),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--saved", str(saved)]
     forwarded += ["--dir", args.dir] if args.dir else []
-    env = dict(os.environ)
-    if args.malloc_mmap_threshold is not None:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-        print(f"allocator: glibc with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
-    else:
-        print("allocator: glibc defaults (dynamic mmap threshold)")
+    print("allocator: glibc defaults (dynamic mmap threshold)")
     for r in range(args.rounds):
         for v, variant, checkout in runs:
-            repo = ["--repo", checkout] if checkout else []
-            proc = subprocess.run([sys.executable, __file__, "--worker", variant, *repo, *forwarded],
-                                  capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                raise SystemExit(f"variant {v} failed:\n{proc.stderr}")
-            results[v].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            results[v].append(C.run_worker(Path(__file__), ["--worker", variant, *forwarded], checkout))
             res = results[v][-1]
             print(f"  round {r + 1}/{args.rounds} {v:<18} " + " ".join(f"{t:.2f}s" for t in res["times"])
                   + f"  peak +{res['peak_over_start'] / MiB:.0f} MiB, over the step's start +"
                   f"{res['peak_over_baseline'] / MiB:.0f} MiB", flush=True)
 
+    report(args, labels, results)
+    if args.bandwidth:
+        bandwidth(folder, args)
+
+
+def report(args: argparse.Namespace, labels: list[str], results: dict[str, list[dict]]) -> None:
+    """The table of the variants (medians over rounds), then the targets."""
     med = {v: statistics.median(t for res in results[v] for t in res["times"]) for v in labels}
     # Time ratios: the median over rounds of the ratio within each round (rounds run back to back,
     # so a burst of load on a shared machine hits the variants of one round alike).
@@ -396,30 +362,33 @@ def main() -> None:
               f"{wrote[v] / MiB:>6.0f} MiB{held[v] / MiB:>9.0f} MiB")
         if "files_left" in results[v][-1] and results[v][-1]["files_left"]:
             print(f"  warning: {v} left {results[v][-1]['files_left']} files")
-
     if {"none", "threshold", "budget50"} <= set(args.variants):
-        def verdict(ok: bool) -> str:
-            return "met " if ok else "MISS"
+        targets(labels, rss, wrote, ratio_of)
 
-        print()
-        print("targets (budget50 = half the saved bytes):")
-        limit = ref_rss - 0.5 * wrote["budget50"]
-        print(f"  [{verdict(rss['budget50'] <= limit)}] peak <= none's peak - 50% of bytes written: "
-              f"{rss['budget50'] / MiB:.0f} MiB <= {ref_rss / MiB:.0f} - {0.5 * wrote['budget50'] / MiB:.0f} "
-              f"= {limit / MiB:.0f} MiB")
-        over_b, over_t = ratio_of["budget50"] - 1, ratio_of["threshold"] - 1
-        print(f"  [{verdict(over_b <= 0.6 * over_t)}] overhead <= 0.6x threshold-only's: "
-              f"{over_b:+.1%} vs {over_t:+.1%} ({over_b / over_t if over_t > 0 else float('inf'):.2f}x)")
-        saving = (ref_rss - rss["threshold"]) / wrote["threshold"] if wrote["threshold"] else 0.0
-        print(f"  [{verdict(saving >= 0.85)}] threshold-only (default knobs) takes >= 85% of the bytes written off "
-              f"the peak: {(ref_rss - rss['threshold']) / MiB:.0f} of {wrote['threshold'] / MiB:.0f} MiB ({saving:.0%})")
-        for label in labels:
-            if label.startswith("threshold") and label != "threshold" and wrote.get(label):
-                print(f"  [info] {label}: {(ref_rss - rss[label]) / MiB:.0f} of {wrote[label] / MiB:.0f} MiB written "
-                      f"off the peak ({(ref_rss - rss[label]) / wrote[label]:.0%}), step {ratio_of[label]:.3f}x of none")
 
-    if args.bandwidth:
-        bandwidth(folder, args)
+def targets(labels: list[str], rss: dict, wrote: dict, ratio_of: dict) -> None:
+    """The targets of issue 27, met or missed."""
+    ref_rss = rss["none"]
+
+    def verdict(ok: bool) -> str:
+        return "met " if ok else "MISS"
+
+    print()
+    print("targets (budget50 = half the saved bytes):")
+    limit = ref_rss - 0.5 * wrote["budget50"]
+    print(f"  [{verdict(rss['budget50'] <= limit)}] peak <= none's peak - 50% of bytes written: "
+          f"{rss['budget50'] / MiB:.0f} MiB <= {ref_rss / MiB:.0f} - {0.5 * wrote['budget50'] / MiB:.0f} "
+          f"= {limit / MiB:.0f} MiB")
+    over_b, over_t = ratio_of["budget50"] - 1, ratio_of["threshold"] - 1
+    print(f"  [{verdict(over_b <= 0.6 * over_t)}] overhead <= 0.6x threshold-only's: "
+          f"{over_b:+.1%} vs {over_t:+.1%} ({over_b / over_t if over_t > 0 else float('inf'):.2f}x)")
+    saving = (ref_rss - rss["threshold"]) / wrote["threshold"] if wrote["threshold"] else 0.0
+    print(f"  [{verdict(saving >= 0.85)}] threshold-only (default knobs) takes >= 85% of the bytes written off "
+          f"the peak: {(ref_rss - rss['threshold']) / MiB:.0f} of {wrote['threshold'] / MiB:.0f} MiB ({saving:.0%})")
+    for label in labels:
+        if label.startswith("threshold") and label != "threshold" and wrote.get(label):
+            print(f"  [info] {label}: {(ref_rss - rss[label]) / MiB:.0f} of {wrote[label] / MiB:.0f} MiB written "
+                  f"off the peak ({(ref_rss - rss[label]) / wrote[label]:.0%}), step {ratio_of[label]:.3f}x of none")
 
 
 def bandwidth(folder: str, args: argparse.Namespace) -> None:
