@@ -1,14 +1,7 @@
-"""What the benchmarks share: the machine, the models, timing with medians, and two checkouts side by side.
-
-Two checkouts are compared two ways:
-
-- in alternating processes: :func:`run_worker` runs a script's worker with ``PYTHONPATH`` and
-  ``--repo`` set to the other checkout (:func:`use_repo` puts it first on ``sys.path``);
-- in one process: :func:`import_checkout` copies the other checkout's package under the name
-  ``lightning_gradhooks_ref`` and imports it beside this one, so that calls of the two alternate.
-
-It does not import ``lightning_gradhooks``: a script calls :func:`use_repo` first, then imports it.
-"""
+"""What the benchmarks share: the machine, the models, timing with medians, and two checkouts side by side:
+in alternating processes (:func:`run_worker` with ``--repo DIR``, which :func:`use_repo` puts first
+on ``sys.path``), or in one process (:func:`import_checkout`: the other package imported beside
+this one). It does not import ``lightning_gradhooks``: a script calls :func:`use_repo`, then imports it."""
 
 from __future__ import annotations
 
@@ -53,7 +46,6 @@ def machine(device: str = "cpu") -> str:
 
 
 def header(device: str = "cpu") -> None:
-    """The command and the machine, printed first by every script."""
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine(device)}", flush=True)
 
@@ -64,8 +56,7 @@ def clock(name: str) -> Callable[[], float]:
     return time.process_time if name == "cpu" else time.perf_counter
 
 
-def rotated(names: list[str], round_: int) -> list[str]:
-    """``names`` in the order of round ``round_``: rotated by one each round."""
+def rotated(names: list[str], round_: int) -> list[str]:  # the order of round ``round_``
     shift = round_ % len(names)
     return names[shift:] + names[:shift]
 
@@ -82,9 +73,7 @@ def interleave(windows: dict[str, Callable[[], float]], rounds: int, label: str 
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4)
+    low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
     return low, statistics.median(values), high
 
 
@@ -125,8 +114,7 @@ def run_worker(script: Path, arguments: list[str], repo: str | Path | None = Non
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def result(value: dict) -> None:
-    """What a worker hands back to :func:`run_worker`."""
+def result(value: dict) -> None:  # what a worker hands back to run_worker
     print("RESULT " + json.dumps(value), flush=True)
 
 

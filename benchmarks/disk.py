@@ -4,28 +4,19 @@
         [--cli-layers 200] [--cli-steps 200] [--model mlp|encoder] [--rounds 5] [--folder F] [--report-only]
     python benchmarks/disk.py --charts
 
-Disk: a plain loop over an MLP of ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head
-(``--layers`` + 1 watched modules; batch 32 x 64, SGD), logged at the defaults of
-``GradientMonitor(model)`` and ``GradientLog(SummaryWriter(folder), optimizers=[optimizer])``:
-``--steps`` logged steps, at steps 0, ``--every``, 2 x ``--every``, ... (50: Lightning's default),
-then ``log.close()``, written in a fresh process with the library of this checkout, or of the
-checkout in ``--ref DIR`` beside it. Reported per watched module per logged step: the bytes of
-every event file, by part (histograms, the compact summary, scalars, images, the rest); each
-record's bytes, framing included, shared among its values by size.
-
-The report command: a run written the same way by each checkout (``--cli-layers``,
-``--cli-steps``; ``--model encoder``: an ``nn.TransformerEncoder`` of ``--cli-layers`` layers
-instead, d 64, 4 heads, feed-forward 128, batch 8 x 16, AdamW), kept in ``--folder`` when given
-(written once, then reused), read by that checkout: the whole process ``python -m
-lightning_gradhooks report FOLDER`` (wall time, interpreter start included), and in process,
-the imports done, ``main(["report", folder])`` (CPU and wall time) and its reading of the event
-files alone (``read_folder``); the fastest of ``--repeat`` calls, in ``--rounds`` rounds of fresh
-processes, the order rotated; medians of µs per module per logged step. Each command's output is
-checked against the report the run printed at its end.
-
-``--charts``: how many charts and sections TensorBoard shows for two logged steps of a plain loop
-on a ResNet-18, a ViT-Tiny and GPT-2 (3 layers), with the defaults and with every statistic
-charted: scalar tags, histogram tags and the sections of ours. Counts: the same on any machine.
+Disk: a plain loop over ``--layers`` x (Linear(64, 64) + Tanh) and a Linear(64, 1) head (batch 32,
+SGD) at the defaults of ``GradientMonitor`` and ``GradientLog(SummaryWriter)``, ``--steps`` logged
+steps every ``--every``, written in a fresh process by this checkout and the one in ``--ref DIR``:
+the event files' bytes per watched module per logged step, by part (a record's bytes, framing
+included, shared among its values by size). The report command: a run of ``--cli-layers`` x
+``--cli-steps`` (``--model encoder``: an ``nn.TransformerEncoder``, d 64, 4 heads, AdamW), kept in
+``--folder`` when given, read by each checkout: the whole process ``python -m lightning_gradhooks
+report FOLDER`` (wall, interpreter start included), ``main(["report", folder])`` in process (CPU,
+wall) and its reading alone (``read_folder``, CPU); the fastest of ``--repeat`` calls, ``--rounds``
+rounds of fresh processes, order rotated; medians in µs per module per logged step; each output
+checked against the report the run printed. ``--charts``: the scalar and histogram tags and our
+sections TensorBoard shows for two logged steps of ResNet-18, ViT-Tiny and GPT-2 (3 layers), with
+the defaults and with every statistic charted (counts: the same on any machine).
 """
 
 from __future__ import annotations
@@ -33,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -56,7 +46,6 @@ PARTS = ("histograms", "summary", "scalars", "images", "other")
 
 
 def write_run(layers: int, steps: int, every: int, folder: str, model_name: str = "mlp") -> dict:
-    import torch
     from torch.utils.tensorboard import SummaryWriter
 
     from lightning_gradhooks import GradientLog, GradientMonitor
@@ -88,30 +77,25 @@ def write_run(layers: int, steps: int, every: int, folder: str, model_name: str 
 
 
 def time_cli(folder: str, repeat: int) -> dict:
-    """The fastest of ``repeat`` calls (after an untimed one): the whole command, and reading the
-    event files alone (``read_folder``), in process CPU time (on a shared machine, wall time
-    counts the other processes' turns too) and wall time."""
-    from lightning_gradhooks.__main__ import main, read_folder  # noqa: I001
+    """The fastest of ``repeat`` calls after an untimed one: the command in process (CPU and wall
+    time), its reading of the event files alone (CPU), and the whole process (wall)."""
+    from lightning_gradhooks.__main__ import main, read_folder
 
-    result: dict = {"out": ""}
+    result: dict = {}
     for i in range(repeat + 1):
-        buffer = io.StringIO()
-        clocks = time.process_time(), time.perf_counter()
+        buffer, cpu, wall = io.StringIO(), time.process_time(), time.perf_counter()
         with redirect_stdout(buffer):
             main(["report", folder])
-        command = time.process_time() - clocks[0], time.perf_counter() - clocks[1]
-        clocks = time.process_time(), time.perf_counter()
+        times = {"command_cpu": time.process_time() - cpu, "command_wall": time.perf_counter() - wall}
+        cpu = time.process_time()
         for run_folder in sorted({p.parent for p in Path(folder).rglob("events.out.tfevents.*")}):
             read_folder(run_folder)
-        read = time.process_time() - clocks[0], time.perf_counter() - clocks[1]
-        if i:  # the first call is untimed
-            for name, value in zip(("command_cpu", "command_wall", "read_cpu", "read_wall"), (*command, *read)):
-                result[name] = min(result.get(name, value), value)
-        result["out"] = buffer.getvalue()
-    for _ in range(repeat):  # the whole process, interpreter start included, as a CI guard runs it
-        start = time.perf_counter()
+        times["read_cpu"] = time.process_time() - cpu
+        wall = time.perf_counter()  # the whole process, interpreter start included, as a CI guard runs it
         subprocess.run([sys.executable, "-m", "lightning_gradhooks", "report", folder], capture_output=True, check=True)
-        result["process_wall"] = min(result.get("process_wall", 1e9), time.perf_counter() - start)
+        times["process_wall"] = time.perf_counter() - wall
+        result = {k: min(result.get(k, v), v) for k, v in times.items()} if i else {}  # the first call untimed
+        result["out"] = buffer.getvalue()
     return result
 
 

@@ -17,9 +17,7 @@ targets: at most 2 reads without histograms, 8 with.
 ``--compile-time``: the first logged step of a fresh process with an empty Inductor cache
 (``TORCHINDUCTOR_CACHE_DIR`` set to a new folder), less a later logged step, then the same in a
 second process with that cache warm; and how many graphs Dynamo compiled.
-
-With ``PYTHONPATH`` set to a checkout from before ``compile_statistics`` (main before the fused
-statistics), the one ``armed`` variant measures that checkout.
+``PYTHONPATH=DIR`` measures the checkout in DIR.
 """
 
 from __future__ import annotations

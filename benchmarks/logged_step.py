@@ -5,7 +5,6 @@
     python benchmarks/logged_step.py --per-module [--floor] [--rounds 40 --steps 1]   # host µs per module
     python benchmarks/logged_step.py --lightning [--models encoder] [--steps 20] [--rounds 3]
     python benchmarks/logged_step.py --kernels [--models encoder]                   # time in the kernels
-    python benchmarks/logged_step.py --count-ops                                     # aten ops per output
 
 A plain loop over a model of ``_common.make_case``, the same batch every step: forward, backward,
 SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the order rotated:
@@ -201,7 +200,8 @@ def through_tensorboard(package):  # noqa: ANN001, ANN201
     """While active, the log writes each step's event through the SummaryWriter's own file writer."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    log_module, tb = writes(package), import_module(package.__name__ + ".log._tensorboard")
+    log_module = import_module(package.__name__ + ".log.writers")  # whose write_step the log calls
+    tb = import_module(package.__name__ + ".log._tensorboard")
 
     def write_step(writer, metrics, record, step, stats=None):  # noqa: ANN001, ANN202
         values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
@@ -214,14 +214,6 @@ def through_tensorboard(package):  # noqa: ANN001, ANN201
         yield
     finally:
         log_module.write_step = kept
-
-
-def writes(package):  # noqa: ANN001, ANN201
-    """The module whose ``write_step`` the log calls."""
-    try:
-        return import_module(package.__name__ + ".log.writers")
-    except ImportError:  # an older checkout
-        return import_module(package.__name__ + ".log")
 
 
 def start_wandb(folder: str):  # noqa: ANN201
@@ -387,32 +379,6 @@ def kernels(args: argparse.Namespace, model_name: str) -> None:
         print(f"  {key:<15} {seconds / args.steps * 1e3:8.1f} ms  {seconds / args.steps / b:7.2%} of a bare step")
 
 
-def count_ops() -> None:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from lightning_gradhooks import GradientMonitor
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    model, x, counts = nn.Sequential(*[nn.Linear(64, 64) for _ in range(20)]), torch.randn(32, 64), {}
-    for name, outputs in (("gradients", False), ("gradients and outputs", True)):
-        monitor = GradientMonitor(model, compile_statistics=False, noise_scale=False, activations=outputs)
-        with monitor.attach():
-            for _ in range(2):  # the second step: read plans settled
-                Count.ops = 0
-                with Count(), monitor.arm():
-                    model(x).sum().backward()
-                    monitor.collect()
-        counts[name] = Count.ops
-    print(f"aten ops of an armed step on 20 Linear(64, 64): {counts}; "
-          f"{(counts['gradients and outputs'] - counts['gradients']) / 20:.0f} per output")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="resnet18,mlp500,encoder", help="of " + ", ".join(C.MODELS))
@@ -429,7 +395,6 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="with --per-module: the floors of the design too")
     parser.add_argument("--lightning", action="store_true", help="Lightning fits instead")
     parser.add_argument("--kernels", action="store_true", help="the time in the compiled statistics and logits")
-    parser.add_argument("--count-ops", action="store_true", help="the aten ops of an armed step")
     for hidden in ("--worker", "--model", "--repo"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -442,8 +407,6 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     C.header(args.device)
-    if args.count_ops:
-        return count_ops()
     default = "bare,grads,outputs,outputs+noise,outputs+histograms" if args.per_module else "bare,logged,logged_tb"
     variants = (args.variants or default).split(",") + ["floor_hooks", "floor_read", "floor_outputs"] * args.floor
     for variant in variants:

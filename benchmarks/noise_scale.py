@@ -137,13 +137,9 @@ def print_cost(name: str, variants: list, times: dict) -> None:
 
 
 class ProbeClock:
-    """The noise probe's own CPU time on a monitor's logged step: this thread's CPU time
-    (``time.thread_time``, which waiting for a core on a shared host does not inflate) inside
-    what the monitor calls of it, wrapped on this one instance: ``arm``, ``saw`` in the monitor's
-    forward hook, what ``saw`` returns in its gradient hook, the hook on the parameters with
-    accumulation (``_each_backward``) and ``collect``. Every source of these models is fed by the
-    monitor (the probe puts no hook of its own in them: asserted at each arm). The clock's own
-    cost per wrapped call is measured once and taken off."""
+    """The noise probe's own CPU time on a logged step: this thread's (``time.thread_time``) inside what
+    the monitor calls of it (``arm``, ``saw`` and the gradient hook it returns, ``_each_backward``,
+    ``collect``), wrapped on this instance; the clock's own cost per call measured and taken off."""
 
     def __init__(self, probe: NoiseProbe) -> None:
         self.seconds, self.overhead, self._probe = 0.0, 0.0, probe

@@ -1,32 +1,19 @@
-"""Benchmark disk offload of saved activations: the memory/time frontier of ``save_on_disk``.
+"""Disk offload of saved activations: the memory/time frontier of ``save_on_disk``.
 
-Workload (the one of issue 27): ``depth`` x (Linear(width, width) + GELU), batch ``batch``, fp32,
-CPU, forward + backward; by default 6 x 1024 wide, batch 4096, which saves 192 MiB per step in
-12 tensors of 16 MiB. Variants, each run in its own process (peak RSS: VmHWM of the steps after
-the warm-up, minus the RSS before the first step), interleaved round by round so that a noisy
-machine affects all of them alike:
+    python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [--variants ...] [--bandwidth] [--ref DIR]
 
-- ``none``: no offload;
-- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around each Linear + GELU;
-- ``threshold``: ``save_on_disk(threshold_bytes=1 MiB)``, default knobs (every tensor of 1 MiB
-  or more is written);
-- ``budget25``, ``budget50``, ``budget75``: the same with ``budget_bytes`` = 25, 50 and 75 % of
-  the bytes saved per step (the newest stay in memory, the oldest are written);
-- optional (``--variants``): ``threshold_nofix`` (``fix_mmap_threshold=False``: the allocator
-  left alone), ``torch_save`` (the PyTorch docs' hooks, one ``torch.save`` file per tensor),
-  ``none_mallopt`` (no offload, with the fixed glibc mmap threshold that the engine sets: the
-  cost of that setting alone).
-
-The engine fixes glibc's mmap threshold at the first CPU tensor it offloads (see docs/offload.md);
-``none`` and ``checkpoint`` run with glibc's defaults.
-
-``--ref DIR`` also runs the offload variants with the checkout in ``DIR`` (e.g. a worktree of
-``main``), labelled ``<variant>@ref``, interleaved with the others in the same rounds.
-
-``--bandwidth`` adds the raw sequential write and read bandwidth of the folder (64 MiB
-blocks) and that of the engine alone.
-
-Run: ``python benchmarks/offload.py [--dir /scratch] [--rounds 3] [--steps 3] [--bandwidth] [--ref DIR]``.
+Workload (issue 27's): ``--depth`` x (Linear(width, width) + GELU), batch ``--batch``, fp32, CPU,
+forward + backward; by default 6 x 1024, batch 4096: 192 MiB saved per step in 12 tensors of
+16 MiB. Each variant runs in its own process, interleaved round by round (peak RSS: VmHWM of the
+steps after the warm-up, minus the RSS before the first step): ``none``; ``checkpoint``
+(``torch.utils.checkpoint`` around each Linear + GELU); ``threshold`` (``save_on_disk(1 MiB)``,
+default knobs); ``budget25``, ``budget50``, ``budget75`` (``budget_bytes`` a share of the bytes
+saved per step: the newest stay in memory); and on request ``threshold_nofix``
+(``fix_mmap_threshold=False``), ``torch_save`` (the PyTorch docs' hooks, a ``torch.save`` file per
+tensor), ``none_mallopt`` (no offload, glibc's mmap threshold fixed as the engine fixes it).
+``none`` and ``checkpoint`` run with glibc's defaults. ``--ref DIR``: the offload variants with
+the checkout in DIR too (``<variant>@ref``). ``--bandwidth``: the folder's raw sequential
+bandwidth (64 MiB blocks) and the engine's alone.
 """
 
 from __future__ import annotations
@@ -199,7 +186,6 @@ def raw_bandwidth(folder: str, total: int, block: int = 64 * MiB) -> dict[str, t
     for src in sources:  # distinct buffers, as the engine writes distinct tensors
         src.write(os.urandom(1 << 16) * (block >> 16))
     buf = sources[0]
-    direct_flag = getattr(os, "O_DIRECT", 0)
 
     def timed(flags: int, write: bool, sync: bool = False, fresh: bool = False) -> float:
         fd = os.open(path, flags, 0o600)
@@ -219,27 +205,12 @@ def raw_bandwidth(folder: str, total: int, block: int = 64 * MiB) -> dict[str, t
         finally:
             os.close(fd)
 
-    out: dict[str, tuple[float, str]] = {}
-    try:
+    try:  # what the engine does: buffered writes into the page cache, reads into fresh buffers
         create = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        out["write_cached"] = (timed(create, True), "buffered into the page cache, no fsync")
-        try:
-            out["write_device"] = (timed(create | direct_flag, True, sync=True), "O_DIRECT + fsync")
-        except OSError:
-            out["write_device"] = (timed(create, True, sync=True), "buffered + fsync (no O_DIRECT here)")
-        out["read_cached"] = (timed(os.O_RDONLY, False), "buffered, from the page cache, reused buffer")
-        out["read_cached_fresh"] = (timed(os.O_RDONLY, False, fresh=True),
-                                    "buffered, page cache, a new buffer per block")
-        try:
-            out["read_device"] = (timed(os.O_RDONLY | direct_flag, False), "O_DIRECT, reused buffer")
-            out["read_device_fresh"] = (timed(os.O_RDONLY | direct_flag, False, fresh=True),
-                                        "O_DIRECT, a new buffer per block")
-        except OSError:
-            out["read_device"] = out["read_device_fresh"] = (timed(os.O_RDONLY, False, fresh=True),
-                                                             "buffered (no O_DIRECT here): may hit the page cache")
+        return {"write_cached": (timed(create, True), "buffered into the page cache, no fsync"),
+                "read_cached_fresh": (timed(os.O_RDONLY, False, fresh=True), "buffered, a new buffer per block")}
     finally:
         os.unlink(path)
-    return out
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -400,12 +371,9 @@ def bandwidth(folder: str, args: argparse.Namespace) -> None:
     print()
     print(f"bandwidth: {args.io_mib} MiB in 64 MiB blocks, median of {args.io_repeats}, folder {folder} "
           "(the page cache cannot be dropped here: cached reads are memory copies)")
-    for key, label in (("write_cached", "raw write"), ("write_device", "raw write"), ("read_cached", "raw read"),
-                       ("read_cached_fresh", "raw read"), ("read_device", "raw read"),
-                       ("read_device_fresh", "raw read")):
+    for key, label in (("write_cached", "raw write"), ("read_cached_fresh", "raw read")):
         print(f"  {label:<34}{raw[key][0]:>8.0f} MB/s  ({raw[key][1]})")
-    rows = (("engine write", eng[0], "write_cached"), ("engine read", eng[1], "read_cached_fresh"))
-    for label, value, key in rows:
+    for label, value, key in (("engine write", eng[0], "write_cached"), ("engine read", eng[1], "read_cached_fresh")):
         print(f"  {label:<34}{value:>8.0f} MB/s  = {value / raw[key][0]:.0%} of raw {raw[key][1]}")
 
 
