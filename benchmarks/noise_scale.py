@@ -259,7 +259,7 @@ class Truth(pl.Callback):
 
 
 def figure(argv: list[str]) -> None:
-    """The figure of docs/usage.md (see the module docstring, ``figure``)."""
+    """The figure of docs/noise-scale.md (see the module docstring, ``figure``)."""
     parser = argparse.ArgumentParser(prog="noise_scale.py figure", description=figure.__doc__)
     parser.add_argument("--out", default="docs/noise_scale.png")
     parser.add_argument("--steps", type=int, default=400)

@@ -242,7 +242,7 @@ class GradientMonitor:
         """Each chosen module's read plan, by name: :class:`Plan` ``(read, reason)``, as it stands.
 
         Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
-        step's backward plans each lastingly (see ``docs/usage.md``, "How the gradients are
+        step's backward plans each lastingly (see ``docs/how-it-works.md``, "How the gradients are
         read")."""
         return dict(self._planner.plans)
 

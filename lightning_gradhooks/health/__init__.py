@@ -29,7 +29,7 @@ judge and renders what it decided. The flags, worst first:
 - notes, never flags (:mod:`.round_off`): parameters whose gradient is zero by construction;
   a check's own line (:meth:`~lightning_gradhooks.health.check.Check.note`: the scaler's skipped steps).
 
-Why each definition is what it is (docs/usage.md has the validation): gradients are compared with
+Why each definition is what it is (docs/validation.md has the validation): gradients are compared with
 the model's own scale at the same step, or with their own recent median, never with zero or with
 one past value; an RMS (:func:`~lightning_gradhooks.summary.records.rms`) is taken over the non-zero
 elements only, so that embedding rows and timesteps that no example touches do not read as

@@ -89,7 +89,7 @@ SNIPPETS = snippets()
 
 def test_the_documents_have_snippets():
     documents = {document for document, *_ in SNIPPETS}
-    assert {"README.md", "docs/usage.md", "docs/offload.md"} <= documents
+    assert {"README.md", "docs/quickstart.md", "docs/plain-loops.md", "docs/offload.md"} <= documents
 
 
 @pytest.mark.parametrize(("document", "line", "code", "not_run"), SNIPPETS, ids=[f"{d}:{n}" for d, n, *_ in SNIPPETS])
@@ -139,7 +139,7 @@ def test_the_readme_table_gives_every_argument_of_gradhooks_with_its_default():
         assert len(table[name][1]) > 20, name  # says what it does
 
 
-def test_usage_gives_the_signature_of_gradient_monitor_as_it_is():
+def test_the_reference_gives_the_signature_of_gradient_monitor_as_it_is():
     import inspect
 
     from lightning_gradhooks import GradientMonitor
@@ -150,4 +150,23 @@ def test_usage_gives_the_signature_of_gradient_monitor_as_it_is():
             parts.append("*")
             marked = True
         parts.append(parameter.name if parameter.default is parameter.empty else f"{parameter.name}={parameter.default!r}")
-    assert f"`GradientMonitor({', '.join(parts)})`" in (ROOT / "docs" / "usage.md").read_text()
+    assert f"`GradientMonitor({', '.join(parts)})`" in (ROOT / "docs" / "reference.md").read_text()
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings: lower case, punctuation dropped, spaces to ``-``."""
+    headings = re.findall(r"^#{1,6} (.+)$", _FENCE.sub("", path.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_and_anchor_of_the_documents_resolves():
+    broken = []
+    for path in DOCUMENTS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _FENCE.sub("", path.read_text())):
+            if "://" in target:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == []

@@ -17,7 +17,7 @@ from lightning_gradhooks import GradientLog, GradientMonitor, save_on_disk
 
 from conftest import read_events
 
-#: The loop of docs/usage.md ("Plain PyTorch and Fabric"), run verbatim below.
+#: The loop of docs/plain-loops.md, run verbatim below.
 LOOP = """
 monitor = GradientMonitor(model)
 log = GradientLog(writer, optimizers=[optimizer])   # writer: a torch SummaryWriter
@@ -215,7 +215,7 @@ def test_log_arguments_are_checked_and_a_second_close_is_a_no_op(tmp_path):
         log.write(GradientMonitor(model()).collect(), 0)
 
 
-#: The fp16 loop of docs/usage.md ("Skipped steps"), run verbatim below.
+#: The fp16 loop of docs/mixed-precision.md ("Skipped steps"), run verbatim below.
 LOOP_FP16 = """
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)   # "cuda" on a GPU; starts too high
 monitor = GradientMonitor(model)
@@ -258,7 +258,7 @@ def test_a_plain_loop_tells_the_log_what_its_scaler_skipped(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(tmp_path), "--fail-on", "nonfinite"]) == 0  # a note fails nothing
     assert capsys.readouterr().out.split("\n", 1)[1].startswith(text + "\n")
-    docs = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "mixed-precision.md").read_text()
     assert textwrap.indent(LOOP_FP16.strip(), "  ") in docs  # the loop shown is the loop run
     log = GradientLog(None, echo=None)
     with pytest.raises(ValueError, match="`scale` expected a finite number >= 0, got nan"):
