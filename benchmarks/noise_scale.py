@@ -34,7 +34,6 @@ raw estimates (dots), ``∇1 overview/noise_scale`` (line), the truth (dashes), 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import statistics
 import sys
