@@ -36,9 +36,9 @@ from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.planning import (
-    NO_INPUT, Plan, Planner, Read, _compiled_modules, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge,
-    select_modules,
+    NO_INPUT, Plan, Planner, Read, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge, select_modules,
 )
+from lightning_gradhooks.core.compiled import CompiledCode
 from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
 from lightning_gradhooks.core.stats import Reducer, Scratch, StatsRow
 
@@ -234,36 +234,36 @@ class GradientMonitor:
         compile_statistics: bool = True,
         activations: bool = True,
         attention_logits: bool = True,
+        eager_logged_steps: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks),
                                 ("noise_scale", noise_scale), ("compile_statistics", compile_statistics),
-                                ("activations", activations), ("attention_logits", attention_logits)):
+                                ("activations", activations), ("attention_logits", attention_logits),
+                                ("eager_logged_steps", eager_logged_steps)):
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = _frozen(model, self.modules)
-        # Module hooks in compiled code make Dynamo break the graph around every hooked module
-        # (and leave the degraded code in its cache): modules there get no hooks, and report
-        # their parameter gradients only.
-        compiled = _compiled_modules(model)
-        self._planner = Planner({_label(name): module for name, module in self.modules.items()}, compiled)
+        # A compiled model's armed steps run eagerly (lightning_gradhooks.core.compiled): every module
+        # is seen. What cannot be (compiled code run on logged steps, CUDA graphs) gets no hook: a hook
+        # there would split the compiled graph, or never run.
+        self._code = CompiledCode(model, eager_logged_steps)
+        hidden = self._code.hidden
+        self._planner = Planner({_label(name): module for name, module in self.modules.items()}, hidden)
         self._hooked = self._planner.hooked
         self._hooked_ids = frozenset(id(module) for module in self._hooked.values())  # they feed the noise probe
-        if self.compiled:
-            warnings.warn(
-                "torch.compile: module hooks would split the compiled graph into eager pieces, so "
-                f"{len(self.compiled)} modules in compiled code report parameter gradients only "
-                f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}", stacklevel=2)
+        self._say_hidden()
         self.histograms = histograms
         self._step_histograms = histograms  # this armed step's (arm(histograms=))
         self.bins = bins
-        self.compile_statistics = compile_statistics
+        # No graph of ours beside a compiled model's (Dynamo's count of graphs is the user's): eager ops.
+        self.compile_statistics = compile_statistics and not self._code.compiled
         self._model = model
         self._with_parameters = parameters
-        self._read_forward(model, compiled, forward_checks, activations, attention_logits)
+        self._read_forward(model, set(hidden), forward_checks, activations, attention_logits)
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
         self._armed = False
@@ -283,7 +283,7 @@ class GradientMonitor:
         self._gradient_hooks: dict[tuple, Callable] = {}
         #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
-        self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
+        self.noise = NoiseProbe(model, skip=hidden) if noise_scale else None  # no hook where none runs
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -301,8 +301,16 @@ class GradientMonitor:
         self._attention = AttentionLogits(
             {label: m for label, m in labels.items() if id(m) not in compiled},
             {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
-            [m for m in model.modules() if _is_compile_wrapper(m)],
+            [] if self._code.eager else [m for m in model.modules() if _is_compile_wrapper(m)],
         ) if attention_logits else None
+
+    def _say_hidden(self) -> None:
+        """Say once what of the model cannot be seen on logged steps, by name, and what is measured instead."""
+        for note in self._code.notes:
+            warnings.warn(f"torch.compile: {note}", stacklevel=3)
+        for reason, labels in self._code.hidden_by_reason({_label(n): m for n, m in self.modules.items()}).items():
+            warnings.warn(f"{len(labels)} modules report parameter gradients only (no grad_output, grad_input, "
+                          f"outputs, attention logits or noise probe), {reason}: {listed(labels)}", stacklevel=3)
     def attach(self) -> MonitorHandle:
         """Prepare the hooks and return the handle that removes all of them (and disarms).
 
@@ -349,14 +357,15 @@ class GradientMonitor:
     def plan(self) -> dict[str, Plan]:
         """Each chosen module's read plan, by name: :class:`Plan` ``(read, reason)``, as it stands.
 
-        Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
+        Every module with hooks (all but :attr:`parameters_only`) starts with :attr:`Read.PROBE`; the first logged
         step's backward plans each lastingly (see ``docs/usage.md``, "How the gradients are
         read")."""
         return dict(self._planner.plans)
 
     @property
-    def compiled(self) -> list[str]:
-        """Modules in code compiled by torch.compile: parameter gradients only."""
+    def parameters_only(self) -> list[str]:
+        """Modules that get no hook and report their parameter gradients only (:attr:`Read.PARAMETERS_ONLY`):
+        in compiled code that logged steps run (``eager_logged_steps=False``), or in CUDA graphs."""
         return [name for name, p in self._planner.plans.items() if p.read is Read.PARAMETERS_ONLY]
 
     @property
@@ -488,6 +497,7 @@ class GradientMonitor:
             was_paused = self._collector.paused
             self._collector.pause()
             try:
+                self._code.enter()  # a compiled model: run eagerly until disarmed (core.compiled)
                 self._register()
                 if self.noise is not None and noise:
                     self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
@@ -516,6 +526,7 @@ class GradientMonitor:
         if self.noise is not None and (self._armed or noise):
             self.noise.disarm()
         self._armed = False
+        self._code.leave()  # the stance before arm(), also after a step that raised
         self._pending.clear()
         self._checked.clear()
         self._reducers.clear()
