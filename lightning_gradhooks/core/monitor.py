@@ -36,7 +36,7 @@ from lightning_gradhooks.core.attention import AttentionLogits
 from lightning_gradhooks.core.forward_checks import ForwardChecks, Hook, tensor_leaves
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.planning import (
-    NO_INPUT, Plan, Planner, Read, _grad_tensors, _is_compile_wrapper, _named_modules, input_edge, select_modules,
+    NO_INPUT, Plan, Planner, Read, _grad_tensors, _named_modules, input_edge, select_modules,
 )
 from lightning_gradhooks.core.compiled import CompiledCode
 from lightning_gradhooks.core.records import GradientEntry, GradientRecord, Histogram, Kind, pool_entries, single_entry
@@ -203,7 +203,14 @@ class GradientMonitor:
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
             there; False: eager ops that give the same numbers (slower; no compile at the first logged
-            step). Where compiling is unavailable the eager ops run anyway, said once at INFO.
+            step). Where compiling is unavailable the eager ops run anyway, said once at INFO; on a
+            model with compiled code too, so that Dynamo compiles no graph of ours beside yours.
+        eager_logged_steps: run armed steps of a model with compiled code eagerly, from :meth:`arm`
+            to :meth:`collect` or :meth:`disarm` (``torch.compiler.set_stance("force_eager")``, the
+            stance before restored, also when the step raises; keyword only): every module is seen,
+            and steps that are not armed run the compiled code untouched. False: armed steps run
+            compiled too, and modules in compiled code report parameter gradients only
+            (:mod:`lightning_gradhooks.core.compiled`).
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
             or an ``include`` pattern that matches no module.
@@ -298,10 +305,10 @@ class GradientMonitor:
             if forward_checks else None
         self.activations = activations  # the watched modules' outputs, read by their forward hook (_watch_outputs)
         self._copied: set[str] = set()  # modules whose outputs were seen changed in place (_reduce_output)
+        # No attention capture around hidden code: its mode active there would make Dynamo recompile it.
+        around = {id(m) for m in labels.values() if any(id(sub) in compiled for sub in m.modules())}
         self._attention = AttentionLogits(
-            {label: m for label, m in labels.items() if id(m) not in compiled},
-            {label: m for label, m in labels.items() if id(m) in compiled}, self._reduce, lambda: self._armed,
-            [] if self._code.eager else [m for m in model.modules() if _is_compile_wrapper(m)],
+            {label: m for label, m in labels.items() if id(m) not in around}, self._reduce, lambda: self._armed,
         ) if attention_logits else None
 
     def _say_hidden(self) -> None:
