@@ -29,10 +29,12 @@ from torch import nn
 
 from lightning_gradhooks.core.planning import _compiled_modules
 
-__all__ = ["CompiledCode", "COMPILED", "GRAPHED"]
+__all__ = ["COMPILED", "FORCED", "GRAPHED", "CompiledCode"]
 
 #: Why a module gets no hook: its compiled code runs on logged steps too.
-COMPILED = "in compiled code run on logged steps (eager_logged_steps=False): a hook would split the compiled graph"
+COMPILED = "in compiled code that logged steps run (eager_logged_steps=False): a hook would split the compiled graph"
+#: ... because a Dynamo setting of the user's compiles it whatever the stance.
+FORCED = "in compiled code that logged steps run ({}): a hook would split the compiled graph"
 #: Why a module gets no hook: a CUDA graph the user captured replays it.
 GRAPHED = "in a CUDA graph captured by torch.cuda.make_graphed_callables: replayed without its forward"
 
@@ -41,7 +43,7 @@ def _graphed(model: nn.Module) -> set[int]:
     """Ids of the modules in callables of ``torch.cuda.make_graphed_callables`` (which replaces a
     module's ``forward`` with one that replays its graph) and of their submodules."""
     roots = [m for m in model.modules()
-             if getattr(m.__dict__.get("forward"), "__qualname__", "").startswith("make_graphed_callables")]
+             if getattr(m.__dict__.get("forward"), "__qualname__", "").startswith("make_graphed_callables.<locals>")]
     return {id(sub) for root in roots for sub in root.modules()}
 
 
@@ -75,7 +77,8 @@ class CompiledCode:
             why = f"{', '.join(forcing)} is set: its backward compiles whatever the stance" if forcing \
                 else "this torch has no torch.compiler.set_stance (torch >= 2.6)"
             self.notes.append(f"logged steps run compiled: {why}")
-        self.hidden: dict[int, str] = {} if self.eager else dict.fromkeys(self.compiled, COMPILED)
+        why = FORCED.format(", ".join(forcing)) if forcing else COMPILED
+        self.hidden: dict[int, str] = {} if self.eager else dict.fromkeys(self.compiled, why)
         self.hidden.update(dict.fromkeys(_graphed(model), GRAPHED))
         self._stance = None  # the set_stance object while entered: its __exit__ restores the stance before
 
