@@ -342,3 +342,20 @@ def test_a_transformers_gpt2_compiled_whole_gives_the_uncompiled_numbers():
     assert {"gpt.transformer.h.0.attn", "gpt.transformer.h.1.attn"} <= {
         e.name for e in records[-1].entries if e.kind == Kind.ATTENTION_LOGIT}
     assert backend.calls >= 2 + 2 and unique_graphs() == alone and graph_breaks() == 0
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_key_bias_zero_by_construction_is_a_note_with_or_without_module_statistics(eager):
+    """Softmax ignores a shift shared by every key: the key projection's bias gets round-off. Kept
+    compiled (no grad_output), it is told from its weight's gradient: a note, no vanishing or stalled flag."""
+    pl.seed_everything(0, verbose=False)
+    model = LitLM()
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.5)
+    hooks = GradHooks(every_n_steps=5, eager_logged_steps=eager, histograms=False)
+    trainer = pl.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[hooks])
+    trainer.fit(torch.compile(model, backend="eager"), DataLoader(TensorDataset(tokens(20, seed=1).flatten(0, 1)),
+                                                                  batch_size=4))
+    report = hooks.gradient_log.report
+    assert report.flags() == []
+    assert {n.entry for n in report.notes()} == {"lm.blocks.0.attn.k.bias", "lm.blocks.1.attn.k.bias"}
