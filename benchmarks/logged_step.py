@@ -40,6 +40,16 @@ process's CPU time instead of wall time (with ``--threads 1``, the work itself, 
 shared machine). Each window's time is printed
 as it comes, so a run stopped by a time limit still shows what it measured.
 
+``--compiled``: a model compiled with ``torch.compile`` (Inductor), in one process per model,
+windows interleaved round by round (the order rotated): ``compiled`` (``--steps`` steps, none
+logged: the user's compiled code), ``logged`` (every step logged, so run eagerly under
+``set_stance("force_eager")``, and written), ``kept`` (every step logged with
+``eager_logged_steps=False``: compiled, parameter gradients only), and the amortized cost:
+``--every`` steps with the first logged against ``--every`` steps with none (``every`` over
+``plain``). Also the bytes of the tensors autograd saves for backward in one step of each kind
+(``saved_tensors_hooks``, each storage once): the activations that make a step's peak memory.
+Models: ``encoder`` (many_modules.py) and ``gpt2s`` (a GPT-2-style model, 4 x 256, sequences of 128).
+
 ``--write-only``: the time of writing one logged step's event alone (the same scalars,
 histograms and compact summary, written ``--steps`` times up to ``writer.flush()``), where a
 loaded machine's noise on the step would hide it; ``bare`` then times nothing.
@@ -48,6 +58,8 @@ loaded machine's noise on the step would hide it; ``bare`` then times nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -87,6 +99,14 @@ def make_case(name: str, device: str):  # noqa: ANN201
             batch = (torch.randn(2, 3, 128, 128, generator=g), batch[1][:2])
         model = ResNetForImageClassification(ResNetConfig(num_labels=1000))
         loss = lambda m, b: F.cross_entropy(m(pixel_values=b[0]).logits, b[1])  # noqa: E731
+    elif name == "gpt2s":  # GPT-2-style, small enough to compile and run on 2 CPUs
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        batch = (torch.randint(0, 8192, (4, 128), generator=g),)
+        config = GPT2Config(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4,
+                            attn_implementation="sdpa")
+        model = GPT2LMHeadModel(config)
+        loss = lambda m, b: m(input_ids=b[0], labels=b[0]).loss  # noqa: E731
     elif name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel  # GPT2Config() is GPT-2 small
 
@@ -213,6 +233,95 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"mean": mean, "peak": peak, "event_bytes": event_bytes / (2 + args.steps), "modules": modules}))
 
 
+def saved_bytes(step) -> int:  # noqa: ANN001
+    """The bytes of the tensors autograd saves for backward during ``step()``, each storage once."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(t):  # noqa: ANN001, ANN202
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storages.values())
+
+
+def compiled_worker(args: argparse.Namespace) -> None:
+    """``--compiled``: the windows of one model in this process (see the module's docstring)."""
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog, GradientMonitor
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, batch, loss_fn = make_case(args.model, "cpu")
+    compiled = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    folder = tempfile.mkdtemp()
+    writer = SummaryWriter(folder)
+    log = GradientLog(writer, optimizers=[optimizer], echo=None)
+    monitors = {"logged": GradientMonitor(compiled), "kept": GradientMonitor(compiled, eager_logged_steps=False)}
+    for monitor in monitors.values():
+        monitor.attach()
+
+    def step(i: int, monitor: GradientMonitor | None = None) -> None:
+        with monitor.arm() if monitor is not None else contextlib.nullcontext():
+            loss_fn(compiled, batch).backward()
+            if monitor is not None:
+                log.write(monitor.collect(), i)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def window(name: str) -> float:
+        steps = args.every if name in ("every", "plain") else args.steps
+        t0 = time.perf_counter()
+        for i in range(steps):
+            logged = name in monitors or (name == "every" and i == 0)
+            step(i, monitors["logged" if name == "every" else name] if logged else None)
+        writer.flush()
+        return (time.perf_counter() - t0) / steps
+
+    for name in ("compiled", "logged", "kept", "compiled"):  # compiles, probes the read plans, warms up
+        step(0, monitors.get(name))
+    saved = {name: saved_bytes(functools.partial(step, 0, monitors.get(name))) for name in ("compiled", "logged", "kept")}
+    names = ["compiled", "logged", "kept", "every", "plain"]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(window(name))
+    log.close()
+    writer.close()
+    shutil.rmtree(folder)
+    print(json.dumps({"times": times, "saved": saved, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+
+
+def compiled_main(args: argparse.Namespace) -> None:
+    """``--compiled``: one process per model (:func:`compiled_worker`), then the table."""
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device: cpu; {os.cpu_count()} logical CPUs; {args.threads or 'default'} torch threads; wall clock; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for model in args.models.split(","):
+        cmd = [sys.executable, __file__, "--compiled", "--worker", "compiled", "--model", model, "--rounds",
+               str(args.rounds), "--steps", str(args.steps), "--every", str(args.every), "--threads", str(args.threads)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{model} failed:\n{done.stderr[-4000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        times, saved = result["times"], result["saved"]
+        ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
+        print(f"\n{model}: {args.rounds} rounds, medians; {result['graphs']} graphs compiled by Dynamo")
+        print(f"  {'step':<34}{'time':>10}{'vs compiled':>13}{'saved for backward':>20}")
+        for name, what in (("compiled", "compiled, not logged"), ("logged", "logged (eager, every statistic)"),
+                           ("kept", "logged, kept compiled")):
+            print(f"  {what:<34}{statistics.median(times[name]) * 1e3:>8.1f}ms{ratio(name, 'compiled'):>12.2f}x"
+                  f"{saved[name] / MiB:>16.1f} MiB")
+        print(f"  amortized, 1 logged step in {args.every}: {ratio('every', 'plain'):.4f}x a compiled fit without it "
+              f"(per-round ratios {', '.join(f'{a / b:.3f}' for a, b in zip(times['every'], times['plain']))})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -230,10 +339,16 @@ def main() -> None:
     parser.add_argument("--write-only", action="store_true",
                         help="time only the writing of one logged step's event (scalars, histograms, summary), "
                              "up to writer.flush(); bare: 0")
+    parser.add_argument("--compiled", action="store_true",
+                        help="the model compiled: unlogged, logged (eager), kept-compiled and amortized steps")
+    parser.add_argument("--every", type=int, default=50, help="--compiled: one logged step in this many")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--repo", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compiled:
+        compiled_worker(args) if args.worker else compiled_main(args)
+        return
     if args.worker:
         worker(args)
         return
