@@ -254,22 +254,17 @@ class GradientMonitor:
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = _frozen(model, self.modules)
-        # A compiled model's armed steps run eagerly (lightning_gradhooks.core.compiled): every module
-        # is seen. What cannot be (compiled code run on logged steps, CUDA graphs) gets no hook: a hook
-        # there would split the compiled graph, or never run.
+        # Armed steps of a compiled model run eagerly (core.compiled); what cannot be seen gets no hook.
         self._code = CompiledCode(model, eager_logged_steps)
         hidden = self._code.hidden
         self._planner = Planner({_label(name): module for name, module in self.modules.items()}, hidden)
         self._hooked = self._planner.hooked
         self._hooked_ids = frozenset(id(module) for module in self._hooked.values())  # they feed the noise probe
         self._say_hidden()
-        self.histograms = histograms
-        self._step_histograms = histograms  # this armed step's (arm(histograms=))
-        self.bins = bins
+        self.histograms, self._step_histograms, self.bins = histograms, histograms, bins  # _step: arm(histograms=)
         # No graph of ours beside a compiled model's (Dynamo's count of graphs is the user's): eager ops.
         self.compile_statistics = compile_statistics and not self._code.compiled
-        self._model = model
-        self._with_parameters = parameters
+        self._model, self._with_parameters = model, parameters
         self._read_forward(model, set(hidden), forward_checks, activations, attention_logits)
         #: Chosen parameters that gave no entry at the last collect, with the reason.
         self.skipped: dict[str, str] = {}
@@ -284,9 +279,8 @@ class GradientMonitor:
         self._scratch = Scratch()
         self._handle: MonitorHandle | None = None
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes
-        # The gradient hooks that take no noise callback, made once per (reading, label, histogram,
-        # output index, edge) and put on the nodes of every logged step: no new objects per step
-        # for the cyclic collector to walk (:meth:`_gradient_hook`).
+        # The gradient hooks that take no noise callback, made once per (reading, label, histogram, output
+        # index, edge): no new objects per logged step for the cyclic collector (:meth:`_gradient_hook`).
         self._gradient_hooks: dict[tuple, Callable] = {}
         #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
@@ -462,25 +456,20 @@ class GradientMonitor:
                     record = monitor.collect()  # empty unless armed
 
         Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on;
-        :meth:`collect` and leaving the block switch it back on), and inside :meth:`collect`
-        also after a bare ``arm()`` (nothing could switch it back on if a step armed that way
-        raised). An armed step makes a few short-lived Python objects per module (hook handles,
-        the hooks of autograd nodes, rows and entries), and in a process holding a few hundred
-        thousand objects (torch, Lightning and TensorBoard imported) the full collections they
-        set off cost a 500-module MLP about a third of its armed step (docs/benchmarks.md).
-        Objects freed by reference counting are freed as always; only collecting reference
-        cycles waits. A collector you switched off stays off.
+        :meth:`collect` and leaving the block switch it back on), and inside :meth:`collect` after
+        a bare ``arm()``: an armed step's short-lived objects per module could set off full
+        collections, a third of a 500-module MLP's armed step (docs/benchmarks.md). Yours stays off.
 
-        Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
-        in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
-        with a warning, and starts afresh: they are never pooled into the next record.
+        Arming a monitor still armed (a step that raised before its :meth:`collect`, in a loop that
+        went on without :meth:`disarm`) drops that step's partial statistics, with a warning. On a
+        model with compiled code, the armed step runs eagerly until :meth:`collect` or :meth:`disarm`
+        (``eager_logged_steps``): disarm also after a step that raised, or arm with ``with``.
 
-        ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
-        passes accumulated into the step) tell the noise probe where its two batches come from
-        (see :mod:`lightning_gradhooks.core.noise`); ``noise=False`` leaves the noise probe out of this
-        step (one noise sample a step: that of its first optimizer). ``histograms=False`` leaves
-        histograms out of this step (a log's cadence: :meth:`GradientLog.arm`); None (the
-        default) follows the monitor's ``histograms``.
+        ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward passes
+        into the step) tell the noise probe where its two batches come from (core.noise);
+        ``noise=False`` leaves it out of this step (one sample a step: its first optimizer's).
+        ``histograms=False`` leaves histograms out of this step (a log's cadence:
+        :meth:`GradientLog.arm`); None (the default) follows the monitor's ``histograms``.
         """
         if histograms is not None and not isinstance(histograms, bool):
             raise ValueError(f"`histograms` expected True, False or None, got {histograms!r}")
