@@ -143,9 +143,10 @@ def close(records: list, reference: list, rel: float = 1e-5) -> None:
 @pytest.mark.parametrize("how", ["whole", "blocks"])
 def test_a_compiled_model_is_seen_whole_with_the_uncompiled_numbers_and_runs_compiled_between(how):
     torch.manual_seed(0)
-    reference = watched(CausalLM(), steps=6, every=3)
+    reference = watched(CausalLM(), steps=6, every=3, forward_checks=True)  # where NaN/Inf are born: checked too
     kinds = {e.kind for e in reference[-1].entries}
-    assert {Kind.GRAD_OUTPUT, Kind.GRAD_INPUT, Kind.OUTPUT, Kind.ATTENTION_LOGIT, Kind.PARAM_GRAD} <= kinds
+    assert {Kind.GRAD_OUTPUT, Kind.GRAD_INPUT, Kind.OUTPUT, Kind.ATTENTION_LOGIT, Kind.PARAM_GRAD, Kind.FORWARD,
+            Kind.FORWARD_INPUT, Kind.WEIGHTS} <= kinds
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     backend = Counting()
@@ -158,7 +159,7 @@ def test_a_compiled_model_is_seen_whole_with_the_uncompiled_numbers_and_runs_com
             block.compile(backend=backend)
         compiled = model
     before = hook_snapshot(model)
-    monitor = GradientMonitor(compiled)  # nothing to warn about
+    monitor = GradientMonitor(compiled, forward_checks=True)  # nothing to warn about
     with monitor.attach():
         records = train(compiled, monitor, steps=6, every=3)
     close(records, reference)
@@ -359,3 +360,10 @@ def test_a_key_bias_zero_by_construction_is_a_note_with_or_without_module_statis
     report = hooks.gradient_log.report
     assert report.flags() == []
     assert {n.entry for n in report.notes()} == {"lm.blocks.0.attn.k.bias", "lm.blocks.1.attn.k.bias"}
+
+
+def test_a_fit_that_raises_in_a_logged_step_restores_the_stance(tmp_path):
+    trainer = make_trainer(tmp_path, [hooks := GradHooks(every_n_steps=1)], max_steps=3)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(torch.compile(MLP(fail_at=1), backend="eager"), loader())
+    assert stance() == "default" and hooks.monitor is None
