@@ -292,6 +292,7 @@ def compiled_worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(window(name))
+            print(f"  {args.model} round {r + 1} {name}: {times[name][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     log.close()
     writer.close()
     shutil.rmtree(folder)
@@ -306,9 +307,9 @@ def compiled_main(args: argparse.Namespace) -> None:
     for model in args.models.split(","):
         cmd = [sys.executable, __file__, "--compiled", "--worker", "compiled", "--model", model, "--rounds",
                str(args.rounds), "--steps", str(args.steps), "--every", str(args.every), "--threads", str(args.threads)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its progress on stderr, as it comes
         if done.returncode != 0:
-            raise SystemExit(f"{model} failed:\n{done.stderr[-4000:]}")
+            raise SystemExit(f"{model} failed (its stderr is above)")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         times, saved = result["times"], result["saved"]
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
