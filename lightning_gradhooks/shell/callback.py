@@ -73,7 +73,8 @@ class GradHooksLogic:
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
             (:mod:`lightning_gradhooks.core.noise`).
         compile_statistics: reduce with kernels ``torch.compile`` builds once per process; False
-            (or no compiler, said once at INFO): eager ops that give the same numbers.
+            (or no compiler, said once at INFO, or a model with compiled code of its own, so that
+            Dynamo compiles no graph of ours beside yours): eager ops that give the same numbers.
         histogram_every_n_steps: histograms on the first logged step of each window of this many
             optimizer steps (scalars and the report's summary on every logged step).
         activations: on logged steps, also reduce each monitored module's outputs (RMS, absmax,
