@@ -168,14 +168,14 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-MODELS = ("resnet18", "mlp500", "encoder", "resnet50", "gpt2")
+MODELS = ("resnet18", "mlp500", "encoder", "resnet50", "gpt2", "gpt2s")
 
 
 def make_case(name: str, device: str = "cpu"):  # noqa: ANN201
     """``(model, batch, loss(model, batch))`` on ``device``, the same weights and batch every time:
     ``resnet18`` (8 x 3 x 64², cross-entropy), ``mlp500`` (500 x (Linear(64, 64) + Tanh), batch 32),
     ``encoder`` (4 ``TransformerEncoderLayer``, d 256, 4 heads, 16 x 128 tokens), and from
-    transformers' configs (no download) ``resnet50`` and ``gpt2`` (GPT-2 small)."""
+    transformers' configs (no download) ``resnet50``, ``gpt2`` (GPT-2 small) and ``gpt2s`` (4 x 256)."""
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     squares = lambda m, b: m(b[0]).pow(2).mean()  # noqa: E731
@@ -196,11 +196,13 @@ def make_case(name: str, device: str = "cpu"):  # noqa: ANN201
         batch = (torch.randn(n, 3, size, size, generator=g), torch.randint(0, 1000, (n,), generator=g))
         model = ResNetForImageClassification(ResNetConfig(num_labels=1000))
         loss = lambda m, b: F.cross_entropy(m(pixel_values=b[0]).logits, b[1])  # noqa: E731
-    elif name == "gpt2":
+    elif name in ("gpt2", "gpt2s"):  # gpt2s: GPT-2-style, 4 x 256, vocabulary 8192, SDPA
         from transformers import GPT2Config, GPT2LMHeadModel  # GPT2Config() is GPT-2 small
 
-        batch = (torch.randint(0, 50257, (4, 512) if device == "cuda" else (2, 128), generator=g),)
-        model = GPT2LMHeadModel(GPT2Config())
+        small = dict(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4) if name == "gpt2s" else {}
+        shape = (4, 128) if small else (4, 512) if device == "cuda" else (2, 128)
+        batch = (torch.randint(0, small.get("vocab_size", 50257), shape, generator=g),)
+        model = GPT2LMHeadModel(GPT2Config(**small, attn_implementation="sdpa"))
         loss = lambda m, b: m(input_ids=b[0], labels=b[0]).loss  # noqa: E731
     else:
         raise SystemExit(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")

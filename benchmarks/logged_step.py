@@ -5,6 +5,7 @@
     python benchmarks/logged_step.py --per-module [--floor] [--rounds 40 --steps 1]   # host µs per module
     python benchmarks/logged_step.py --lightning [--models encoder] [--steps 20] [--rounds 3]
     python benchmarks/logged_step.py --kernels [--models encoder]                   # time in the kernels
+    python benchmarks/logged_step.py --compiled [--models encoder,gpt2s] [--every 50]  # a compiled model
 
 A plain loop over a model of ``_common.make_case``, the same batch every step: forward, backward,
 SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the order rotated:
@@ -41,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 from types import SimpleNamespace
@@ -379,6 +381,63 @@ def kernels(args: argparse.Namespace, model_name: str) -> None:
         print(f"  {key:<15} {seconds / args.steps * 1e3:8.1f} ms  {seconds / args.steps / b:7.2%} of a bare step")
 
 
+def compiled(args: argparse.Namespace, model_name: str) -> None:
+    """``--compiled``: the model under ``torch.compile`` (Inductor), windows interleaved: not logged,
+    every step logged (eager: ``set_stance("force_eager")``), every step logged kept compiled
+    (``eager_logged_steps=False``), and ``--every`` steps with the first logged against as many with
+    none (the amortized cost); and the bytes autograd saves for backward in one step of each kind."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_gradhooks import GradientLog, GradientMonitor
+
+    model, batch, loss = C.make_case(model_name, args.device)
+    fast, optimizer, folder = torch.compile(model), torch.optim.SGD(model.parameters(), lr=1e-4), tempfile.mkdtemp()
+    writer = SummaryWriter(folder)
+    log = GradientLog(writer, optimizers=[optimizer], echo=None)
+    monitors = {"logged": GradientMonitor(fast), "kept": GradientMonitor(fast, eager_logged_steps=False)}
+    for monitor in monitors.values():
+        monitor.attach()
+
+    def step(monitor: GradientMonitor | None = None) -> None:
+        with monitor.arm() if monitor is not None else contextlib.nullcontext():
+            loss(fast, batch).backward()
+            if monitor is not None:
+                log.write(monitor.collect(), 0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def saved(monitor: GradientMonitor | None) -> int:  # each storage once
+        storages: dict[int, int] = {}
+        pack = lambda t: storages.__setitem__(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step(monitor)
+        return sum(storages.values())
+
+    def window(monitor: GradientMonitor | None, steps: int, first: bool = False) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            for i in range(steps):
+                step(monitor if not first or i == 0 else None)
+            return (time.perf_counter() - start) / steps
+        return run
+
+    for monitor in (None, *monitors.values(), None):  # compiles, plans, warms up
+        step(monitor)
+    print(f"{model_name}: saved for backward " + ", ".join(
+        f"{n} {saved(monitors.get(n)) / 2**20:.1f} MiB" for n in ("compiled", "logged", "kept")))
+    times = C.interleave({"compiled": window(None, args.steps), "logged": window(monitors["logged"], args.steps),
+                          "kept": window(monitors["kept"], args.steps),
+                          "plain": window(None, args.every), "every": window(monitors["logged"], args.every, True)},
+                         args.rounds, f"{model_name} ")
+    every, plain = times.pop("every"), times.pop("plain")
+    C.table(times, "compiled")
+    print(f"amortized, one logged step in {args.every}: {C.quartiles([e / p for e, p in zip(every, plain)])[1]:.4f}x; "
+          f"{torch._dynamo.utils.counters['stats']['unique_graphs']} graphs compiled by Dynamo")
+    log.close()
+    writer.close()
+    shutil.rmtree(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="resnet18,mlp500,encoder", help="of " + ", ".join(C.MODELS))
@@ -395,6 +454,9 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="with --per-module: the floors of the design too")
     parser.add_argument("--lightning", action="store_true", help="Lightning fits instead")
     parser.add_argument("--kernels", action="store_true", help="the time in the compiled statistics and logits")
+    parser.add_argument("--compiled", action="store_true", help="the model compiled: unlogged, logged (eager), "
+                        "kept-compiled and amortized steps")
+    parser.add_argument("--every", type=int, default=50, help="--compiled: one logged step in this many")
     for hidden in ("--worker", "--model", "--repo"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -419,6 +481,8 @@ def main() -> None:
             lightning(args, model)
         elif args.kernels:
             kernels(args, model)
+        elif args.compiled:
+            compiled(args, model)
         elif args.one_process:
             one_process(args, model, variants)
         else:

@@ -19,7 +19,9 @@ the host about a microsecond). The mode sees
 with ``need_weights=False`` its own SDPA call, with ``need_weights=True`` the input of its
 softmax, which it already computed). A call belongs to the innermost module of the model
 running when it is made. An attention module (its class name says so) that ran on an armed step
-without a call seen (eager attention, a custom kernel, compiled code) is named once in a warning.
+without a call seen (eager attention, a custom kernel) is named once in a warning: its outputs and
+gradients are measured, its logits are not. Modules that get no hook at all (compiled code run on
+logged steps, CUDA graphs) are named by the monitor (:mod:`lightning_gradhooks.core.compiled`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import functools
 import inspect
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -132,19 +134,15 @@ class AttentionLogits:
     """The attention-logit capture of one monitor.
 
     Args:
-        modules: every module of the model outside compiled code, by label: each that may make
+        modules: every module of the model outside (and not around) hidden code, by label: each that may make
             an attention call, and each of torch.nn's called by one, gets a forward pre-hook and a
             forward hook (:attr:`hooks`) that the monitor puts in on armed steps.
-        compiled: the modules in compiled code, by label (named if they are attention modules).
         reduce: the monitor's ``(kind, label, tensor, histogram)`` reduction.
         armed: whether the monitor is armed.
-        wrappers: what ``torch.compile(module)`` returned, in the model: the mode is left while
-            they run (compiled code runs as on other steps, with no recompile of ours).
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], compiled: Mapping[str, nn.Module],
-                 reduce: Callable[[Kind, str, Tensor, bool], None], armed: Callable[[], bool],
-                 wrappers: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module],
+                 reduce: Callable[[Kind, str, Tensor, bool], None], armed: Callable[[], bool]) -> None:
         self._reduce = reduce
         self._armed = armed
         self._mode = _Mode(self)
@@ -156,9 +154,8 @@ class AttentionLogits:
         self._ran: set[str] = set()  # attention modules that ran, this armed step
         callers = {label: m for label, m in modules.items() if _may_call(m)}
         self._attention = {label for label, m in callers.items() if _ATTENTION.search(type(m).__name__)}
-        self._unseen = [label for label, m in compiled.items() if _ATTENTION.search(type(m).__name__)]
         self._said: set[str] = set()
-        # Left while they run: torch.nn's modules that a module making calls calls (its children), and compiled code.
+        # Left while they run: torch.nn's modules that a module making calls calls (its children).
         inside = {id(m) for m in modules.values()}
         quiet = {id(child): child for m in callers.values() for child in m.children()
                  if id(child) in inside and not _may_call(child)}
@@ -166,7 +163,7 @@ class AttentionLogits:
         self.hooks = [hook for label, m in callers.items()
                       for hook in ((m, True, functools.partial(self._enter, label)),
                                    (m, False, functools.partial(self._leave, label), True))]
-        self.hooks += [hook for m in [*quiet.values(), *wrappers]
+        self.hooks += [hook for m in quiet.values()
                        for hook in ((m, True, self._pause), (m, False, self._resume, True))]
         self._paused: list[bool] = []  # per such module running: whether it left the mode
 
@@ -225,14 +222,15 @@ class AttentionLogits:
             self.on = False
         self._running.clear()
         self._paused.clear()
-        unseen = [label for label in [*self._unseen, *sorted(self._ran)] if label not in self._said
+        unseen = [label for label in sorted(self._ran) if label not in self._said
                   and not any(s == label or s.startswith(f"{label}.") or label == "(model)" for s in self._seen)]
-        self._unseen, self._seen, self._ran = [], set(), set()
+        self._seen, self._ran = set(), set()
         if unseen:
             self._said.update(unseen)
             warnings.warn(
                 "attention_logits: no F.scaled_dot_product_attention or nn.MultiheadAttention call was seen in "
-                f"{', '.join(unseen)} on a logged step (eager attention, a custom kernel or compiled code), so "
-                "their attention logits are not measured; with transformers, attn_implementation='sdpa' measures them",
+                f"{', '.join(unseen)} on a logged step (eager attention, or a custom kernel such as flash-attn's), so "
+                "their attention logits are not measured (their outputs and gradients are); with transformers, "
+                "attn_implementation='sdpa' measures them",
                 stacklevel=3,
             )

@@ -28,8 +28,9 @@ from lightning_gradhooks.core.module_hooks import ArmedState, ModuleHooks
 from lightning_gradhooks.core.noise import NoiseProbe, gradient_squares
 from lightning_gradhooks.core.parameter_reader import ParameterReader
 from lightning_gradhooks.core.planning import (
-    Plan, Planner, Read, _compiled_modules, _is_compile_wrapper, _named_modules, select_modules,
+    Plan, Planner, Read, _named_modules, select_modules,
 )
+from lightning_gradhooks.core.compiled import CompiledCode
 from lightning_gradhooks.core.stats import Scratch
 from lightning_gradhooks.core.step_buffer import StepBuffer
 from lightning_gradhooks.summary.checks import MAX_BINS, check_bool, check_int
@@ -84,11 +85,19 @@ def _forward_plugins(model: nn.Module, hooked: Mapping[str, nn.Module], compiled
         unmonitored = {label: m for label, m in labels.items() if label not in hooked and id(m) not in compiled}
         plugins.append(ForwardChecks(model, unmonitored, reduce, armed, ROOT_NAME))
     if attention_logits:
-        plugins.append(AttentionLogits(
-            {label: m for label, m in labels.items() if id(m) not in compiled},
-            {label: m for label, m in labels.items() if id(m) in compiled}, reduce, armed,
-            [m for m in model.modules() if _is_compile_wrapper(m)]))
+        # No attention capture around hidden code: its mode active there would make Dynamo recompile it.
+        around = {id(m) for m in labels.values() if any(id(sub) in compiled for sub in m.modules())}
+        plugins.append(AttentionLogits({label: m for label, m in labels.items() if id(m) not in around}, reduce, armed))
     return plugins
+
+
+def _say_hidden(code: CompiledCode, modules: Mapping[str, nn.Module]) -> None:
+    """Say once what of the model cannot be seen on logged steps, by name, and what is measured instead."""
+    for note in code.notes:
+        warnings.warn(f"torch.compile: {note}", stacklevel=4)
+    for reason, labels in code.hidden_by_reason(modules).items():
+        warnings.warn(f"{len(labels)} modules report parameter gradients only (no grad_output, grad_input, "
+                      f"outputs, attention logits or noise probe), {reason}: {listed(labels)}", stacklevel=4)
 
 
 class GradientMonitor:
@@ -129,7 +138,14 @@ class GradientMonitor:
         compile_statistics: reduce gradients with kernels compiled once per process by
             ``torch.compile`` (C++ on the CPU, Triton on GPUs; keyword only), where a compiler is
             there; False: eager ops that give the same numbers (slower; no compile at the first logged
-            step). Where compiling is unavailable the eager ops run anyway, said once at INFO.
+            step). Where compiling is unavailable the eager ops run anyway, said once at INFO; on a
+            model with compiled code too, so that Dynamo compiles no graph of ours beside yours.
+        eager_logged_steps: run armed steps of a model with compiled code eagerly, from :meth:`arm`
+            to :meth:`collect` or :meth:`disarm` (``torch.compiler.set_stance("force_eager")``, the
+            stance before restored, also when the step raises; keyword only): every module is seen,
+            and steps that are not armed run the compiled code untouched. False: armed steps run
+            compiled too, and modules in compiled code report parameter gradients only
+            (:mod:`lightning_gradhooks.core.compiled`).
     Raises:
         ValueError: an invalid argument (naming it, what is accepted and the value received),
             or an ``include`` pattern that matches no module.
@@ -161,29 +177,28 @@ class GradientMonitor:
         compile_statistics: bool = True,
         activations: bool = True,
         attention_logits: bool = True,
+        eager_logged_steps: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"`model` expected a torch.nn.Module, got {type(model).__name__}")
         check_int("bins", bins, maximum=MAX_BINS)
         for argument, value in (("histograms", histograms), ("parameters", parameters), ("forward_checks", forward_checks),
                                 ("noise_scale", noise_scale), ("compile_statistics", compile_statistics),
-                                ("activations", activations), ("attention_logits", attention_logits)):
+                                ("activations", activations), ("attention_logits", attention_logits),
+                                ("eager_logged_steps", eager_logged_steps)):
             check_bool(argument, value)
         self.modules = select_modules(model, include, exclude)
         #: Modules left out because they own parameters and none of them requires grad.
         self.frozen = _frozen(model, self.modules)
-        # Module hooks in compiled code make Dynamo break the graph around every hooked module
-        # (and leave the degraded code in its cache): modules there get no hooks, and report
-        # their parameter gradients only.
-        compiled = _compiled_modules(model)
-        self._planner = Planner({_label(name): module for name, module in self.modules.items()}, compiled)
+        # Armed steps of a compiled model run eagerly (core.compiled); what cannot be seen gets no hook.
+        self._code = CompiledCode(model, eager_logged_steps)
+        hidden = self._code.hidden
+        self._planner = Planner({_label(name): module for name, module in self.modules.items()}, hidden)
         self._hooked = self._planner.hooked
         self._hooked_ids = frozenset(id(module) for module in self._hooked.values())  # they feed the noise probe
-        if self.compiled:
-            warnings.warn(
-                "torch.compile: module hooks would split the compiled graph into eager pieces, so "
-                f"{len(self.compiled)} modules in compiled code report parameter gradients only "
-                f"(run uncompiled to see grad_output/grad_input): {listed(self.compiled)}", stacklevel=2)
+        _say_hidden(self._code, {_label(n): m for n, m in self.modules.items()})
+        # No graph of ours beside a compiled model's (Dynamo's count of graphs is the user's): eager ops.
+        compile_statistics = compile_statistics and not self._code.compiled
         self.histograms, self.bins, self.compile_statistics, self.activations = (
             histograms, bins, compile_statistics, activations)
         self._step = ArmedState(histograms=histograms)  # this armed step's (arm(histograms=))
@@ -194,9 +209,9 @@ class GradientMonitor:
         self._handle: MonitorHandle | None = None
         #: The :class:`~lightning_gradhooks.core.noise.NoiseProbe`, armed and collected with the
         #: monitor; None with ``noise_scale=False``.
-        self.noise = NoiseProbe(model, skip=compiled) if noise_scale else None  # no hook in compiled code
-        self._plugins = _forward_plugins(model, self._hooked, compiled, self._buffer.reduce, lambda: self._step.armed,
-                                         forward_checks, attention_logits)
+        self.noise = NoiseProbe(model, skip=hidden) if noise_scale else None  # no hook where none runs
+        self._plugins = _forward_plugins(model, self._hooked, set(hidden), self._buffer.reduce,
+                                         lambda: self._step.armed, forward_checks, attention_logits)
         checks = next((p for p in self._plugins if isinstance(p, ForwardChecks)), None)
         attention = next((p for p in self._plugins if isinstance(p, AttentionLogits)), None)
         self._module_hooks = ModuleHooks(self._planner, self._step, self._buffer, activations, self._replan,
@@ -241,14 +256,15 @@ class GradientMonitor:
     def plan(self) -> dict[str, Plan]:
         """Each chosen module's read plan, by name: :class:`Plan` ``(read, reason)``, as it stands.
 
-        Every module not in compiled code starts with :attr:`Read.PROBE`; the first logged
+        Every module with hooks (all but :attr:`parameters_only`) starts with :attr:`Read.PROBE`; the first logged
         step's backward plans each lastingly (see ``docs/how-it-works.md``, "How the gradients are
         read")."""
         return dict(self._planner.plans)
 
     @property
-    def compiled(self) -> list[str]:
-        """Modules in code compiled by torch.compile: parameter gradients only."""
+    def parameters_only(self) -> list[str]:
+        """Modules that get no hook and report their parameter gradients only (:attr:`Read.PARAMETERS_ONLY`):
+        in compiled code that logged steps run (``eager_logged_steps=False``), or in CUDA graphs."""
         return [name for name, p in self._planner.plans.items() if p.read is Read.PARAMETERS_ONLY]
 
     @property
@@ -307,15 +323,14 @@ class GradientMonitor:
                     loss_fn(model(x), y).backward()
                     record = monitor.collect()  # empty unless armed
 
-        Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on;
-        :meth:`collect` and leaving the block switch it back on), and inside :meth:`collect`
-        also after a bare ``arm()``: the full collections that an armed step's short-lived objects
-        set off cost a 500-module MLP about a third of its armed step. Objects freed by reference
-        counting are freed as always. A collector you switched off stays off.
+        Inside the ``with`` block Python's cyclic garbage collector is paused (if it was on; collect
+        and leaving the block switch it back on; the collections an armed step's objects set off cost
+        a 500-module MLP a third of its armed step). A collector you switched off stays off.
 
-        Arming a monitor that is still armed (a step that raised before its :meth:`collect`,
-        in a loop that went on without :meth:`disarm`) drops that step's partial statistics,
-        with a warning, and starts afresh: they are never pooled into the next record.
+        Arming a monitor still armed (a step that raised before its :meth:`collect`, in a loop that
+        went on without :meth:`disarm`) drops that step's partial statistics, with a warning. On a
+        model with compiled code, the armed step runs eagerly until :meth:`collect` or :meth:`disarm`
+        (``eager_logged_steps``): disarm also after a step that raised, or arm with ``with``.
 
         ``batch_size`` (examples per micro-batch on this rank) and ``accumulation`` (backward
         passes accumulated into the step) tell the noise probe where its two batches come from
@@ -346,6 +361,7 @@ class GradientMonitor:
             was_paused = self._collector.paused
             self._collector.pause()
             try:
+                self._code.enter()  # a compiled model: run eagerly until disarmed (core.compiled)
                 self._register()
                 if self.noise is not None and noise:
                     self.noise.arm(batch_size, accumulation, fed=self._hooked_ids)  # one set of hooks per module
@@ -374,6 +390,7 @@ class GradientMonitor:
         if self.noise is not None and (self._step.armed or noise):
             self.noise.disarm()
         self._step.armed = False
+        self._code.leave()  # the stance before arm(), also after a step that raised
         self._buffer.clear()
         for plugin in self._plugins:
             plugin.reset()

@@ -46,7 +46,8 @@ class Read(enum.Enum):
     VIEWS = "views"
     #: ``grad_output`` only (a view could not be used, or not safely): the reason says why.
     OUTPUT_ONLY = "output only"
-    #: No hook (code compiled by ``torch.compile``): parameter gradients only.
+    #: No hook (compiled code run on logged steps, a CUDA graph; the reason says which): parameter
+    #: gradients only (see :mod:`lightning_gradhooks.core.compiled`).
     PARAMETERS_ONLY = "parameters only"
 
 
@@ -148,11 +149,12 @@ def _one_op_type(module: nn.Module) -> bool:
     return _shards.unsharded_type(module) in ONE_OP
 
 
-def _decide(module: nn.Module, compiled: bool, seen: frozenset[str] | None) -> Plan:
-    """The read plan of ``module``, from what the logged steps showed of it (``seen``; None
-    before the first logged step's backward). Every plan of the monitor is made here."""
-    if compiled:
-        return Plan(Read.PARAMETERS_ONLY, "in code compiled by torch.compile: a hook would split the compiled graph")
+def _decide(module: nn.Module, hidden: str | None, seen: frozenset[str] | None) -> Plan:
+    """The read plan of ``module``, from why it gets no hook (``hidden``; None: it gets hooks) and
+    what the logged steps showed of it (``seen``; None before the first logged step's backward).
+    Every plan of the monitor is made here."""
+    if hidden is not None:
+        return Plan(Read.PARAMETERS_ONLY, hidden)
     if seen is None:
         return Plan(Read.PROBE, "first logged step: grad_output only, watching for in-place use")
     if IN_PLACE in seen:
@@ -311,13 +313,13 @@ class Planner:
 
     Args:
         modules: the watched modules, by label.
-        compiled: ids of the modules in code compiled by ``torch.compile`` (no hook: parameter
-            gradients only).
+        hidden: ids of the modules that get no hook (parameter gradients only), each with why
+            (:class:`~lightning_gradhooks.core.compiled.CompiledCode`).
 
     Example:
         >>> import torch
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True))
-        >>> planner = Planner({"0": net[0]}, compiled=set())
+        >>> planner = Planner({"0": net[0]}, hidden={})
         >>> planner.plans["0"].read
         <Read.PROBE: 'probe'>
         >>> planner.start()
@@ -332,11 +334,11 @@ class Planner:
         <Read.OUTPUT_ONLY: 'output only'>
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], compiled: set[int]) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], hidden: Mapping[int, str]) -> None:
         #: Each module's :class:`Plan`, by label, as it stands.
-        self.plans = {label: _decide(module, id(module) in compiled, None) for label, module in modules.items()}
-        #: The modules that get hooks (those not in compiled code), by label.
-        self.hooked = {label: module for label, module in modules.items() if id(module) not in compiled}
+        self.plans = {label: _decide(module, hidden.get(id(module)), None) for label, module in modules.items()}
+        #: The modules that get hooks (all but the hidden ones), by label.
+        self.hooked = {label: module for label, module in modules.items() if id(module) not in hidden}
         self._probe: _Probe | None = None  # what the first logged forward shows, until its backward
         self._seen: dict[str, frozenset[str]] = {}  # what the logged steps showed of each planned module
 
@@ -383,7 +385,7 @@ class Planner:
         seen = probe.observations(label for label, p in self.plans.items() if p.read is Read.PROBE)
         self._seen.update(seen)
         for label, shown in seen.items():
-            self.plans[label] = _decide(self.hooked[label], False, shown)
+            self.plans[label] = _decide(self.hooked[label], None, shown)
         return sorted(label for label, shown in seen.items() if IN_PLACE in shown)
 
     def not_one_op(self, label: str) -> bool:
@@ -392,5 +394,5 @@ class Planner:
         if self.plans[label].read is not Read.EDGE:
             return False
         self._seen[label] = self._seen[label] | {NOT_ONE_OP}
-        self.plans[label] = _decide(self.hooked[label], False, self._seen[label])
+        self.plans[label] = _decide(self.hooked[label], None, self._seen[label])
         return True

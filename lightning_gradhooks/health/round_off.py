@@ -21,12 +21,31 @@ from lightning_gradhooks.summary.records import Kind
 NOTE_HOLD_RATIO = 1e-3
 
 
+def _beside_siblings(norms: np.ndarray, modules: np.ndarray, elements: np.ndarray,
+                     chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the ``chosen`` parameter gradients, whose module's ``grad_output`` is not told: their
+    norm over the largest gradient norm of a sibling with more elements (NaN: none), and 1 where
+    there is one (the limit, in round-offs). A bias's gradient sums the output gradient over the
+    rows its weight's gradient multiplies with inputs: a real one is within a few orders of
+    magnitude of its weight's; one zero by construction is round-off of it."""
+    ratio, limit = np.full(int(chosen.sum()), math.nan), np.zeros(int(chosen.sum()))
+    for j, i in enumerate(np.flatnonzero(chosen).tolist()):
+        bigger = (modules == modules[i]) & (elements > elements[i]) & np.isfinite(norms)
+        reference = norms[bigger].max() if bigger.any() else 0.0
+        if reference > 0:
+            ratio[j], limit[j] = norms[i] / reference, 1.0
+    return ratio, limit
+
+
 class RoundOff(Check):
     """A note (never a flag) on a parameter whose gradient norm is below ``round_off_factor``
     round-offs of its module's output gradient for ``vanishing_steps`` logged steps in a row.
 
     Round-off of a sum of ``n`` terms of the module's output gradient spread over a parameter's
-    ``p`` elements is about ``eps * sqrt(n / p)`` of its norm. A parameter whose smaller sibling
+    ``p`` elements is about ``eps * sqrt(n / p)`` of its norm. Where the module's output gradient
+    is not told (modules in compiled code kept compiled on logged steps), a parameter's gradient
+    is compared with its siblings' with more elements (a bias with its weight): below
+    ``round_off_factor * eps`` of the largest, it is round-off. A parameter whose smaller sibling
     (same module, fewer elements) gets more than round-off is no such parameter: the module's
     gradient reaches its parameters, and this one's is small because its input is. Once noted,
     a parameter stays noted while its gradient stays below :data:`NOTE_HOLD_RATIO` of its
@@ -89,10 +108,16 @@ class RoundOff(Check):
                 outputs_size[module] += 0.0 if math.isnan(size) else size
         self._at, ids = at, at_ids
         elements = np.fromiter(map(step.shape.sizes.get, names, repeat(0.0)), dtype=np.float64, count=len(names))
+        told_module = np.zeros(modules, dtype=bool)
+        told_module[layout.module_ids[arriving]] = True
         arriving_norm, outputs_size = arriving_norm[ids], outputs_size[ids]
         ratio = np.where(arriving_norm > 0, norms[at] / arriving_norm, math.nan)
         limit = np.where((outputs_size != 0) & (elements != 0), self.thresholds.round_off_factor * step.eps
                          * np.sqrt(outputs_size / elements), 0.0)
+        untold = ~told_module[ids]
+        if untold.any():  # no grad_output of the module (kept compiled): next to its bigger siblings' gradients
+            ratio[untold], limit[untold] = _beside_siblings(norms[at], ids, elements, untold)
+            limit[untold] *= self.thresholds.round_off_factor * step.eps
         none = (ratio == 0) | (ratio < limit)
         return names, ids, ratio, elements, none
 

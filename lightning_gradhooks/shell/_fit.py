@@ -27,6 +27,7 @@ class Fit:
                                        bins=hooks.histogram_bins, noise_scale=hooks.noise_scale,
                                        compile_statistics=hooks.compile_statistics, activations=hooks.activations,
                                        attention_logits=hooks.attention_logits,
+                                       eager_logged_steps=hooks.eager_logged_steps,
                                        forward_checks=True)  # where NaN/Inf are born: the report names it
         #: Log every this many optimizer steps.
         self.interval = hooks.every_n_steps or trainer.log_every_n_steps or 1

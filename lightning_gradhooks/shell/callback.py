@@ -73,7 +73,8 @@ class GradHooksLogic:
         noise_scale: estimate the gradient noise scale (the critical batch size) on logged steps
             (:mod:`lightning_gradhooks.core.noise`).
         compile_statistics: reduce with kernels ``torch.compile`` builds once per process; False
-            (or no compiler, said once at INFO): eager ops that give the same numbers.
+            (or no compiler, said once at INFO, or a model with compiled code of its own, so that
+            Dynamo compiles no graph of ours beside yours): eager ops that give the same numbers.
         histogram_every_n_steps: histograms on the first logged step of each window of this many
             optimizer steps (scalars and the report's summary on every logged step).
         activations: on logged steps, also reduce each monitored module's outputs (RMS, absmax,
@@ -83,6 +84,12 @@ class GradHooksLogic:
             ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` call, per module
             (one more ``q·kᵀ`` per call, on logged steps only; :mod:`lightning_gradhooks.core.attention`);
             judged by the report's ``attention_logits`` flag. On by default.
+        eager_logged_steps: run the logged steps of a compiled model (``torch.compile``, ``module.compile()``,
+            a compiled ``training_step``) eagerly, from the batch's start to its optimizer step
+            (``torch.compiler.set_stance("force_eager")``: the compiled code is skipped, not recompiled,
+            and every module is seen); the other steps run the compiled code untouched. False: logged
+            steps run compiled too, and modules in compiled code report parameter gradients only
+            (:mod:`lightning_gradhooks.core.compiled`).
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -114,6 +121,7 @@ class GradHooksLogic:
         histogram_every_n_steps: int = DEFAULT_HISTOGRAM_EVERY_N_STEPS,
         activations: bool = True,
         attention_logits: bool = True,
+        eager_logged_steps: bool = True,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)
@@ -134,6 +142,7 @@ class GradHooksLogic:
         self.compile_statistics = check_bool("compile_statistics", compile_statistics)
         self.activations = check_bool("activations", activations)
         self.attention_logits = check_bool("attention_logits", attention_logits)
+        self.eager_logged_steps = check_bool("eager_logged_steps", eager_logged_steps)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
         #: The report's :class:`~lightning_gradhooks.Thresholds`, made (each range-checked) now, not at fit start.

@@ -315,24 +315,33 @@ def test_steps_that_are_not_logged_run_nothing_of_ours_and_a_raising_forward_lea
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def test_attention_in_compiled_code_is_named_once_and_runs_as_compiled():
+def test_attention_in_compiled_code_is_measured_eagerly_or_named_once_when_kept_compiled():
+    """Logged steps of compiled code run eagerly: its attention logits are measured, as uncompiled.
+    Kept compiled (eager_logged_steps=False), the module is named once and its code runs compiled,
+    with no recompile of ours (the attention mode is not entered around it)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    block = Block(torch.compile(SelfAttention(keep=False), backend="eager"))
+    attention = SelfAttention(keep=False)
+    block = Block(attention)
     x = torch.randn(2, T, 32)
-    off = {"activations": False, "attention_logits": False, "compile_statistics": False}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _logged(block, x, steps=3, **off)  # what the monitor's own hooks make Dynamo compile
+    plain = _entries(_logged(block, x, steps=2, compile_statistics=False), Kind.ATTENTION_LOGIT)
+    block.attn = torch.compile(attention, backend="eager")
+    seen = _entries(_logged(block, x, steps=2), Kind.ATTENTION_LOGIT)
+    assert list(seen) == list(plain) == ["attn"]
+    assert seen["attn"].stats.absmax == pytest.approx(plain["attn"].stats.absmax, rel=1e-6)
+    block(x)  # compiled, once, outside any logged step
     graphs = counters["stats"]["unique_graphs"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        record = _logged(block, x, steps=3, compile_statistics=False)  # no kernels of ours compiled either
-    said = [str(w.message) for w in caught if "attention_logits" in str(w.message)]
-    assert len(said) == 1 and "in attn on a logged step" in said[0]
+        record = _logged(block, x, steps=3, eager_logged_steps=False)
+    said = [str(w.message) for w in caught if "attn" in str(w.message)]
+    assert len(said) == 1 and "parameter gradients only" in said[0] and "attention logits" in said[0]
+    assert said[0].endswith(": attn.q, attn.kv, attn.out")
     assert not _entries(record, Kind.ATTENTION_LOGIT)
-    assert counters["stats"]["unique_graphs"] == graphs  # the mode left while compiled code runs: no recompile
+    assert counters["stats"]["unique_graphs"] == graphs  # no mode around compiled code: no recompile
+    torch._dynamo.reset()
 
 
 def test_torch_nn_modules_run_outside_the_mode_and_a_call_belongs_to_the_innermost_module_of_yours():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradhooks.core.compiled import COMPILED
 from lightning_gradhooks.core.planning import Planner, Read, select_modules
 
 
@@ -62,7 +63,7 @@ def test_names_are_those_before_torch_compile():
 # -- Planner --------------------------------------------------------------------------------------
 def probe(modules: dict[str, nn.Module], run) -> tuple[Planner, list[str]]:  # noqa: ANN001
     """A planner of ``modules`` whose probe sees the forward ``run()`` (hooks as the monitor puts them)."""
-    planner = Planner(modules, compiled=set())
+    planner = Planner(modules, hidden={})
     planner.start()
     assert planner.probing
     handles = []
@@ -80,11 +81,11 @@ def probe(modules: dict[str, nn.Module], run) -> tuple[Planner, list[str]]:  # n
     return planner, in_place
 
 
-def test_every_module_is_probed_first_and_compiled_ones_get_parameters_only():
+def test_every_module_is_probed_first_and_hidden_ones_get_parameters_only_with_their_reason():
     model = net()
-    planner = Planner({"0": model[0], "2": model[2]}, compiled={id(model[2])})
+    planner = Planner({"0": model[0], "2": model[2]}, hidden={id(model[2]): COMPILED})
     assert planner.plans["0"].read is Read.PROBE and planner.plans["2"].read is Read.PARAMETERS_ONLY
-    assert "torch.compile" in planner.plans["2"].reason
+    assert planner.plans["2"].reason == COMPILED
     assert list(planner.hooked) == ["0"]
 
 
@@ -128,7 +129,7 @@ def test_one_op_layers_are_read_from_their_edge_other_modules_through_views_and_
 
 def test_a_probe_without_its_backward_is_dropped_and_runs_again():
     model = net()
-    planner = Planner({"0": model[0]}, compiled=set())
+    planner = Planner({"0": model[0]}, hidden={})
     planner.start()
     planner.stop()
     assert not planner.probing and not planner.probe_outputs("0", (), torch.ones(1))  # no probe: nothing seen

@@ -23,3 +23,16 @@ def test_a_note_after_vanishing_steps_and_the_parameter_is_quiet_at_once():
 def test_a_real_gradient_is_no_round_off():
     tracker = drive(RoundOff(Thresholds()), dict.fromkeys(range(3), layer(1.0)))
     assert tracker.notes == {}
+
+
+def kept_compiled(bias_norm: float, weight_norm: float = 1.0) -> dict:
+    """A Linear of 16 x 16 whose module statistics are not told (kept compiled): parameter gradients only."""
+    return {("param_grad", "k.weight"): {"mean": 0.0, "std": weight_norm / 16, "norm": weight_norm},
+            ("param_grad", "k.bias"): {"mean": 0.0, "std": bias_norm / 4, "norm": bias_norm}}
+
+
+def test_without_module_statistics_a_bias_at_round_off_of_its_weights_gradient_is_a_note():
+    tracker = drive(RoundOff(Thresholds()), dict.fromkeys(range(3), kept_compiled(3e-8)))
+    assert flagged(tracker) == [] and list(tracker.notes) == ["k.bias"]
+    for bias, weight in ((1e-3, 1.0), (1.0, 1e-9), (0.0, 0.0)):  # a real bias; a weight behind a vanishing input
+        assert drive(RoundOff(Thresholds()), dict.fromkeys(range(3), kept_compiled(bias, weight))).notes == {}

@@ -1457,6 +1457,11 @@ def fp16_transformer(seed: int, optimizer: str = "adamw", lr: float = 1e-3, even
     return Lit(TinyTransformer(), optimizer, lr, events=events), sequences(seed)
 
 
+#: The runner's ``--compiled``: every fit's model compiled, its logged steps kept compiled
+#: (``eager_logged_steps=False``): the report judges parameter gradients without module statistics.
+COMPILED = {"on": False}
+
+
 def fit(root: Path, make, seed: int = 0, steps: int = 30, every: int = 3, batch: int = 16,  # noqa: ANN001
         *, trainer: dict | None = None, resume_at: int | None = None, **hooks_kwargs) -> tuple[object, str, str, Lit]:
     """Fit ``make(seed)`` for ``steps`` steps with ``GradHooks(every_n_steps=every)``, the forward
@@ -1495,6 +1500,8 @@ def _fit(root: Path, make, seed: int, steps: int, every: int, batch: int, traine
          checkpoint: bool = False, ckpt_path: str | None = None, **hooks_kwargs):
     pl.seed_everything(seed, verbose=False)
     model, data = make(seed)
+    if COMPILED["on"]:
+        hooks_kwargs = {**hooks_kwargs, "eager_logged_steps": False}
     callback = GradHooks(every_n_steps=every, histograms=False, **hooks_kwargs)
     callbacks: list = [callback]
     if checkpoint:  # one folder for both fits of a resumed run, the checkpoint inside it
@@ -1516,8 +1523,11 @@ def _fit(root: Path, make, seed: int, steps: int, every: int, batch: int, traine
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
     loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    fitted = model
+    if COMPILED["on"]:  # --compiled: forward compiled (Dynamo's eager backend), logged steps kept compiled
+        fitted = torch.compile(model, backend="eager")
     with contextlib.suppress(Exception):  # a fit that dies of its damage still reports
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        trainer.fit(fitted, loader, ckpt_path=ckpt_path)
     report = callback.gradient_log.report  # the report it printed, kept after fit
     return report, report.table(), trainer.logger.log_dir, model
 

@@ -8,7 +8,7 @@ the report's definitions may be tuned, and ``HELDOUT``, run once at the end to j
 
 Run from the repository root::
 
-    PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py --half tune|heldout|all [--seeds 0 1] [--runs NAME ...]
+    PYTHONPATH=$PWD:$PWD/tests python tests/helpers/report_panel.py --half tune|heldout|all [--seeds 0 1] [--runs NAME ...] [--compiled]
 
 One line per run: name, half, seed, seconds, loss first -> last (the mean of the last tenth),
 the first line of the printed report, whether the CLI's report of the log equals it, PASS or
@@ -329,7 +329,10 @@ def main(argv: list[str], halves: dict | None = None, extra: Callable | None = N
     parser.add_argument("--half", choices=["tune", "heldout", "all"], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs (names)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compile every model, logged steps kept compiled (no module statistics)")
     args = parser.parse_args(argv)
+    panel.COMPILED["on"] = args.compiled
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
