@@ -55,6 +55,17 @@ class Thresholds:
             ``floor_ratio``) ...
         activation_early_steps: (the early level's length) ...
         activation_steps: ... for this many logged steps in a row.
+        spike_factor: (``GradHooks(spikes=True)``) an optimizer step whose total gradient norm
+            is at least this many times the median of the last ``spike_window`` steps' ...
+        spike_z: ... and at least this many robust standard deviations above it, on a log scale
+            (1.4826 times the median absolute deviation of the window's log norms) is a spike
+            (OLMo-core's rule, mean + 6 sigma over the last 128 steps, made robust to the spikes
+            it looks for and to the multiplicative noise of gradient norms;
+            :mod:`~lightning_gradhooks.health.spikes`) ...
+        spike_window: (the window, in optimizer steps; at least 16 steps are needed first).
+        attention_logit_healthy: the top of the range healthy attention logits stay in
+            (Megatron's QK-clip threshold): an ``attention_logits`` flag's ``since`` is the step
+            the logit went above it and stayed there.
 
     Raises:
         ValueError: a field out of its range (``Thresholds.<field> expected ..., got ...``).
@@ -80,6 +91,10 @@ class Thresholds:
     activation_factor: float = 100.0
     activation_early_steps: int = 3
     activation_steps: int = 2
+    spike_factor: float = 4.0
+    spike_z: float = 4.0
+    spike_window: int = 128
+    attention_logit_healthy: float = 100.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -105,4 +120,7 @@ _RANGES = {
     "scaler_min_scale": (0.0, None, (False, True)),
     "attention_logit_level": (0.0, None, (False, True)),
     "activation_factor": (1.0, None, (False, True)),
+    "spike_factor": (1.0, None, (False, True)),
+    "spike_z": (0.0, None, (False, True)),
+    "attention_logit_healthy": (0.0, None, (False, True)),
 }

@@ -48,6 +48,7 @@ from lightning_gradhooks.core._text import listed
 from lightning_gradhooks.log.distributed import RankPooling, rank
 from lightning_gradhooks.log.flow import GradientFlow, have_matplotlib
 from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
+from lightning_gradhooks.health.spikes import Spike, spike_summary
 from lightning_gradhooks.core.noise import NoiseScale
 from lightning_gradhooks.core.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.core.stats import STATISTICS, Statistic
@@ -245,6 +246,21 @@ class GradientLog:
         self._write_updates()
         self._send(step, {f"{OVERVIEW}/caught_nonfinite": float(len(names))},
                    step_summary(caught=names, checked=checked), warn=True)
+
+    def write_step_norm(self, step: int, norm: float, spike: Spike | None = None, optimizer: int | None = None) -> None:
+        """Chart the total gradient norm of optimizer step ``step`` (logged or not) in
+        ``∇1 overview/step_norm`` (``step_norm_optimizer_<i>`` for ``optimizer`` i of several), and
+        write ``spike`` (:class:`~lightning_gradhooks.health.spikes.SpikeRule`'s verdict on it) at
+        its step: a ``spike`` row of the report, not a logged step."""
+        if self.closed:
+            raise RuntimeError("GradientLog.write_step_norm: the log is closed")
+        if rank() != 0:
+            return
+        metrics = {f"{OVERVIEW}/step_norm" + ("" if optimizer is None else f"_optimizer_{optimizer}"): norm}
+        if spike is None:
+            self._writers.send(step, metrics, {})
+        else:
+            self._send(step, metrics, spike_summary(spike))
 
     def write_scaler(self, step: int, scale: float, new_scale: float) -> None:
         """Write what a gradient scaler did at logged step ``step``, once its ``update()`` ran.
