@@ -105,9 +105,9 @@ class StepNorms:
         if len(self._flight) >= IN_FLIGHT:
             self._flight.popleft()
             self.dropped += 1
-        host = next((t for t in self._spare if t.numel() == vector.numel()), None)
-        if host is not None:
-            self._spare.remove(host)
+        at = next((i for i, t in enumerate(self._spare) if t.numel() == vector.numel()), None)
+        if at is not None:
+            host = self._spare.pop(at)
         else:
             host = torch.empty(vector.numel(), dtype=torch.float32, pin_memory=vector.device.type == "cuda")
         host.copy_(vector.detach(), non_blocking=True)

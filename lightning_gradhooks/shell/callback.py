@@ -230,7 +230,8 @@ class GradHooksLogic:
             self._end_batch(trainer)
         if fit.spikes is not None and self._read_spikes():
             state.log_next = True  # a spike at the last step (or the one before): this step in full
-        logged = trainer.global_step % fit.interval == 0 or state.log_next
+        full = state.log_next  # after a spike or a caught NaN: histograms too, off their cadence
+        logged = trainer.global_step % fit.interval == 0 or full
         state.open, state.log_next = True, False
         state.pieces_due = (fit.pooled or fit.pieces) and logged
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
@@ -239,7 +240,7 @@ class GradHooksLogic:
             state.step = trainer.global_step
             size, accumulation = _trainer.batch_size(batch), trainer.accumulate_grad_batches
             if self.gradient_log is not None:  # histograms counted on the log's cadence
-                self.gradient_log.arm(monitor, state.step, batch_size=size, accumulation=accumulation)
+                self.gradient_log.arm(monitor, state.step, batch_size=size, accumulation=accumulation, full=full)
             else:
                 monitor.arm(batch_size=size, accumulation=accumulation)
         elif logged and trainer.world_size > 1:  # a rank that logs nothing itself

@@ -171,9 +171,6 @@ TUNE = {r.name: r for r in [
         "Adam, warmup 10 + linear, clip 0.5; the labels of step 77's batch flipped (logged: every 50)", 120, 50,
         trainer={"gradient_clip_val": 0.5}, schedule=True, hooks=SPIKES,
         expect=Expect("spike", None, (77, 77), "step 78 logged in full")),
-    Run("lr_jump_weight_norm_mlp", lambda seed: panel.damaged(panel.weight_norm_mlp, events={60: panel.lr_times(30.0)})(seed),
-        "tanh MLP, weight_norm parametrizations", "Adam 3e-3, warmup 10 + cosine; the learning rate x30 from step 60 on",
-        120, 50, schedule=True, hooks=SPIKES, expect=Expect("spike", None, (60, 62), "learning-rate change")),
 ]}
 
 HELDOUT = {r.name: r for r in [
