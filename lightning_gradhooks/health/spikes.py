@@ -10,12 +10,13 @@ command alike.
 The rule is OLMo-core's (a step whose gradient norm passes mean + 6 sigma of the last 128 steps)
 made robust to the spikes it looks for and to the spread of gradient norms, which is
 multiplicative (a step's norm is its recent level times a noise factor, heavy-tailed at small
-batches): over the logarithms of the last ``spike_window`` finite norms, the median and the
-median absolute deviation (times 1.4826, a standard deviation for normal noise); a step is a
-spike when its norm is at least ``spike_z`` such deviations above the median and at least
-``spike_factor`` times the median itself (so that a run whose norms barely vary does not see a
-spike in a 20 % step). On the validation panel (tests/helpers/report_panel_runs.py, ``--spikes``;
-docs/usage.md) healthy steps reached 5.5 times their median, or 5.5 deviations, never both. Steps whose norm is not finite (a gradient scaler's skipped
+batches): over the logarithms of the last finite norms, the median absolute deviation of the
+last ``SPREAD_STEPS`` (times 1.4826, a standard deviation for normal noise) is the spread, and
+the median of the last ``LEVEL_STEPS`` the recent level (over a longer window, both lag behind
+warmup and decay: the panel's runs fall 10-50x in their first hundred steps); a step is a spike when its norm is at least ``spike_z`` spreads above that level and at
+least ``spike_factor`` times the level itself (so that a run whose norms barely vary does not
+see a spike in a 20 % step). On the validation panel (tests/helpers/report_panel_runs.py, ``--spikes``;
+docs/usage.md) no healthy step of 37 runs passed both. Steps whose norm is not finite (a gradient scaler's skipped
 step, a NaN the sentinel caught) are not spikes: they are the scaler's and ``nonfinite``'s
 business, and stay out of the window.
 
@@ -43,6 +44,10 @@ from lightning_gradhooks.health.thresholds import Thresholds
 
 #: Steps in the window before any step is judged.
 MIN_STEPS = 16
+#: The recent level a step is compared with: the median of the last this many steps' norms ...
+LEVEL_STEPS = 32
+#: ... and the spread: the median absolute deviation of the last this many steps' log norms.
+SPREAD_STEPS = 64
 #: The modules' own recent level: the median of their last this many steps.
 MODULE_WINDOW = 16
 #: The modules a spike row names at most.
@@ -106,14 +111,15 @@ class SpikeRule:
             return None
         t = self.thresholds
         logs = np.log(np.fromiter(self.norms, dtype=np.float64, count=len(self.norms)))
-        middle = float(np.median(logs))
-        spread = _MAD_SIGMA * float(np.median(np.abs(logs - middle)))
+        recent = logs[-SPREAD_STEPS:]  # recent, so that level and spread follow a trend (warmup, decay)
+        spread = _MAD_SIGMA * float(np.median(np.abs(recent - np.median(recent))))
+        middle = float(np.median(logs[-LEVEL_STEPS:]))
         median = math.exp(middle)
         if not (total > 0 and median > 0 and total >= t.spike_factor * median
                 and math.log(total) >= middle + t.spike_z * spread):
             return None
         lr_change = self._lr_change if self._lr_change is not None and step - self._lr_change[0] <= LR_STEPS else None
-        return Spike(step, total, median, len(logs), self._carriers(squares), lr_change)
+        return Spike(step, total, median, min(len(logs), LEVEL_STEPS), self._carriers(squares), lr_change)
 
     def _carriers(self, squares: np.ndarray) -> list[tuple[str, float, float]]:
         """The modules whose squared norm rose most over their own recent level."""

@@ -62,7 +62,9 @@ class Thresholds:
             (OLMo-core's rule, mean + 6 sigma over the last 128 steps, made robust to the spikes
             it looks for and to the multiplicative noise of gradient norms;
             :mod:`~lightning_gradhooks.health.spikes`) ...
-        spike_window: (the window, in optimizer steps; at least 16 steps are needed first).
+        spike_window: the steps kept for it (and saved with the callback's state; the level is
+            the median of the last 32 of them, the spread that of the last 64; at least 16 steps
+            are needed first).
         attention_logit_healthy: the top of the range healthy attention logits stay in
             (Megatron's QK-clip threshold): an ``attention_logits`` flag's ``since`` is the step
             the logit went above it and stayed there.

@@ -173,6 +173,8 @@ class GradHooksLogic:
     def state_dict(self) -> dict[str, Any]:
         # The schedule follows `trainer.global_step`; ours is the log's state: a resumed run reports on the whole run.
         spikes = self._fit.spikes if self._fit is not None else None
+        if spikes is not None and self._read_spikes():  # the steps arrived since the last batch began: in the window
+            self._batch.log_next = True
         return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored,
                 "spikes": spikes.state_dict() if spikes is not None else self._restored_spikes}
 
@@ -216,6 +218,8 @@ class GradHooksLogic:
                 self.gradient_log.close()
         finally:
             fit, self._fit = self._fit, None
+            if fit is not None and fit.spikes is not None:
+                self._restored_spikes = fit.spikes.state_dict()  # kept after fit, as the log is
             if fit is not None and (stats := fit.remove()) is not None:
                 self.offload_stats = stats
 

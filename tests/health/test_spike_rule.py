@@ -27,8 +27,8 @@ def test_a_step_far_above_its_recent_level_is_a_spike_named_with_the_module_that
     rule = SpikeRule()
     assert feed(rule, healthy(rng, 60)) == []
     spike = rule.add(60, NAMES, np.array([1.0, 0.1, 12.0]))
-    assert spike is not None and spike.step == 60 and spike.window == 60
-    assert spike.norm / spike.median > 10
+    assert spike is not None and spike.step == 60 and spike.window == 32
+    assert spike.norm / spike.median > 9
     assert spike.carriers[0][0] == "head" and spike.carriers[0][1] > 0.95 and spike.carriers[0][2] > 15
     assert spike.lr_change is None
 
