@@ -54,6 +54,8 @@ MODULE_WINDOW = 16
 CARRIERS = 3
 #: A learning-rate change at most this many steps before a spike is said with it.
 LR_STEPS = 2
+#: The name of a spike summary's entry of the whole step (the others are modules).
+TOTAL = "(total)"
 #: A learning rate that changes by this factor or more in one step has jumped.
 LR_JUMP = 2.0
 #: Spikes at most this many steps apart are one episode: one row.
@@ -74,6 +76,7 @@ class Spike(NamedTuple):
     window: int
     carriers: list[tuple[str, float, float]]
     lr_change: tuple[int, float, float] | None
+    optimizer: int | None = None  # the optimizer whose step it is, of several
 
 
 class SpikeRule:
@@ -83,8 +86,9 @@ class SpikeRule:
     learning rates, so that a resumed run judges its first steps against the steps before.
     """
 
-    def __init__(self, thresholds: Thresholds | None = None) -> None:
+    def __init__(self, thresholds: Thresholds | None = None, optimizer: int | None = None) -> None:
         self.thresholds = thresholds or Thresholds()
+        self.optimizer = optimizer  # the optimizer whose steps it judges, of several (None: the only one)
         self.norms: deque[float] = deque(maxlen=self.thresholds.spike_window)
         self._names: tuple[str, ...] = ()
         self._modules: list[str] = []
@@ -119,7 +123,7 @@ class SpikeRule:
                 and math.log(total) >= middle + t.spike_z * spread):
             return None
         lr_change = self._lr_change if self._lr_change is not None and step - self._lr_change[0] <= LR_STEPS else None
-        return Spike(step, total, median, min(len(logs), LEVEL_STEPS), self._carriers(squares), lr_change)
+        return Spike(step, total, median, min(len(logs), LEVEL_STEPS), self._carriers(squares), lr_change, self.optimizer)
 
     def _carriers(self, squares: np.ndarray) -> list[tuple[str, float, float]]:
         """The modules whose squared norm rose most over their own recent level."""
@@ -177,9 +181,9 @@ def spike_summary(spike: Spike) -> Summary:
     total = {"norm": spike.norm, "median": spike.median, "ratio": spike.norm / spike.median, "window": float(spike.window)}
     if spike.lr_change is not None:
         total.update(lr_step=float(spike.lr_change[0]), lr_before=spike.lr_change[1], lr_after=spike.lr_change[2])
-    summary: Summary = {Key(Kind.SPIKE, "total"): total}
+    summary: Summary = {Key(Kind.SPIKE, TOTAL, spike.optimizer): total}
     for module, share, ratio in spike.carriers:
-        summary[Key(Kind.SPIKE, module)] = {"share": share, "ratio": ratio}
+        summary[Key(Kind.SPIKE, module, spike.optimizer)] = {"share": share, "ratio": ratio}
     return summary
 
 
@@ -193,28 +197,33 @@ class SpikeRows:
     each row names the next logged step, logged in full after it."""
 
     def __init__(self) -> None:
-        self.spikes: dict[int, Summary] = {}
+        self.spikes: dict[tuple[int, int | None], Summary] = {}  # (step, optimizer) -> its summary
 
     def take(self, step: int, stats: Mapping[Any, Mapping[str, float]]) -> None:
-        self.spikes[step] = {key if isinstance(key, Key) else Key(*key): dict(values) for key, values in stats.items()}
+        """Take the spike summaries of ``step`` (one per optimizer that spiked)."""
+        for key, values in stats.items():
+            key = key if isinstance(key, Key) else Key(*key)
+            self.spikes.setdefault((step, key.optimizer), {})[key] = dict(values)
 
     def rows(self, logged: Sequence[int]) -> list[Row]:
-        """The rows, in step order: one per episode (spikes at most ``EPISODE_GAP`` steps apart,
-        told from its first step, its worst and its last); ``logged``: the logged steps the judge saw."""
-        episodes: list[list[int]] = []
-        for step in sorted(self.spikes):
-            if episodes and step - episodes[-1][-1] <= EPISODE_GAP:
-                episodes[-1].append(step)
-            else:
-                episodes.append([step])
+        """The rows, in step order: one per episode of an optimizer (spikes at most
+        ``EPISODE_GAP`` steps apart, told from its first step, its worst and its last);
+        ``logged``: the logged steps the judge saw."""
+        episodes: list[list[tuple[int, int | None]]] = []
+        for optimizer in sorted({o for _, o in self.spikes}, key=lambda o: -1 if o is None else o):
+            for at in sorted(s for s in self.spikes if s[1] == optimizer):
+                if episodes and episodes[-1][-1][1] == optimizer and at[0] - episodes[-1][-1][0] <= EPISODE_GAP:
+                    episodes[-1].append(at)
+                else:
+                    episodes.append([at])
         rows = []
-        for steps in episodes:
-            row = _row(steps[0], self.spikes[steps[0]], logged)
+        for steps in sorted(episodes):
+            row = _row(steps[0][0], self.spikes[steps[0]], logged)
             if len(steps) > 1:
-                ratios = {s: self.spikes[s].get(Key(Kind.SPIKE, "total"), {}).get("ratio", math.nan) for s in steps}
+                ratios = {s: self.spikes[s].get(Key(Kind.SPIKE, TOTAL, s[1]), {}).get("ratio", math.nan) for s in steps}
                 worst = max(steps, key=lambda s: ratios[s])
-                row.detail += (f"; {counted(len(steps) - 1, 'more spike step')} to step {steps[-1]} "
-                               f"(worst x{ratios[worst]:.3g} at step {worst})")
+                row.detail += (f"; {counted(len(steps) - 1, 'more spike step')} to step {steps[-1][0]} "
+                               f"(worst x{ratios[worst]:.3g} at step {worst[0]})")
                 row.value = row.score = max(row.value, ratios[worst])
             rows.append(row)
         return rows
@@ -223,16 +232,19 @@ class SpikeRows:
         return [Flag("spike", "", row.module, row.since, row.value, row.module, row.score) for row in self.rows(())]
 
     def state_dict(self) -> dict[str, Any]:
-        return {str(step): [[str(k.kind), k.name, k.optimizer, v] for k, v in stats.items()] for step, stats in self.spikes.items()}
+        return {"spikes": [[step, [[str(k.kind), k.name, k.optimizer, v] for k, v in stats.items()]]
+                           for (step, _), stats in self.spikes.items()]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.spikes = {int(step): {Key(Kind(k), n, o): dict(v) for k, n, o, v in stats} for step, stats in state.items()}
+        self.spikes = {}
+        for step, stats in state.get("spikes", []):
+            self.take(int(step), {Key(Kind(k), n, o): v for k, n, o, v in stats})
 
 
 def _row(step: int, stats: Summary, logged: Sequence[int]) -> Row:
-    total = stats.get(Key(Kind.SPIKE, "total"), {})
+    total = next((values for key, values in stats.items() if key.name == TOTAL), {})
     ratio, median, window = total.get("ratio", math.nan), total.get("median", math.nan), int(total.get("window", 0))
-    carriers = [(key.name, values) for key, values in stats.items() if key.name != "total"]
+    carriers = [(key.label, values) for key, values in stats.items() if key.name != TOTAL]
     detail = (f"gradient norm {total.get('norm', math.nan):.3g}, x{ratio:.3g} the median ({median:.3g}) of the "
               f"{counted(window, 'step')} before it")
     if carriers:

@@ -44,22 +44,19 @@ class SpikeWatch:
         lrs = [g["lr"] for g in optimizer.param_groups]
         lrs = lrs if all(isinstance(lr, (float, int)) for lr in lrs) else None  # a tensor lr: not read on the host
         named = [(n, p) for n, p in self.named if id(p) in wanted]
-        prefix = f"optimizer_{index}/" if len(optimizers) > 1 else ""
-        return self.norms.keep(step, named, inv_scale, extra=(index, prefix, lrs))
+        return self.norms.keep(step, named, inv_scale, extra=(index if len(optimizers) > 1 else None, lrs))
 
     def read(self, wait: bool = False) -> list[tuple[int, int | None, float, Spike | None]]:
         """Judge every kept step whose norms have arrived (all of them with ``wait``, at the end):
         ``(step, optimizer index or None when there is one, total norm, spike or None)``, in order."""
         out = []
-        for step, names, norms, (index, prefix, lrs) in self.norms.ready(wait):
-            rule = self.rules.get(index)
+        for step, names, norms, (index, lrs) in self.norms.ready(wait):
+            rule = self.rules.get(index or 0)
             if rule is None:
-                rule = self.rules[index] = SpikeRule(self.thresholds)
-                if str(index) in self._restored:
-                    rule.load_state_dict(self._restored.pop(str(index)))
-            names = [prefix + n for n in names] if prefix else names
-            out.append((step, index if prefix else None, float(np.sqrt(np.dot(norms, norms))),
-                        rule.add(step, names, norms, lrs)))
+                rule = self.rules[index or 0] = SpikeRule(self.thresholds, optimizer=index)
+                if str(index or 0) in self._restored:
+                    rule.load_state_dict(self._restored.pop(str(index or 0)))
+            out.append((step, index, float(np.sqrt(np.dot(norms, norms))), rule.add(step, names, norms, lrs)))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lightning_gradhooks.health import HealthReport, Thresholds
-from lightning_gradhooks.health.spikes import MIN_STEPS, SpikeRows, SpikeRule, spike_summary
+from lightning_gradhooks.health.spikes import MIN_STEPS, TOTAL, SpikeRows, SpikeRule, spike_summary
 
 NAMES = ("enc.weight", "enc.bias", "head.weight")
 
@@ -110,12 +110,26 @@ def test_the_judge_reports_spikes_as_rows_not_logged_steps_and_groups_an_episode
 
 def test_the_row_names_the_step_logged_in_full_after_the_spike():
     rows = SpikeRows()
-    rows.take(137, {("spike", "total"): {"norm": 9.0, "median": 1.0, "ratio": 9.0, "window": 128.0},
+    rows.take(137, {("spike", TOTAL): {"norm": 9.0, "median": 1.0, "ratio": 9.0, "window": 128.0},
                     ("spike", "net.0"): {"share": 0.8, "ratio": 11.0}})
     [row] = rows.rows([100, 138, 150])
     assert (row.module, row.since, row.value) == ("net.0", 137, 9.0)
     assert "x9 the median (1) of the 128 steps before it" in row.detail and "step 138 logged in full" in row.detail
     assert "step 150" not in rows.rows([100, 150])[0].detail
+
+
+def test_two_optimizers_spiking_at_one_step_get_a_row_each_named_by_optimizer():
+    report = HealthReport()
+    for optimizer, module in ((0, "gen.0"), (1, "disc.2")):
+        rule = SpikeRule(optimizer=optimizer)
+        feed(rule, [np.ones(3)] * 20)
+        spike = rule.add(20, (f"{module}.weight", f"{module}.bias", "other.weight"), np.array([40.0, 1.0, 1.0]))
+        report.add_stats(20, spike_summary(spike))
+    rows = report.rows()
+    assert [(r.module, r.since) for r in rows] == [("optimizer_0/gen.0", 20), ("optimizer_1/disc.2", 20)]
+    resumed = HealthReport()
+    resumed.load_state_dict(report.state_dict())
+    assert resumed.table() == report.table()
 
 
 @pytest.mark.parametrize("field, value", [("spike_factor", 1.0), ("spike_z", 0.0), ("spike_window", 0),
