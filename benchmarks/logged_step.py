@@ -28,7 +28,11 @@ the same batch every step. Variants, each window in a fresh process, interleaved
   leaving the writing to TensorBoard;
 - ``logged@ref`` (with ``--ref DIR``): ``logged`` (or ``--ref-variant``) with the library of the
   checkout in DIR;
-- with ``--offload``: ``offload``, the bare step under ``save_on_disk(threshold_bytes=1 MiB)``.
+- with ``--offload``: ``offload``, the bare step under ``save_on_disk(threshold_bytes=1 MiB)``;
+- ``spikes``: the bare step with what ``GradHooks(spikes=True)`` adds to a step that is not
+  logged: the gradient norms kept (one fused norm and a copy, before the optimizer step), the
+  last step's judged on the host and its total norm written to the event file; on a GPU under
+  ``torch.cuda.set_sync_debug_mode("error")``: a step that waited for the device would raise.
 
 A window is 2 untimed steps, then ``--steps`` steps timed together up to ``writer.flush()``
 (which waits for the writer thread's checksums and writes) and, on a GPU,
@@ -101,7 +105,7 @@ def make_case(name: str, device: str):  # noqa: ANN201
 
 #: What a variant's ``-no<part>`` suffix turns off of the monitor's defaults.
 PARTS = {"hist": "histograms", "noise": "noise_scale", "outputs": "activations", "logits": "attention_logits"}
-BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload")
+BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload", "spikes")
 
 
 def variant_options(variant: str) -> tuple[str, dict[str, bool]]:
@@ -145,6 +149,15 @@ def worker(args: argparse.Namespace) -> None:
 
         log_module.write_step = through_summary_writer  # this benchmark process only
     log = GradientLog(writer, optimizers=[optimizer], echo=None) if logged else None
+    spikes = spike_log = None
+    if variant == "spikes":
+        from lightning_gradhooks.health import Thresholds
+        from lightning_gradhooks.shell._spikes import SpikeWatch
+
+        spikes, spike_log = SpikeWatch(model.named_parameters(), Thresholds()), GradientLog(writer, echo=None)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")  # this benchmark process only
     offload = save_on_disk(MiB, folder) if variant == "offload" else None
     if offload is not None:
         offload.keep_in_memory(model)
@@ -161,6 +174,10 @@ def worker(args: argparse.Namespace) -> None:
         else:
             loss = loss_fn(model, batch)
         loss.backward()
+        if spikes is not None:
+            for done, _, norm, spike in spikes.read():  # the steps whose norms have arrived
+                spike_log.write_step_norm(done, norm, spike)
+            spikes.keep(i, optimizer, [optimizer], params)
         if log is not None:
             log.write(monitor.collect(), i)
         elif monitor is not None:
@@ -202,6 +219,10 @@ def worker(args: argparse.Namespace) -> None:
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if log is not None:
         log.close()
+    if spikes is not None:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+        spike_log.close()
     if attach is not None:
         attach.__exit__(None, None, None)
     writer.close()
