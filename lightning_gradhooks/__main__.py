@@ -267,6 +267,10 @@ _THRESHOLD_HELP = {
     "activation_factor": "Flag activation_growth when an output's RMS is this many times its early level.",
     "activation_early_steps": "Take the early level as the median of this many first logged values of the output.",
     "activation_steps": "Flag activation_growth only after this many logged steps in a row.",
+    "spike_factor": "Name a spike (spikes=True) when a step's gradient norm is this many times its recent median.",
+    "spike_z": "Name a spike only when its norm is also this many robust standard deviations of the recent log norms above that median.",
+    "spike_window": "Keep this many steps' gradient norms for the spike rule (saved with the callback's state).",
+    "attention_logit_healthy": "An attention_logits flag's since is the step the logits went above this and stayed.",
 }
 
 
