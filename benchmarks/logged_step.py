@@ -15,7 +15,9 @@ SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the ord
 TensorBoard's own writer and its pure-Python CRC-32C instead); a suffix ``-no<part>`` leaves a
 default out: ``-nohist``, ``-nonoise``, ``-nooutputs`` (``activations=False``), ``-nologits``;
 ``offload`` (the bare step under ``save_on_disk(threshold_bytes=1 MiB)``); ``sentinel`` (the bare
-step and the NaN sentinel's check before the optimizer step); ``wandb``
+step and the NaN sentinel's check before the optimizer step); ``spikes`` (the bare step and what
+``GradHooks(spikes=True)`` adds to a step that is not logged; on a GPU under
+``set_sync_debug_mode("error")``); ``wandb``
 (``wandb.watch(model, log="all", log_freq=1)``, offline, ``run.log({})`` each step); and
 ``<variant>@ref``, the variant with the library of the checkout in ``--ref DIR``.
 
@@ -55,7 +57,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 PARTS = {"hist": "histograms", "noise": "noise_scale", "outputs": "activations", "logits": "attention_logits"}
-BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload", "sentinel", "wandb",
+BASES = ("bare", "armed", "armed_eager", "logged", "logged_tb", "offload", "sentinel", "spikes", "wandb",
          "floor_hooks", "floor_read", "floor_outputs")
 PER_MODULE = {"grads": "armed-nohist-nonoise-nooutputs", "outputs": "armed-nohist-nonoise",
               "outputs+noise": "armed-nohist", "outputs+histograms": "armed-nonoise"}
@@ -131,7 +133,7 @@ class Loop:
         sentinel), attached until ``stack`` closes."""
         base, options, ref = parse(variant)
         package, model = self.packages[ref], self.model
-        p = SimpleNamespace(base=base, monitor=None, log=None, writer=None, engine=None, sentinel=None)
+        p = SimpleNamespace(base=base, monitor=None, log=None, writer=None, engine=None, sentinel=None, spikes=None)
         if base.startswith(("armed", "logged")):
             key = f"{variant}/{base == 'armed_eager'}"
             if key not in self.monitors:  # one monitor per variant: compiled once
@@ -153,6 +155,17 @@ class Loop:
             p.engine.keep_in_memory(model)
         if base == "sentinel":
             p.sentinel = import_module(package.__name__ + ".core.sentinel").NonfiniteSentinel(model.named_parameters())
+        if base == "spikes":  # what GradHooks(spikes=True) adds to a step that is not logged
+            from torch.utils.tensorboard import SummaryWriter
+
+            watch = import_module(package.__name__ + ".shell._spikes").SpikeWatch(model.named_parameters(),
+                                                                                  package.Thresholds())
+            p.writer = stack.enter_context(contextlib.closing(SummaryWriter(folder)))
+            p.spikes, p.log = watch, package.GradientLog(p.writer, echo=None)
+            stack.callback(p.log.close)
+            if self.device == "cuda":  # a step that waits for the device raises
+                torch.cuda.set_sync_debug_mode("error")
+                stack.callback(torch.cuda.set_sync_debug_mode, 0)
         if base == "wandb":
             self.wandb = self.wandb or start_wandb(self.folder)
             self.wandb.watch(model, log="all", log_freq=1, idx=0)
@@ -164,7 +177,11 @@ class Loop:
             with p.engine if p.engine is not None else contextlib.nullcontext():
                 loss = self.loss(self.model, self.batch)
             loss.backward()
-            if p.log is not None:
+            if p.spikes is not None:
+                for done, _, norm, spike in p.spikes.read():  # the steps whose norms have arrived
+                    p.log.write_step_norm(done, norm, spike)
+                p.spikes.keep(i, self.optimizer, [self.optimizer], list(self.model.parameters()))
+            elif p.log is not None:
                 p.log.write(p.monitor.collect(), i)
             elif p.monitor is not None:
                 p.monitor.collect()

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from lightning_gradhooks.summary.records import Key
 
 #: The flags, worst first: the order the report lists them in.
-FLAGS = ("nonfinite", "exploding", "attention_logits", "activation_growth", "vanishing", "dead", "stalled")
+FLAGS = ("nonfinite", "exploding", "spike", "attention_logits", "activation_growth", "vanishing", "dead", "stalled")
 #: The flags on the forward pass: what a gradient flag on the same module or downstream may follow.
 FORWARD_FLAGS = ("attention_logits", "activation_growth")
 #: A norm whose square is beyond float32: what float32 norms (``clip_grad_norm_``) see as Inf.

@@ -23,13 +23,14 @@ from lightning_gradhooks.health.dead import Dead
 from lightning_gradhooks.health.exploding import Exploding
 from lightning_gradhooks.health.exploding_at_nonfinite import ExplodingAtNonfinite
 from lightning_gradhooks.health.exploding_updates import ExplodingUpdates
-from lightning_gradhooks.health.flags import Flag, Row, Subject
+from lightning_gradhooks.health.flags import FLAGS, Flag, Row, Subject
 from lightning_gradhooks.health.lr_cut import LrCut
 from lightning_gradhooks.health.no_gradient import NoGradient
 from lightning_gradhooks.health.nonfinite import NonFinite
 from lightning_gradhooks.health.round_off import RoundOff
 from lightning_gradhooks.health.scaler import ScalerSkips
 from lightning_gradhooks.health.shape import Shape
+from lightning_gradhooks.health.spikes import SpikeRows, is_spike
 from lightning_gradhooks.health.stalled import Stalled
 from lightning_gradhooks.health.step import Layout, Packed, Step, merged
 from lightning_gradhooks.health.thresholds import Thresholds
@@ -90,6 +91,7 @@ class Judge:
         self._layouts: dict[tuple[Key, ...], Layout] = {}  # a cache: each set of keys seen, in order
         self._layout: Layout | None = None  # the latest (the next step's keys are most likely the same)
         self._merges: dict[tuple[int, ...], Any] = {}  # a cache of :func:`merged`
+        self.spikes = SpikeRows()  # spikes between logged steps: rows of their own, not logged steps
 
     @property
     def steps(self) -> int:
@@ -102,7 +104,12 @@ class Judge:
         in record order, or a :class:`~lightning_gradhooks.health.step.Packed` of it (the
         ``report`` command's, read from the log as numbers). Several calls for one step are
         merged (one step, counted once); a call for a later step judges the earlier ones. Statistics of a step already judged are
-        ignored (a resume replays no step the report has seen)."""
+        ignored (a resume replays no step the report has seen). A spike's summary
+        (:func:`~lightning_gradhooks.health.spikes.spike_summary`) is no logged step: it goes to
+        :attr:`spikes`, whatever its step."""
+        if is_spike(stats.keys if isinstance(stats, Packed) else stats):
+            self.spikes.take(step, stats.summary() if isinstance(stats, Packed) else stats)
+            return
         if step not in self._pending:
             if self._seen and step <= self._seen[-1]:
                 return
@@ -153,12 +160,15 @@ class Judge:
     def flags(self) -> list[Flag]:
         """Every flagged entry (the full table): non-finite first, then by flag, then by step."""
         self._judge_pending()
-        return grouping.all_flags(self.tracker, self.shape)
+        return sorted(grouping.all_flags(self.tracker, self.shape) + self.spikes.flags(),
+                      key=lambda f: (f.flag != "nonfinite" or f.score != float("inf"), FLAGS.index(f.flag), f.since))
 
     def rows(self) -> list[Row]:
         """The grouped report (:func:`~lightning_gradhooks.health.rows.rows`), worst first."""
         self._judge_pending()
-        return grouping.rows(self.tracker, self.shape)
+        rows = grouping.rows(self.tracker, self.shape)
+        spikes = self.spikes.rows(self._seen)
+        return sorted(rows + spikes, key=lambda r: FLAGS.index(r.flag)) if spikes else rows
 
     def notes(self) -> list[Flag]:
         """What is worth knowing and is no problem: parameters that get no gradient by
@@ -188,6 +198,7 @@ class Judge:
             "tracker": self.tracker.state_dict(),
             "shape": self.shape.state_dict(),
             "checks": {check.name: check.state_dict() for check in self.checks},
+            "spikes": self.spikes.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -208,3 +219,4 @@ class Judge:
         for check in self.checks:
             if check.name in state["checks"]:  # a check of a later release than the state starts fresh
                 check.load_state_dict(state["checks"][check.name])
+        self.spikes.load_state_dict(state.get("spikes", {}))

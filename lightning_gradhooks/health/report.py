@@ -124,7 +124,8 @@ def render_table(judge: Judge, full: bool = False, limit: int = 8, max_lines: in
         return render_full_table(judge)
     counts = {flag: sum(r.flag == flag for r in rows) + sum(c.flag == flag and c.score == math.inf
                                                              for r in rows for c in r.consequences) for flag in FLAGS}
-    summary = ", ".join(f"{flag} on {counted(n, 'module')}" for flag, n in counts.items() if n)
+    summary = ", ".join(f"{flag} at {counted(n, 'step')}" if flag == "spike" else f"{flag} on {counted(n, 'module')}"
+                        for flag, n in counts.items() if n)
     header = f"GradHooks: {summary} in {counted(judge.steps, 'logged step')} (worst first; every entry: --all, or the Text tab):"
     cells = [("flag", "module", "since", "value")] + [(r.flag, r.module, str(r.since), f"{r.value:.3g}") for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(4)]

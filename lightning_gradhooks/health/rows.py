@@ -105,7 +105,8 @@ def _after_forward(ranked: list[Row], groups: dict[tuple[str, str], list[Flag]],
             continue
         cause = next((f for f in forward if f.since <= row.since and upstream_or_same(f.module, row.module, order)), None)
         if cause is not None:
-            row.detail += f"; after {_WHAT[cause.flag]} of `{cause.module}` {cause.reason} at step {cause.since}"
+            when = "" if " at step " in cause.reason else f" at step {cause.since}"  # (activation_growth's says none)
+            row.detail += f"; after {_WHAT[cause.flag]} of `{cause.module}` {cause.reason}{when}"
 
 
 def _fold_stalled_under_dead(grouped: dict[tuple[str, str], Row], groups: dict[tuple[str, str], list[Flag]],
@@ -196,7 +197,7 @@ def _row(key: tuple[str, str], flags: list[Flag]) -> Row:
         if flag == "exploding":
             detail = f"worst x{worst.score:.3g}: " + detail
         elif flag == "attention_logits":
-            detail = f"{_WHAT[flag]} {worst.reason} at step {flags[0].since} and kept rising: {detail}; {ATTENTION_REMEDIES}"
+            detail = f"{_WHAT[flag]} {worst.reason} and kept rising: {detail}; {ATTENTION_REMEDIES}"
         elif flag == "activation_growth":
             detail = f"{_WHAT[flag]} {worst.reason} (worst x{worst.score:.3g}): {detail}"
     return Row(flag, module, flags[0].since, worst.last, detail, entries, score=worst.score)

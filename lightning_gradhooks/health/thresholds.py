@@ -77,6 +77,21 @@ class Thresholds:
         3, "Take the early level as the median of this many first logged values of the output (at the model's "
         "scale, see floor_ratio).")
     activation_steps: int = _threshold(2, "Flag activation_growth only after this many logged steps in a row.")
+    spike_factor: float = _threshold(
+        4.0, "Name a spike (spikes=True) when an optimizer step's total gradient norm is at least this many times "
+        "the median of the recent steps' (the last 32 of the window).", (1.0, None, (False, True)))
+    spike_z: float = _threshold(
+        4.0, "Name a spike only when its norm is also at least this many robust standard deviations above that "
+        "median, on a log scale (1.4826 times the median absolute deviation of the last 64 log norms): OLMo-core's "
+        "mean + 6 sigma rule, made robust to the spikes it looks for and to the multiplicative noise of gradient "
+        "norms.", (0.0, None, (False, True)))
+    spike_window: int = _threshold(
+        128, "Keep this many steps' gradient norms for the spike rule (saved with the callback's state; at least 16 "
+        "steps are needed first).")
+    attention_logit_healthy: float = _threshold(
+        100.0, "The top of the range healthy attention logits stay in (Megatron's QK-clip threshold): an "
+        "attention_logits flag's since is the step the logits went above it and stayed there.",
+        (0.0, None, (False, True)))
 
     def __post_init__(self) -> None:
         for f in fields(self):

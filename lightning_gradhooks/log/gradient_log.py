@@ -48,6 +48,7 @@ from lightning_gradhooks.summary.text import listed
 from lightning_gradhooks.log.distributed import RankPooling, rank
 from lightning_gradhooks.log.flow import GradientFlow, have_matplotlib
 from lightning_gradhooks.health import HealthReport, Thresholds, nonfinite_origin
+from lightning_gradhooks.health.spikes import Spike, spike_summary
 from lightning_gradhooks.summary.noise import NoiseScale
 from lightning_gradhooks.summary.records import GradientRecord, Key, Kind, Summary, step_summary
 from lightning_gradhooks.summary.statistics import STATISTICS, ChartedStatistic
@@ -141,6 +142,7 @@ class GradientLog:
         self.statistics = statistics
         self.histograms = bool(histograms)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps)
+        self._full_step: int | None = None  # a step armed in full (histograms off the cadence)
         self._histogram_step: int | None = None  # the last step whose histograms were written
         self._pooling = RankPooling(sync_dist)
         self.sync_dist = self._pooling.sync_dist
@@ -174,14 +176,21 @@ class GradientLog:
         """Whether the histograms of a record logged at ``step`` are written: on the first logged
         step of each window of ``histogram_every_n_steps`` steps (and again at that same step, for
         another optimizer's record). :meth:`arm` arms a monitor to count them on those steps only."""
+        return self.histograms and (self._on_cadence(step) or step == self._full_step)
+
+    def _on_cadence(self, step: int) -> bool:
         last, n = self._histogram_step, self.histogram_every_n_steps
-        return self.histograms and (last is None or step == last or step // n != last // n)
+        return last is None or step == last or step // n != last // n
 
     def arm(self, monitor: GradientMonitor, step: int, *, batch_size: int | None = None,
-            accumulation: int = 1) -> ArmedStep:
+            accumulation: int = 1, full: bool = False) -> ArmedStep:
         """Arm ``monitor`` (:meth:`GradientMonitor.arm`) for the step to be logged at ``step``,
         counting histograms only where this log writes them (:meth:`histograms_due`): the one
-        place the histogram cadence reaches the monitor. Returns what ``monitor.arm`` returns."""
+        place the histogram cadence reaches the monitor; ``full``: with histograms whatever the
+        cadence (the step after a spike or a caught NaN), leaving the cadence as it was. Returns
+        what ``monitor.arm`` returns."""
+        if full:
+            self._full_step = step
         return monitor.arm(batch_size=batch_size, accumulation=accumulation, histograms=self.histograms_due(step))
 
     def write(
@@ -210,7 +219,7 @@ class GradientLog:
                 record that only this rank has.
         """
         histograms = self.histograms_due(step)
-        if record.bins > 0 and histograms:  # on every rank: their monitors count histograms on the same steps
+        if record.bins > 0 and histograms and self._on_cadence(step):  # on every rank: the same steps
             self._histogram_step = step
         if pool:
             record = self._pooling.pool(record)
@@ -246,6 +255,21 @@ class GradientLog:
         self._write_updates()
         self._send(step, {f"{OVERVIEW}/caught_nonfinite": float(len(names))},
                    step_summary(caught=names, checked=checked), warn=True)
+
+    def write_step_norm(self, step: int, norm: float, spike: Spike | None = None, optimizer: int | None = None) -> None:
+        """Chart the total gradient norm of optimizer step ``step`` (logged or not) in
+        ``∇1 overview/step_norm`` (``step_norm_optimizer_<i>`` for ``optimizer`` i of several), and
+        write ``spike`` (:class:`~lightning_gradhooks.health.spikes.SpikeRule`'s verdict on it) at
+        its step: a ``spike`` row of the report, not a logged step."""
+        if self.closed:
+            raise RuntimeError("GradientLog.write_step_norm: the log is closed")
+        if rank() != 0:
+            return
+        metrics = {f"{OVERVIEW}/step_norm" + ("" if optimizer is None else f"_optimizer_{optimizer}"): norm}
+        if spike is None:
+            self._writers.send(step, metrics, {})
+        else:
+            self._send(step, metrics, spike_summary(spike))
 
     def write_scaler(self, step: int, scale: float, new_scale: float) -> None:
         """Write what a gradient scaler did at logged step ``step``, once its ``update()`` ran.

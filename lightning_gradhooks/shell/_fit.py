@@ -16,6 +16,7 @@ from lightning_gradhooks.log import GradientLog
 from lightning_gradhooks.core.monitor import GradientMonitor
 from lightning_gradhooks.offload import save_on_disk
 from lightning_gradhooks.core.sentinel import NonfiniteSentinel
+from lightning_gradhooks.shell._spikes import SpikeWatch
 from lightning_gradhooks.log.updates import unwrapped
 
 
@@ -38,6 +39,8 @@ class Fit:
         #: Trainable parameters that no optimizer holds: known at fit start.
         self.unowned: list[Any] = []
         self.sentinel: NonfiniteSentinel | None = None
+        #: ``spikes=True``: every optimizer step's gradient norms and the spike rules (made at fit start).
+        self.spikes: SpikeWatch | None = None
         frozen = self.monitor.frozen
         if frozen and trainer.is_global_zero:
             _trainer.logger_of(hooks).info(
@@ -53,7 +56,8 @@ class Fit:
         if warning is not None:
             rank_zero_warn(warning)
 
-    def start(self, hooks: Any, trainer: Any, pl_module: Any, restored: dict[str, Any] | None) -> GradientLog:
+    def start(self, hooks: Any, trainer: Any, pl_module: Any, restored: dict[str, Any] | None,
+              spikes: dict[str, Any] | None = None) -> GradientLog:
         """At fit start, after ``configure_model`` and ``configure_optimizers``: attach the monitor
         and make the fit's log (the callback's to keep), from a checkpoint's state if ``restored``."""
         self.monitor.attach()
@@ -64,6 +68,10 @@ class Fit:
         # gradients are collected with the first optimizer's, and the log says it is in none.
         self.unowned = _trainer.unowned(trainer, pl_module)
         self.sentinel = NonfiniteSentinel(pl_module.named_parameters()) if hooks.catch_nonfinite else None
+        if hooks.spikes:  # the rules' windows from a checkpoint (`spikes`)
+            self.spikes = SpikeWatch(pl_module.named_parameters(), hooks.thresholds)
+            if spikes:
+                self.spikes.load_state_dict(spikes)
         log = GradientLog(_trainer.writers(trainer), trainer.optimizers, statistics=hooks.statistics,
                           histograms=hooks.histograms, histogram_every_n_steps=hooks.histogram_every_n_steps,
                           thresholds=hooks.thresholds,
@@ -81,11 +89,11 @@ class Fit:
             params += self.unowned
         return params
 
-    def skip_nonfinite(self, params: list[Any]) -> list[str] | None:
+    def skip_nonfinite(self, params: list[Any], norms: Any = None) -> list[str] | None:
         """The sentinel's check: None when every gradient of ``params`` is finite; else their
         gradients are dropped (the optimizer skips parameters without one) and the names of the
-        non-finite ones returned."""
-        bad = self.sentinel.check(params)
+        non-finite ones returned. ``norms``: their norms, kept already (:class:`SpikeWatch`)."""
+        bad = self.sentinel.check(params, norms)
         if bad is not None:
             for p in params:
                 p.grad = None
@@ -104,6 +112,8 @@ class Fit:
         """Remove the monitor's hooks and close the offload engine; returns the engine's counters
         (None without offload)."""
         self.sentinel, self.unowned = None, []
+        if self.spikes is not None:
+            self.spikes.remove()
         self.monitor.remove()
         if self.offload is None:
             return None

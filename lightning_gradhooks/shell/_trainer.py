@@ -55,6 +55,17 @@ def loss_scale(trainer: Any) -> float | None:
     return float(scaler.get_scale())
 
 
+def inverse_scale(trainer: Any, optimizer: Any) -> Any:
+    """What ``optimizer``'s gradients are still to be multiplied by before its step, as a device
+    tensor never read on the host: the scaler's inverse scale for an optimizer that unscales in
+    its own step (Lightning unscales the others before ``on_before_optimizer_step``), else None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled() or not optimizer_unscales(optimizer):
+        return None
+    scale = scaler._get_scale_async()  # the scale tensor; `get_scale()` would read it on the host
+    return None if scale is None else scale.double().reciprocal()
+
+
 def gradient_dtype(trainer: Any) -> Any:
     """The dtype of the gradients the hooks see under the trainer's precision: ``torch.bfloat16``
     or ``torch.float16`` for the mixed and true half precisions, None for float32 (or wider)."""

@@ -90,6 +90,11 @@ class GradHooksLogic:
             and every module is seen); the other steps run the compiled code untouched. False: logged
             steps run compiled too, and modules in compiled code report parameter gradients only
             (:mod:`lightning_gradhooks.core.compiled`).
+        spikes: keep the gradient norm of every parameter at every optimizer step (one fused
+            norm on the device, read one step late without waiting for it), chart the total in
+            ``∇1 overview/step_norm``, name each step whose norm jumps far above its recent level
+            (a ``spike`` row: its size, the modules carrying it) and log the next step in full
+            (:mod:`lightning_gradhooks.health.spikes`).
 
     Raises:
         ValueError: an invalid argument (at construction), an ``include`` that matches nothing.
@@ -122,6 +127,7 @@ class GradHooksLogic:
         activations: bool = True,
         attention_logits: bool = True,
         eager_logged_steps: bool = True,
+        spikes: bool = False,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, allow_none=True)
         self.include = check_patterns("include", include, allow_empty=False)
@@ -143,6 +149,7 @@ class GradHooksLogic:
         self.activations = check_bool("activations", activations)
         self.attention_logits = check_bool("attention_logits", attention_logits)
         self.eager_logged_steps = check_bool("eager_logged_steps", eager_logged_steps)
+        self.spikes = check_bool("spikes", spikes)
         for name, value in (("offload_budget_bytes", offload_budget_bytes), ("offload_dir", offload_dir)):
             check_needs(name, value, "offload_threshold_bytes", offload_threshold_bytes, "offload off")
         #: The report's :class:`~lightning_gradhooks.Thresholds`, made (each range-checked) now, not at fit start.
@@ -153,6 +160,7 @@ class GradHooksLogic:
         self.offload_stats: Any = None
         self._fit: Fit | None = None  # the fit's resources, from setup to _cleanup
         self._restored: dict[str, Any] | None = None  # the log's state from a checkpoint, for on_fit_start
+        self._restored_spikes: dict[str, Any] | None = None  # the spike rules' state from a checkpoint
         self._batch = _BatchState()
 
     @property
@@ -173,13 +181,20 @@ class GradHooksLogic:
 
     def state_dict(self) -> dict[str, Any]:
         # The schedule follows `trainer.global_step`; ours is the log's state: a resumed run reports on the whole run.
-        return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored}
+        spikes = self._fit.spikes if self._fit is not None else None
+        if spikes is not None and self._read_spikes():  # the steps arrived since the last batch began: in the window
+            self._batch.log_next = True
+        return {"log": self.gradient_log.state_dict() if self.gradient_log is not None else self._restored,
+                "spikes": spikes.state_dict() if spikes is not None else self._restored_spikes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Restored after `setup` and, with most strategies, before `on_fit_start`, where the log takes it.
         self._restored = state_dict.get("log", state_dict)
+        self._restored_spikes = state_dict.get("spikes")
         if self.gradient_log is not None:
             self.gradient_log.load_state_dict(self._restored)
+        if self._fit is not None and self._fit.spikes is not None and self._restored_spikes:
+            self._fit.spikes.load_state_dict(self._restored_spikes)
 
     # -- lifecycle -------------------------------------------------------------------------
     @override
@@ -187,13 +202,14 @@ class GradHooksLogic:
         if stage != "fit":
             return
         self._cleanup()
-        self.gradient_log, self._restored = None, None  # the log is made at fit start, when the optimizers exist
+        # the log is made at fit start, when the optimizers exist
+        self.gradient_log, self._restored, self._restored_spikes = None, None, None
         self._fit = Fit(self, trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit is not None:
-            self.gradient_log = self._fit.start(self, trainer, pl_module, self._restored)
+            self.gradient_log = self._fit.start(self, trainer, pl_module, self._restored, self._restored_spikes)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -211,6 +227,8 @@ class GradHooksLogic:
                 self.gradient_log.close()
         finally:
             fit, self._fit = self._fit, None
+            if fit is not None and fit.spikes is not None:
+                self._restored_spikes = fit.spikes.state_dict()  # kept after fit, as the log is
             if fit is not None and (stats := fit.remove()) is not None:
                 self.offload_stats = stats
 
@@ -223,7 +241,10 @@ class GradHooksLogic:
         monitor = fit.monitor
         if state.open:  # the last batch ended without on_train_batch_end (see _end_batch)
             self._end_batch(trainer)
-        logged = trainer.global_step % fit.interval == 0 or state.log_next
+        if fit.spikes is not None and self._read_spikes():
+            state.log_next = True  # a spike at the last step (or the one before): this step in full
+        full = state.log_next  # after a spike or a caught NaN: histograms too, off their cadence
+        logged = trainer.global_step % fit.interval == 0 or full
         state.open, state.log_next = True, False
         state.pieces_due = (fit.pooled or fit.pieces) and logged
         # Without `sync_dist` only rank 0 logs, so the hooks of the other ranks stay idle.
@@ -232,7 +253,7 @@ class GradHooksLogic:
             state.step = trainer.global_step
             size, accumulation = _trainer.batch_size(batch), trainer.accumulate_grad_batches
             if self.gradient_log is not None:  # histograms counted on the log's cadence
-                self.gradient_log.arm(monitor, state.step, batch_size=size, accumulation=accumulation)
+                self.gradient_log.arm(monitor, state.step, batch_size=size, accumulation=accumulation, full=full)
             else:
                 monitor.arm(batch_size=size, accumulation=accumulation)
         elif logged and trainer.world_size > 1:  # a rank that logs nothing itself
@@ -248,13 +269,27 @@ class GradHooksLogic:
         armed = fit.monitor.armed
         if armed or self._batch.pieces_due:
             self._write_logged(trainer, pl_module, optimizer)
+        norms = None
+        if fit.spikes is not None:  # one fused norm, kept on the device; the sentinel's too
+            norms = fit.spikes.keep(trainer.global_step, optimizer, trainer.optimizers, _trainer.optimizer_params(optimizer),
+                                    _trainer.inverse_scale(trainer, optimizer))
         if fit.sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
             # A step with a non-finite gradient is skipped, written unless its record says so, the next logged.
-            bad = fit.skip_nonfinite(_trainer.optimizer_params(optimizer))
+            bad = fit.skip_nonfinite(_trainer.optimizer_params(optimizer), norms)
             if bad is not None:
                 self._batch.log_next = True
                 if self.gradient_log is not None and not armed:
                     self.gradient_log.write_caught(trainer.global_step, bad, fit.sentinel.last_checked)
+
+    def _read_spikes(self, wait: bool = False) -> bool:
+        """Judge the step norms that have arrived (all of them with ``wait``), chart them and
+        write the spikes; whether one was found."""
+        found = False
+        for step, optimizer, norm, spike in self._fit.spikes.read(wait):
+            found = found or spike is not None
+            if self.gradient_log is not None and not self.gradient_log.closed:
+                self.gradient_log.write_step_norm(step, norm, spike, optimizer)
+        return found
 
     def _write_logged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         monitor, params = self._fit.monitor, self._fit.parameters_of(trainer, optimizer)
@@ -307,6 +342,8 @@ class GradHooksLogic:
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_batch(trainer, epoch_over=True)  # fit may end without ending its epoch (max_steps)
+        if self._fit is not None and self._fit.spikes is not None:
+            self._read_spikes(wait=True)  # the last steps' norms: the fit is over, waiting costs nothing
         if self.gradient_log is not None:
             self.gradient_log.close()
 

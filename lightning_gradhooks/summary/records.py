@@ -66,6 +66,10 @@ class Kind(enum.StrEnum):
     #: multiplied by) and ``new_scale`` (after ``scaler.update()``: lower when the scaler found
     #: non-finite gradients and skipped the optimizer step).
     SCALER = "scaler"
+    #: In the summary only: a gradient spike at an optimizer step (``GradHooks(spikes=True)``):
+    #: ``total`` (the step's norm, the median it is measured against, their ratio, the window)
+    #: and the modules carrying most of it (their share of the rise, their own ratio).
+    SPIKE = "spike"
 
 
 #: The kinds that are gradients, in the order of the docs.

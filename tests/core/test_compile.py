@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradhooks import GradHooks, GradientMonitor
-from lightning_gradhooks.core.records import Kind
+from lightning_gradhooks.summary.records import Kind
 
 from conftest import MLP, hook_snapshot, loader, make_trainer, read_events
 

@@ -17,7 +17,8 @@ EAGER = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
 def test_digits_example_trains_tells_where_the_logs_are_and_what_went_to_disk(tmp_path):
     # One run, with --offload (the example's two modes differ only in offload_threshold_bytes).
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "1", "--logdir", "runs", "--offload"],
+        [sys.executable, str(EXAMPLE), "--epochs", "1", "--batch-size", "64", "--every-n-steps", "10", "--logdir", "runs",
+         "--offload"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=EAGER,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,4 +49,4 @@ def test_the_example_refuses_bad_values_and_documents_its_options(capsys, monkey
     assert code == 2 and "argument --epochs: expected a positive integer, got '-1'" in err
     assert "Traceback" not in err
     code, out, _ = _example(capsys, monkeypatch, "--help")
-    assert code == 0 and "(default: 10)" in out and "--offload" in out
+    assert code == 0 and "(default: 8)" in out and "--offload" in out

@@ -28,9 +28,25 @@ def test_healthy_levels_and_a_plateau_above_the_level_are_not_flagged():
 
 
 def test_a_dip_while_above_the_level_keeps_the_step_it_went_past():
-    series = [500.0, 1290.0, 1250.0, 3000.0, 20000.0]
+    series = [50.0, 500.0, 1290.0, 1250.0, 3000.0, 20000.0]
     tracker = drive(AttentionLogits(Thresholds()), {n: logits(a=v) for n, v in enumerate(series)})
-    assert flagged(tracker) == [("attention_logits", "attention_logit a", 1)]
+    assert flagged(tracker) == [("attention_logits", "attention_logit a", 1)]  # left the healthy range at 1
+
+
+def test_since_is_the_step_the_logits_left_the_healthy_range_and_the_row_says_both_steps():
+    """The issue's example: past 100 at step 5, past 1,000 at step 20, flagged later at the level."""
+    report = HealthReport()
+    for step, value in [(0, 30.0), (5, 150.0), (10, 400.0), (15, 800.0), (20, 1500.0), (25, 5000.0), (30, 2e4)]:
+        report.add_stats(step, {("attention_logit", "blocks.3.attn"): {"max": value}})
+    [row] = report.rows()
+    assert (row.flag, row.since) == ("attention_logits", 5)
+    assert row.detail.startswith("the attention logits passed 100 at step 5 and 1000 at step 20 and kept rising")
+    # Back in the healthy range, then out again: the onset is the later one.
+    report = HealthReport()
+    for step, value in [(0, 150.0), (5, 90.0), (10, 300.0), (15, 1200.0), (20, 3000.0)]:
+        report.add_stats(step, {("attention_logit", "a"): {"max": value}})
+    assert [(r.since, r.detail.split(" and kept")[0]) for r in report.rows()] == [
+        (10, "the attention logits passed 100 at step 10 and 1000 at step 15")]
 
 
 def test_nan_logits_are_not_read_and_the_level_is_a_threshold():
@@ -51,8 +67,9 @@ def test_the_state_survives_a_resume():
     resumed = AttentionLogits(Thresholds())
     resumed.load_state_dict(first.state_dict())
     assert flagged(drive(resumed, {2: logits(a=4000.0)})) == [] and resumed.above == {"attention_logit a": 1}
+    assert resumed.left == {"attention_logit a": 0}
     tracker = drive(resumed, {3: logits(a=9000.0), 4: logits(a=20000.0)})
-    assert flagged(tracker) == [("attention_logits", "attention_logit a", 1)]
+    assert flagged(tracker) == [("attention_logits", "attention_logit a", 0)]
 
 
 def test_the_row_names_the_step_and_the_remedies_and_an_explosion_after_it_says_so():
@@ -64,7 +81,7 @@ def test_the_row_names_the_step_and_the_remedies_and_an_explosion_after_it_says_
         report.add_stats(10 * n, {**grads, ("attention_logit", "blocks.0.attn"): {"max": value}})
     rows = {r.flag: r for r in report.rows()}
     attention = rows["attention_logits"]
-    assert (attention.module, attention.since) == ("blocks.0.attn", 10)
+    assert (attention.module, attention.since) == ("blocks.0.attn", 10)  # from 10 straight past 1000: no step between
     assert attention.detail.startswith("the attention logits passed 1000 at step 10 and kept rising")
     assert "QK-norm, a lower learning rate or a longer warmup" in attention.detail
     exploding = rows["exploding"]

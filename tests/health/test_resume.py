@@ -37,7 +37,8 @@ def test_todays_state_round_trips_through_json():
 
 
 def _forward_steps() -> list:
-    """A run whose attention logits pass 1000 at step 40 and whose block 0 output grows from step 40."""
+    """A run whose attention logits pass 100 at step 20 and 1000 at step 40 and whose block 0 output
+    grows from step 40."""
     steps = []
     for n in range(8):
         stats = {Key("grad_output", f"blocks.{i}"): {"mean": 0.0, "std": 1.0} for i in (1, 0)}
@@ -60,7 +61,7 @@ def test_the_forward_checks_state_resumes_mid_run_and_a_state_without_it_starts_
         whole.add_stats(step, stats)
         resumed.add_stats(step, stats)
     assert resumed.table(full=True) == whole.table(full=True)
-    assert {(r.flag, r.since) for r in whole.rows()} == {("attention_logits", 40), ("activation_growth", 40)}
+    assert {(r.flag, r.since) for r in whole.rows()} == {("attention_logits", 20), ("activation_growth", 40)}
     # A version 3 state of the release before the forward checks: they start fresh at the resume
     # (from step 20, not judged yet when saved): the output's early level is that of steps 20-40.
     older = {**state, "checks": {k: v for k, v in state["checks"].items() if k not in ("attention_logits",
@@ -69,4 +70,4 @@ def test_the_forward_checks_state_resumes_mid_run_and_a_state_without_it_starts_
     fresh.load_state_dict(older)
     for step, stats in steps:
         fresh.add_stats(step, stats)
-    assert {(r.flag, r.since) for r in fresh.rows()} == {("attention_logits", 40), ("activation_growth", 50)}
+    assert {(r.flag, r.since) for r in fresh.rows()} == {("attention_logits", 20), ("activation_growth", 50)}

@@ -68,7 +68,13 @@ class Lit(pl.LightningModule):
         lr_zero_at: from this global step on, the schedule's factor is 0 (a scheduler that sets
             the learning rate to 0), for the group holding ``lr_zero_group`` (a prefix of
             ``group_lr``) or, when that is None, for every group.
+
+    Attributes:
+        bad_batch_at: global steps whose batch is bad (set with :func:`damaged`): a classifier's
+            labels shifted by one class, a language model's tokens shuffled across the batch.
     """
+
+    bad_batch_at: tuple[int, ...] = ()
 
     def __init__(self, net: nn.Module, optimizer: str = "adamw", lr: float = 1e-3, task: str = "classify",
                  loss_scale: float = 1.0, nan_weights_at: int | None = None, nan_input_at: int | None = None,
@@ -98,6 +104,8 @@ class Lit(pl.LightningModule):
         if at is not None and (self.global_step == at if self.nan_input_once else self.global_step >= at):
             x = x.clone()
             x.view(-1)[0] = float("nan")
+        if self.global_step in self.bad_batch_at:
+            x, y = bad_batch(x, y, self.task)
         if self.task == "lm":
             loss = self.net(input_ids=x, labels=x).loss
         elif self.task == "seq2seq":
@@ -158,12 +166,39 @@ class Lit(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def bad_batch(x: torch.Tensor, y: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bad batch: the labels of a classifier shifted by one class (of those present), the tokens
+    of a language model shuffled across the batch."""
+    if task == "lm":
+        g = torch.Generator().manual_seed(0)
+        return x.reshape(-1)[torch.randperm(x.numel(), generator=g)].reshape(x.shape), y
+    return x, (y + 1) % (int(y.max()) + 1)
+
+
+def lr_times(factor: float):  # noqa: ANN201
+    """An event: multiply the learning rate of every param group by ``factor`` from then on (a
+    scheduler's base learning rates too)."""
+
+    def event(lit: Lit) -> None:
+        optimizer = lit.optimizers().optimizer
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+        for config in lit.trainer.lr_scheduler_configs:
+            config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
+
+    return event
+
+
 def warmup_decay(optimizer: torch.optim.Optimizer, warmup: int, total: int, shape: str = "cosine"):  # noqa: ANN201
-    """Linear warmup over ``warmup`` steps, then ``shape`` (``"cosine"`` or ``"linear"``) decay to 0 at ``total``."""
+    """Linear warmup over ``warmup`` steps, then ``shape`` (``"cosine"`` or ``"linear"``) decay to 0 at ``total``;
+    ``"restarts"``: cosine to 0 and back to the top, three times (SGDR, warm restarts)."""
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if shape == "restarts":
+            period = max(1, (total - warmup) // 3)
+            return 0.5 * (1 + math.cos(math.pi * ((step - warmup) % period) / period))
         done = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.5 * (1 + math.cos(math.pi * done)) if shape == "cosine" else 1.0 - done
 

@@ -24,7 +24,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -78,6 +78,7 @@ class Run:
 
 
 CLIP = {"gradient_clip_val": 1.0}
+SPIKES = {"spikes": True}
 
 TUNE = {r.name: r for r in [
     # -- healthy
@@ -162,6 +163,14 @@ TUNE = {r.name: r for r in [
         "MLP, fp16 autocast, GradScaler", "fused Adam; net.blowup's output overflows fp16 from step 40 on", 80, 5,
         trainer={"init_scale": 2.0 ** 16},
         expect=Expect("nonfinite", "net.blowup", (40, 40), "born in the forward of `net.blowup`")),
+    # -- spikes between logged steps (issue 53): healthy, then broken
+    Run("weight_norm_mlp_restarts", panel.damaged(panel.weight_norm_mlp, schedule="restarts"),
+        "tanh MLP, weight_norm parametrizations", "Adam 3e-3, warmup 10 + cosine with 3 warm restarts", 200, 50,
+        schedule=True, hooks=SPIKES),
+    Run("bad_batch_lstm_tagger", panel.damaged(panel.lstm_tagger, bad_batch_at=(77,)), "2-layer LSTM tagger, dropout between layers",
+        "Adam, warmup 10 + linear, clip 0.5; the labels of step 77's batch flipped (logged: every 50)", 120, 50,
+        trainer={"gradient_clip_val": 0.5}, schedule=True, hooks=SPIKES,
+        expect=Expect("spike", None, (77, 77), "step 78 logged in full")),
 ]}
 
 HELDOUT = {r.name: r for r in [
@@ -256,6 +265,16 @@ HELDOUT = {r.name: r for r in [
                                                                     events={25: panel.loss_times(1e30)}),
         "plain CNN, fp16 autocast, GradScaler", "fused Adam; the loss x1e30 from step 25 on: the scale collapses",
         60, 5, trainer={"init_scale": 2.0 ** 16}, expect=Expect("nonfinite", None, (25, 25), "training has stopped")),
+    # -- spikes between logged steps (issue 53): healthy, then broken
+    Run("gru_attention_pool_restarts", panel.damaged(panel.attention_pool, schedule="restarts", warmup=10),
+        "GRU + attention pooling (score bias removed by softmax)", "Adam, warmup 10 + cosine with 3 warm restarts",
+        200, 50, schedule=True, hooks=SPIKES),
+    Run("bad_batch_ema_gru", panel.damaged(panel.ema_gru, bad_batch_at=(113,)), "GRU classifier + EMA copy (AveragedModel)",
+        "Adam, warmup 10 + linear; the labels of step 113's batch shifted (logged: every 50)", 160, 50,
+        schedule=True, hooks=SPIKES, expect=Expect("spike", None, (113, 113), "step 114 logged in full")),
+    Run("lr_jump_relu_mlp", lambda seed: panel.damaged(panel.relu_mlp, events={60: panel.lr_times(30.0)})(seed),
+        "ReLU MLP", "Adam 3e-3, warmup + cosine; the learning rate x30 from step 60 on (logged: every 50)", 120, 50,
+        schedule=True, hooks=SPIKES, expect=Expect("spike", None, (60, 62), "learning-rate change")),
 ]}
 
 HALVES = {"tune": TUNE, "heldout": HELDOUT}
@@ -331,6 +350,7 @@ def main(argv: list[str], halves: dict | None = None, extra: Callable | None = N
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs (names)")
     parser.add_argument("--compiled", action="store_true",
                         help="compile every model, logged steps kept compiled (no module statistics)")
+    parser.add_argument("--spikes", action="store_true", help="every run with GradHooks(spikes=True)")
     args = parser.parse_args(argv)
     panel.COMPILED["on"] = args.compiled
     warnings.filterwarnings("ignore")
@@ -349,6 +369,8 @@ def main(argv: list[str], halves: dict | None = None, extra: Callable | None = N
                     print(f"{run.name:27s} {half:7s} s{seed} skipped: its ground truth depends on the seed; checked on "
                           f"seeds {', '.join(map(str, run.seeds))}", flush=True)
                     continue
+                if args.spikes:
+                    run = replace(run, hooks={**run.hooks, **SPIKES})
                 failed += not _one(run, half, seed, extra)
         totals[half] = time.perf_counter() - started
     for half, seconds in totals.items():
