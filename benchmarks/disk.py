@@ -27,6 +27,7 @@ import json
 import statistics
 import subprocess
 import sys
+import os
 import tempfile
 import time
 from collections import defaultdict
@@ -92,7 +93,8 @@ def time_cli(folder: str, repeat: int) -> dict:
             read_folder(run_folder)
         times["read_cpu"] = time.process_time() - cpu
         wall = time.perf_counter()  # the whole process, interpreter start included, as a CI guard runs it
-        subprocess.run([sys.executable, "-m", "lightning_gradhooks", "report", folder], capture_output=True, check=True)
+        subprocess.run([sys.executable, "-m", "lightning_gradhooks", "report", os.path.abspath(folder)],  # not the cwd's
+                       capture_output=True, check=True, cwd=tempfile.gettempdir())  # package: the worker's PYTHONPATH
         times["process_wall"] = time.perf_counter() - wall
         result = {k: min(result.get(k, v), v) for k, v in times.items()} if i else {}  # the first call untimed
         result["out"] = buffer.getvalue()

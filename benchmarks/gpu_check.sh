@@ -3,17 +3,10 @@
 #
 #     bash benchmarks/gpu_check.sh
 #
-# 1. tests/core/test_gpu.py (statistics against a float64 CPU reference, compiled (Triton) and eager
-#    statistics agreeing, AMP fp16 with a GradScaler, precision="16-mixed" with a fused Adam
-#    logging the norms of an unfused one within 1 %, offload bitwise equal with a lower
-#    torch.cuda.max_memory_allocated, the in-place refusal, no growth of memory or files over 50
-#    logged and offloaded steps) and the CUDA test of tests/offload/test_offload.py;
-# 2. the floor: benchmarks/floor.py --device cuda, compiled and eager statistics side by side, in
-#    reads of the gradient bytes (targets: at most 2 without histograms, 8 with);
-# 3. the figures: benchmarks/logged_step.py --device cuda on ResNet-50 and GPT-2 small (built
-#    from transformers' configs, no download): bare, logged and offloaded steps, their step
-#    time, ratio to bare, what a logged step adds per watched module (us) and peak device memory.
-#    Each window runs in a fresh process (2 rounds: 6 processes per model).
+# The GPU tests (tests/core/test_gpu.py, the CUDA offload test), the
+# floor (benchmarks/floor.py: reads of the gradient bytes), and the figures of ResNet-50 and GPT-2
+# small (benchmarks/logged_step.py: bare, logged, offloaded and spikes steps, the last under
+# set_sync_debug_mode("error"): a step that waits for the device fails).
 # Each part runs under its own time limit. Without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +41,6 @@ run 120 "GPU tests" python -m pytest -q -rs -p no:cacheprovider tests/core/test_
 run 40 "the floor, compiled and eager" python benchmarks/floor.py --device cuda --rounds 3
 for model in resnet50 gpt2; do
     run 100 "GPU figures, $model" python benchmarks/logged_step.py --device cuda --models "$model" \
-        --variants bare,logged,offload --rounds 2 --steps 5
+        --variants bare,logged,offload,spikes --rounds 2 --steps 5
 done
 exit $status

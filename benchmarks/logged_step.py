@@ -8,30 +8,20 @@
     python benchmarks/logged_step.py --compiled [--models encoder,gpt2s] [--every 50]  # a compiled model
 
 A plain loop over a model of ``_common.make_case``, the same batch every step: forward, backward,
-SGD step (lr 1e-4), ``zero_grad``. Variants, interleaved round by round, the order rotated:
-``bare``; ``armed`` (``with monitor.arm():`` around forward, backward and ``collect()``) and
-``armed_eager`` (``compile_statistics=False``); ``logged`` (also ``GradientLog.write`` into a
-``SummaryWriter``, timed up to ``writer.flush()``) and ``logged_tb`` (the event written through
-TensorBoard's own writer and its pure-Python CRC-32C instead); a suffix ``-no<part>`` leaves a
-default out: ``-nohist``, ``-nonoise``, ``-nooutputs`` (``activations=False``), ``-nologits``;
-``offload`` (the bare step under ``save_on_disk(threshold_bytes=1 MiB)``); ``sentinel`` (the bare
-step and the NaN sentinel's check before the optimizer step); ``spikes`` (the bare step and what
-``GradHooks(spikes=True)`` adds to a step that is not logged; on a GPU under
-``set_sync_debug_mode("error")``); ``wandb``
-(``wandb.watch(model, log="all", log_freq=1)``, offline, ``run.log({})`` each step); and
-``<variant>@ref``, the variant with the library of the checkout in ``--ref DIR``.
+SGD step (lr 1e-4), ``zero_grad``. Variants (``BASES``), interleaved round by round, the order
+rotated: ``bare``; ``armed`` (``monitor.arm()`` around forward, backward and ``collect()``),
+``armed_eager`` (``compile_statistics=False``); ``logged`` (and ``GradientLog.write``, timed up to
+``writer.flush()``), ``logged_tb`` (through TensorBoard's own writer); ``-no<part>`` leaves a default
+out (``PARTS``); ``offload``, ``sentinel``, ``spikes`` (what ``GradHooks(spikes=True)`` adds to a step
+that is not logged; on a GPU under ``set_sync_debug_mode("error")``), ``wandb`` (``watch(log="all")``);
+``<variant>@ref``: with the library of the checkout in ``--ref DIR``.
 
 By default each window (2 untimed steps, ``--steps`` timed) runs in a fresh process: the median
-step, its median per-round ratio to ``bare``, µs per watched module, event bytes per step, and on a
-GPU the peak ``max_memory_allocated``. ``--one-process``: every variant in this process (the other
-checkout imported beside this one), windows of 1 untimed step and ``--steps`` timed, with the
-first deciles too. ``--clock cpu``: the process's CPU time (with ``--threads 1``, the work itself).
-``--per-module``: ``mlp500`` in one process, 1 thread, CPU time, no optimizer: ``grads``,
-``outputs``, ``outputs+noise``, ``outputs+histograms`` (see ``PER_MODULE``); ``--floor`` adds the
-floor of the design (class ``Floor``). ``--lightning``: fits with a TensorBoardLogger, plain and
-``GradHooks`` every step and every 50 steps; mean and median step (the first 2 left out).
-``--kernels``: the time a logged step spends in the compiled statistics and the attention
-logits' ``q·kᵀ``, beside a bare step: what no saving on the host can remove.
+step, its ratio to ``bare``, µs per watched module, event bytes per step, the GPU's peak memory.
+``--one-process``: every variant in this process (first deciles too). ``--per-module``: ``mlp500``,
+1 thread, CPU time (``PER_MODULE``; ``--floor``: class ``Floor``). ``--lightning``: fits, plain and
+``GradHooks`` every step and every 50. ``--kernels``: the time in the compiled statistics and the
+attention logits. ``--compiled``: see :func:`compiled`.
 """
 
 from __future__ import annotations

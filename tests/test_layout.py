@@ -88,6 +88,16 @@ def test_no_private_name_is_imported_from_another_subpackage():
     assert not found, found
 
 
+def test_one_name_one_class():
+    """The two GradHooks, one per Lightning namespace, are the one class name allowed twice."""
+    seen: dict[str, list[str]] = {}
+    for name, (_, tree) in MODULES.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name.lstrip("_"), []).append(name)
+    assert {n: where for n, where in seen.items() if len(where) > 1 and n != "GradHooks"} == {}
+
+
 @pytest.mark.parametrize("module", ["lightning_gradhooks.summary.events", "lightning_gradhooks.summary.noise",
                                     "lightning_gradhooks.health", "lightning_gradhooks"])
 def test_the_host_side_imports_no_torch_lightning_or_tensorboard(module):

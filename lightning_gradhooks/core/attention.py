@@ -1,4 +1,4 @@
-"""``AttentionLogits``: the maximum attention logit of every attention call on the monitor's armed steps.
+"""``AttentionCapture``: the maximum attention logit of every attention call on the monitor's armed steps.
 
 The logit is measured as the softmax sees it: the scaled ``q·kᵀ`` of the call's own query and
 key (after RoPE or QK-norm, which happen before the call), with the call's scale, plus its
@@ -104,7 +104,7 @@ def _may_call(module: nn.Module) -> bool:
 class _Mode(TorchFunctionMode):
     """Sees the attention calls of a forward (see the module's docstring)."""
 
-    def __init__(self, capture: AttentionLogits) -> None:
+    def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self._capture = capture
         self._heads: list[int | None] = []  # per MultiheadAttention call being run: its heads if need_weights
@@ -130,7 +130,7 @@ class _Mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class AttentionLogits:
+class AttentionCapture:
     """The attention-logit capture of one monitor.
 
     Args:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradhooks.core.attention import AttentionLogits
+from lightning_gradhooks.core.attention import AttentionCapture
 from lightning_gradhooks.core.forward_checks import ForwardChecks, tensor_leaves
 from lightning_gradhooks.core.handles import Hook
 from lightning_gradhooks.core.noise import NoiseProbe
@@ -61,7 +61,7 @@ class ModuleHooks:
 
     def __init__(self, planner: Planner, step: ArmedState, buffer: StepBuffer, activations: bool,
                  replan: Callable[[], None], checks: ForwardChecks | None, noise: NoiseProbe | None,
-                 attention: AttentionLogits | None) -> None:
+                 attention: AttentionCapture | None) -> None:
         self._planner, self._step, self._buffer, self._activations = planner, step, buffer, activations
         self._replan, self._checks, self._noise, self._attention = replan, checks, noise, attention
         self._hooks: list[Hook] | None = None  # the hooks of the plan: made again when it changes

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from lightning_gradhooks.core.attention import AttentionLogits
+from lightning_gradhooks.core.attention import AttentionCapture
 from lightning_gradhooks.core.forward_checks import ForwardChecks
 from lightning_gradhooks.core.handles import ArmedStep, CollectorPause, Hook, MonitorHandle
 from lightning_gradhooks.core.module_hooks import ArmedState, ModuleHooks
@@ -87,7 +87,7 @@ def _forward_plugins(model: nn.Module, hooked: Mapping[str, nn.Module], compiled
     if attention_logits:
         # No attention capture around hidden code: its mode active there would make Dynamo recompile it.
         around = {id(m) for m in labels.values() if any(id(sub) in compiled for sub in m.modules())}
-        plugins.append(AttentionLogits({label: m for label, m in labels.items() if id(m) not in around}, reduce, armed))
+        plugins.append(AttentionCapture({label: m for label, m in labels.items() if id(m) not in around}, reduce, armed))
     return plugins
 
 
@@ -213,7 +213,7 @@ class GradientMonitor:
         self._plugins = _forward_plugins(model, self._hooked, set(hidden), self._buffer.reduce,
                                          lambda: self._step.armed, forward_checks, attention_logits)
         checks = next((p for p in self._plugins if isinstance(p, ForwardChecks)), None)
-        attention = next((p for p in self._plugins if isinstance(p, AttentionLogits)), None)
+        attention = next((p for p in self._plugins if isinstance(p, AttentionCapture)), None)
         self._module_hooks = ModuleHooks(self._planner, self._step, self._buffer, activations, self._replan,
                                          checks, self.noise, attention)
 

@@ -268,7 +268,7 @@ def _bin_scale(span: Tensor, bins: int, dtype: torch.dtype) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _RowLayout:
     """Where the rows of a batch come from (:func:`_layout`).
 
     Attributes:
@@ -287,7 +287,7 @@ class _Layout:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: int) -> _Layout:
+def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: int) -> _RowLayout:
     """The rows of a batch, built once per layout (a model gives the same layouts every logged
     step) and copied to the device once.
 
@@ -308,7 +308,7 @@ def _layout(lengths: tuple[int, ...], device: torch.device, in_place_elements: i
             copied.append((k, read.get(k, 0), pads[k]))
             row_of += [k] * (rows[k] - read.get(k, 0) // ROW)
     elements = sum(lengths[k] - start + pad for k, start, pad in copied)
-    return _Layout(torch.tensor(row_of, device=device), in_place, copied, elements)
+    return _RowLayout(torch.tensor(row_of, device=device), in_place, copied, elements)
 
 
 def _rows(n: int) -> int:
@@ -322,7 +322,7 @@ def _padding(device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
     return torch.full((length,), math.nan, dtype=dtype, device=device)
 
 
-def _blocks(tensors: Sequence[Tensor], layout: _Layout, dtype: torch.dtype, scratch: Scratch | None) -> list[Tensor]:
+def _blocks(tensors: Sequence[Tensor], layout: _RowLayout, dtype: torch.dtype, scratch: Scratch | None) -> list[Tensor]:
     """The batch as blocks of rows of :data:`ROW` elements (:func:`_layout`): those read in
     place, then one block copied into one buffer, each tensor on rows of its own, padded with
     NaN. A tensor read in place is first converted to the batch's dtype if it has another."""
