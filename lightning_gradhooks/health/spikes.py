@@ -43,7 +43,7 @@ from lightning_gradhooks.health.flags import Flag, Row
 from lightning_gradhooks.health.thresholds import Thresholds
 
 #: Steps in the window before any step is judged.
-MIN_STEPS = 16
+MIN_STEPS = 32
 #: The recent level a step is compared with: the median of the last this many steps' norms ...
 LEVEL_STEPS = 32
 #: ... and the spread: the median absolute deviation of the last this many steps' log norms.
@@ -52,8 +52,12 @@ SPREAD_STEPS = 64
 MODULE_WINDOW = 16
 #: The modules a spike row names at most.
 CARRIERS = 3
-#: A learning-rate change at most this many steps before a spike is said with it.
+#: A spike at most this many steps after the one it follows is logged in full because of it, and
+#: spikes at most this many steps apart are one row.
 LR_STEPS = 2
+#: A learning-rate change at most this many steps before a spike is said with it (a jump shows in
+#: the gradient norm once the weights it moved have moved far enough: 1 to 3 steps on the panel).
+LR_CHANGE_STEPS = 5
 #: The name of a spike summary's entry of the whole step (the others are modules).
 TOTAL = "(total)"
 #: A learning rate that changes by this factor or more in one step has jumped.
@@ -122,7 +126,7 @@ class SpikeRule:
         if not (total > 0 and median > 0 and total >= t.spike_factor * median
                 and math.log(total) >= middle + t.spike_z * spread):
             return None
-        lr_change = self._lr_change if self._lr_change is not None and step - self._lr_change[0] <= LR_STEPS else None
+        lr_change = self._lr_change if self._lr_change is not None and step - self._lr_change[0] <= LR_CHANGE_STEPS else None
         return Spike(step, total, median, min(len(logs), LEVEL_STEPS), self._carriers(squares), lr_change, self.optimizer)
 
     def _carriers(self, squares: np.ndarray) -> list[tuple[str, float, float]]:
@@ -251,7 +255,8 @@ def _row(step: int, stats: Summary, logged: Sequence[int]) -> Row:
         detail += "; carried by " + ", ".join(f"`{m}` (x{v.get('ratio', math.nan):.3g}, {v.get('share', 0.0):.0%} of the rise)"
                                              for m, v in carriers)
     if "lr_step" in total:
-        detail += (f"; at a learning-rate change (step {int(total['lr_step'])}: {total['lr_before']:.3g} -> "
+        when = "at" if step - int(total["lr_step"]) <= 1 else "after"
+        detail += (f"; {when} a learning-rate change (step {int(total['lr_step'])}: {total['lr_before']:.3g} -> "
                    f"{total['lr_after']:.3g})")
     after = next((s for s in logged if s > step), None)
     if after is not None and after - step <= LR_STEPS:  # the step logged in full because of it

@@ -78,7 +78,7 @@ class Thresholds:
         "scale, see floor_ratio).")
     activation_steps: int = _threshold(2, "Flag activation_growth only after this many logged steps in a row.")
     spike_factor: float = _threshold(
-        4.0, "Name a spike (spikes=True) when an optimizer step's total gradient norm is at least this many times "
+        5.0, "Name a spike (spikes=True) when an optimizer step's total gradient norm is at least this many times "
         "the median of the recent steps' (the last 32 of the window).", (1.0, None, (False, True)))
     spike_z: float = _threshold(
         4.0, "Name a spike only when its norm is also at least this many robust standard deviations above that "
@@ -86,7 +86,7 @@ class Thresholds:
         "mean + 6 sigma rule, made robust to the spikes it looks for and to the multiplicative noise of gradient "
         "norms.", (0.0, None, (False, True)))
     spike_window: int = _threshold(
-        128, "Keep this many steps' gradient norms for the spike rule (saved with the callback's state; at least 16 "
+        128, "Keep this many steps' gradient norms for the spike rule (saved with the callback's state; at least 32 "
         "steps are needed first).")
     attention_logit_healthy: float = _threshold(
         100.0, "The top of the range healthy attention logits stay in (Megatron's QK-clip threshold): an "

@@ -68,8 +68,10 @@ def test_a_spike_right_after_a_learning_rate_jump_says_so_a_smooth_schedule_does
     spike = rule.add(43, NAMES, np.full(3, 40.0), [0.05])
     assert spike is not None and spike.lr_change == (42, pytest.approx(1e-3 * 0.97 ** 40), 0.05)
     rule.add(44, NAMES, np.ones(3), [0.05])
-    rule.add(45, NAMES, np.ones(3), [0.05])
-    assert rule.add(46, NAMES, np.full(3, 40.0), [0.05]).lr_change is None  # 4 steps after it: not said
+    assert rule.add(46, NAMES, np.full(3, 40.0), [0.05]).lr_change[0] == 42  # 4 steps after it: said
+    for step in (47, 48):
+        rule.add(step, NAMES, np.ones(3), [0.05])
+    assert rule.add(49, NAMES, np.full(3, 40.0), [0.05]).lr_change is None  # 7 steps after it: not said
 
 
 def test_the_rules_state_resumes_where_it_stopped():
@@ -88,21 +90,21 @@ def test_the_rules_state_resumes_where_it_stopped():
 
 def test_the_judge_reports_spikes_as_rows_not_logged_steps_and_groups_an_episode():
     rule = SpikeRule()
-    feed(rule, [np.ones(3)] * 20)
+    feed(rule, [np.ones(3)] * 40)
     report = HealthReport()
-    for step in (0, 10, 20, 30):
+    for step in (0, 10, 20, 30, 40, 50):
         report.add_stats(step, {("grad_output", "enc"): {"mean": 0.0, "std": 1.0}})
-    for step in (21, 22, 24):  # one episode: at most two steps apart
+    for step in (41, 42, 44):  # one episode: at most two steps apart
         report.add_stats(step, spike_summary(rule.add(step, NAMES, np.array([1.0, 1.0, 30.0]))))
-    report.add_stats(27, spike_summary(rule.add(27, NAMES, np.array([50.0, 1.0, 1.0]))))
-    assert report.steps == 4
+    report.add_stats(47, spike_summary(rule.add(47, NAMES, np.array([50.0, 1.0, 1.0]))))
+    assert report.steps == 6
     rows = report.rows()
-    assert [(r.flag, r.module, r.since) for r in rows] == [("spike", "head", 21), ("spike", "enc", 27)]
-    assert "2 more spike steps to step 24" in rows[0].detail and "step 22 logged in full" not in rows[0].detail
+    assert [(r.flag, r.module, r.since) for r in rows] == [("spike", "head", 41), ("spike", "enc", 47)]
+    assert "2 more spike steps to step 44" in rows[0].detail and "step 42 logged in full" not in rows[0].detail
     assert "carried by `head`" in rows[0].detail
     assert report.names() == {"spike"}
     table = report.table()
-    assert table.startswith("GradHooks: spike at 2 steps in 4 logged steps")
+    assert table.startswith("GradHooks: spike at 2 steps in 6 logged steps")
     resumed = HealthReport()
     resumed.load_state_dict(report.state_dict())
     assert resumed.table() == table
@@ -122,11 +124,11 @@ def test_two_optimizers_spiking_at_one_step_get_a_row_each_named_by_optimizer():
     report = HealthReport()
     for optimizer, module in ((0, "gen.0"), (1, "disc.2")):
         rule = SpikeRule(optimizer=optimizer)
-        feed(rule, [np.ones(3)] * 20)
-        spike = rule.add(20, (f"{module}.weight", f"{module}.bias", "other.weight"), np.array([40.0, 1.0, 1.0]))
-        report.add_stats(20, spike_summary(spike))
+        feed(rule, [np.ones(3)] * 40)
+        spike = rule.add(40, (f"{module}.weight", f"{module}.bias", "other.weight"), np.array([40.0, 1.0, 1.0]))
+        report.add_stats(40, spike_summary(spike))
     rows = report.rows()
-    assert [(r.module, r.since) for r in rows] == [("optimizer_0/gen.0", 20), ("optimizer_1/disc.2", 20)]
+    assert [(r.module, r.since) for r in rows] == [("optimizer_0/gen.0", 40), ("optimizer_1/disc.2", 40)]
     resumed = HealthReport()
     resumed.load_state_dict(report.state_dict())
     assert resumed.table() == report.table()
