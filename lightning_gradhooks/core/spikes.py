@@ -65,8 +65,11 @@ class StepNorms:
 
     def __init__(self) -> None:
         self._flight: deque[_Copy] = deque()
+        # The last ``named`` kept, whether its parameters are sharded, which had a gradient, their names.
+        self._named: list[tuple[str, Tensor]] | None = None
+        self._sharded = False
+        self._present: tuple[bool, ...] | None = None
         self._names: tuple[str, ...] = ()
-        self._ids: tuple[int, ...] = ()
         self._spare: list[Tensor] = []
         #: Steps whose copy was dropped because the host ran too far ahead of its device.
         self.dropped = 0
@@ -86,14 +89,18 @@ class StepNorms:
             The norms (a float32 device vector, before unscaling), for another user of the same
             reduction; None when no parameter has a gradient.
         """
-        named = [(n, p.grad) for n, p in named if p.grad is not None]
-        if not named:
+        if named is not self._named:  # another set of parameters: what follows from it, once
+            self._named, self._sharded = named, any(is_dtensor(p) for _, p in named)
+            self._present = None
+        grads = [p.grad for _, p in named]
+        present = tuple(g is not None for g in grads)
+        if present != self._present:  # which parameters have a gradient: the names follow from it
+            self._present, self._names = present, tuple(n for (n, _), on in zip(named, present) if on)
+        if not all(present):
+            grads = [g for g in grads if g is not None]
+        if not grads:
             return None
-        grads = [g for _, g in named]
-        ids = tuple(map(id, grads))
-        if ids != self._ids:  # the same gradients as last step, most often: the names are kept
-            self._ids, self._names = ids, tuple(n for n, _ in named)
-        if any(is_dtensor(g) for g in grads):
+        if self._sharded:
             computed = _pooled_norms(grads)
         else:
             computed = norms if norms is not None else parameter_norms(grads)

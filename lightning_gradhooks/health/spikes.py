@@ -143,7 +143,7 @@ class SpikeRule:
 
     def _module_squares(self, names: Sequence[str], norms: np.ndarray) -> np.ndarray:
         names = tuple(names)
-        if names != self._names:  # another set of gradients: the modules' levels start over
+        if names is not self._names and names != self._names:  # another set of gradients: the modules' levels start over
             self._names = names
             ids: dict[str, int] = {}
             self._ids = np.array([ids.setdefault(n.rpartition(".")[0] or "(model)", len(ids)) for n in names], dtype=np.int64)

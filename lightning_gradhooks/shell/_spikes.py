@@ -34,17 +34,27 @@ class SpikeWatch:
         self.norms = StepNorms()
         self.thresholds = thresholds
         self.rules: dict[int, SpikeRule] = {}
+        self._named_by_optimizer: dict[int, tuple[tuple[int, ...], list]] = {}  # by optimizer: (parameter ids, pairs)
         self._restored: dict[str, Any] = {}
 
     def keep(self, step: int, optimizer: Any, optimizers: list[Any], params: list[Any], inv_scale: Any = None) -> Any:
         """Keep the gradient norms of ``params`` (those ``optimizer`` steps) at ``step``; returns
         the norms' vector (for the sentinel), or None without gradients."""
-        wanted = {id(p) for p in params}
         index = next((i for i, o in enumerate(optimizers) if o is unwrapped(optimizer)), 0)
         lrs = [g["lr"] for g in optimizer.param_groups]
         lrs = lrs if all(isinstance(lr, (float, int)) for lr in lrs) else None  # a tensor lr: not read on the host
-        named = [(n, p) for n, p in self.named if id(p) in wanted]
-        return self.norms.keep(step, named, inv_scale, extra=(index if len(optimizers) > 1 else None, lrs))
+        return self.norms.keep(step, self._named_of(index, params), inv_scale,
+                               extra=(index if len(optimizers) > 1 else None, lrs))
+
+    def _named_of(self, index: int, params: list[Any]) -> list[tuple[str, Any]]:
+        """The ``(name, parameter)`` pairs of ``params``, in model order: made again only when the
+        optimizer's parameters change (the same list object every step after: no per-step walk)."""
+        ids = tuple(map(id, params))
+        kept = self._named_by_optimizer.get(index)
+        if kept is None or kept[0] != ids:
+            wanted = set(ids)
+            kept = self._named_by_optimizer[index] = (ids, [(n, p) for n, p in self.named if id(p) in wanted])
+        return kept[1]
 
     def read(self, wait: bool = False) -> list[tuple[int, int | None, float, Spike | None]]:
         """Judge every kept step whose norms have arrived (all of them with ``wait``, at the end):
