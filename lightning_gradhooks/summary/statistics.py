@@ -7,7 +7,7 @@ once in :data:`TABLE` with the array operations that torch and numpy share (``xp
 ``xp.where``, ``xp.maximum``, ``xp.clip``): the device finishes a whole step's moments with
 ``xp=torch`` (:func:`lightning_gradhooks.core.stats.finish_rows`), and pooling on the host turns
 rows back into moments, combines them exactly (Chan's formula for the spread) and finishes them
-with ``xp=numpy`` (:func:`pool_stats`). A statistic's entry also says whether it scales with the
+with the same operations on Python floats (:func:`pool_stats`). A statistic's entry also says whether it scales with the
 gradient (a loss scale divides it out: :meth:`~lightning_gradhooks.summary.records.GradientRecord.unscaled`)
 and whether a user can chart it (:data:`STATISTICS`, ``GradHooks(statistics=)``).
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, get_args
 
-import numpy as np
 
 __all__ = [
     "MOMENTS", "SCALE_FREE", "ChartedStatistic", "STATISTICS", "STATS_WIDTH", "TABLE", "Moments", "Statistic", "StatsRow", "histogram_edges",
@@ -52,7 +52,8 @@ MOMENTS = len(Moments._fields) - 1
 @dataclass(frozen=True)
 class Statistic:
     """One statistic of a tensor: its name (the row's field, the summary's key, the tag's suffix),
-    what it is, how it follows from the :class:`Moments` (``finish(m, xp)``, ``xp`` torch or numpy),
+    what it is, how it follows from the :class:`Moments` (``finish(m, xp)``, ``xp`` torch, numpy or
+    the same operations on floats),
     whether it is unchanged when the gradient is multiplied by a loss scale, and whether a user can
     chart it."""
 
@@ -121,8 +122,24 @@ def moments_of(row: StatsRow) -> Moments:
                    row.zero_fraction * numel, numel)
 
 
+class _Floats:
+    """The array operations of :data:`TABLE`'s ``finish``, on Python floats: pooling finishes one
+    row at a time, where numpy's per-call overhead would cost more than the arithmetic."""
+
+    sqrt = staticmethod(math.sqrt)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def where(condition: bool, a: float, b: float) -> float:
+        return a if condition else b
+
+    @staticmethod
+    def clip(x: float, low: float, high: None) -> float:
+        return max(x, low)
+
+
 def _finished(m: Moments) -> StatsRow:
-    return row_of([float(s.finish(m, np)) for s in TABLE])
+    return row_of([float(s.finish(m, _Floats)) for s in TABLE])
 
 
 def pool_stats(rows: Sequence[StatsRow]) -> StatsRow:
