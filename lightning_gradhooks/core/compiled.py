@@ -90,10 +90,6 @@ class CompiledCode:
                 found.setdefault(self.hidden[id(module)], []).append(label)
         return found
 
-    @property
-    def entered(self) -> bool:
-        return self._stance is not None
-
     def enter(self) -> None:
         """Run what follows eagerly (compiled code skipped, not recompiled), until :meth:`leave`."""
         if self.eager and self._stance is None:

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from lightning_gradhooks.core._shards import is_dtensor, local_piece
 
-#: Copies in flight at most: a host more steps ahead of its device than this drops the oldest (said once).
+#: Copies in flight at most: a host more steps ahead of its device than this drops the oldest
+#: (counted in :attr:`StepNorms.dropped`).
 IN_FLIGHT = 8
 
 

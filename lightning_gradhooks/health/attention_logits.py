@@ -73,4 +73,4 @@ class AttentionLogits(Check):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.last = {label: float(v) for label, v in state["last"].items()}
         self.above = {label: int(v) for label, v in state["above"].items()}
-        self.left = {label: int(v) for label, v in state.get("left", {}).items()}  # (a state of an earlier release: none)
+        self.left = {label: int(v) for label, v in state["left"].items()}

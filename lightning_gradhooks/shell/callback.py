@@ -270,12 +270,13 @@ class GradHooksLogic:
         if armed or self._batch.pieces_due:
             self._write_logged(trainer, pl_module, optimizer)
         norms = None
+        params = _trainer.optimizer_params(optimizer) if fit.spikes is not None or fit.sentinel is not None else []
         if fit.spikes is not None:  # one fused norm, kept on the device; the sentinel's too
-            norms = fit.spikes.keep(trainer.global_step, optimizer, trainer.optimizers, _trainer.optimizer_params(optimizer),
+            norms = fit.spikes.keep(trainer.global_step, optimizer, trainer.optimizers, params,
                                     _trainer.inverse_scale(trainer, optimizer))
         if fit.sentinel is not None and _trainer.loss_scale(trainer) is None:  # a scaler skips such steps itself
             # A step with a non-finite gradient is skipped, written unless its record says so, the next logged.
-            bad = fit.skip_nonfinite(_trainer.optimizer_params(optimizer), norms)
+            bad = fit.skip_nonfinite(params, norms)
             if bad is not None:
                 self._batch.log_next = True
                 if self.gradient_log is not None and not armed:
