@@ -29,11 +29,14 @@ def _beside_siblings(norms: np.ndarray, modules: np.ndarray, elements: np.ndarra
     rows its weight's gradient multiplies with inputs: a real one is within a few orders of
     magnitude of its weight's; one zero by construction is round-off of it."""
     ratio, limit = np.full(int(chosen.sum()), math.nan), np.zeros(int(chosen.sum()))
+    module_of, size_of_, norm_of = modules.tolist(), elements.tolist(), norms.tolist()
+    siblings: dict[int, list[tuple[float, float]]] = {}  # module -> (elements, norm) of its finite gradients
+    for j in np.flatnonzero(np.isfinite(norms)).tolist():
+        siblings.setdefault(module_of[j], []).append((size_of_[j], norm_of[j]))
     for j, i in enumerate(np.flatnonzero(chosen).tolist()):
-        bigger = (modules == modules[i]) & (elements > elements[i]) & np.isfinite(norms)
-        reference = norms[bigger].max() if bigger.any() else 0.0
+        reference = max((n for e, n in siblings.get(module_of[i], ()) if e > size_of_[i]), default=0.0)
         if reference > 0:
-            ratio[j], limit[j] = norms[i] / reference, 1.0
+            ratio[j], limit[j] = norm_of[i] / reference, 1.0
     return ratio, limit
 
 
